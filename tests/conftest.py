@@ -1,0 +1,43 @@
+"""Shared fixtures: the oracle runner and tiny checkpoints.
+
+The official implementation (qwen-tts 0.1.1) lives in a separate virtual environment because it pins
+transformers 4.57.3 / huggingface-hub<1 while gradio 6 needs huggingface-hub>=1. Parity tests run small
+scripts from tests/oracle/ in that environment (`run_oracle`) which write reference tensors to a file that
+the test then compares with tts_engine's output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE_DIR = ROOT / "tests" / "oracle"
+
+
+def oracle_python() -> str | None:
+    exe = os.environ.get("QWEN_TTS_ORACLE_PYTHON") or str(ROOT / ".venv-oracle" / "bin" / "python")
+    return exe if Path(exe).exists() else None
+
+
+@pytest.fixture(scope="session")
+def run_oracle():
+    """Returns run(script_name, *args) -> None; runs tests/oracle/<script_name> in the oracle venv."""
+    exe = oracle_python()
+    if exe is None:
+        if os.environ.get("REQUIRE_ORACLE") == "1":
+            pytest.fail("oracle venv missing: run tests/oracle/setup_venv.sh")
+        pytest.skip("oracle venv missing (tests/oracle/setup_venv.sh); parity tests skipped")
+
+    def run(script: str, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        proc = subprocess.run([exe, str(ORACLE_DIR / script), *map(str, args)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"oracle script {script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+    return run
