@@ -1,0 +1,14 @@
+"""The one error type users see.
+
+Every problem caused by the caller's input (empty text, unknown speaker or language, unreadable audio, a
+voice file of the wrong shape, non-finite values, ...) raises `TTSError` with a message a person can act on.
+Anything else that escapes the engine is a bug.
+"""
+
+
+class TTSError(ValueError):
+    """Bad input or an unsupported request; `str(err)` is meant for the end user."""
+
+
+class EngineBusyError(TTSError):
+    """The engine's waiting queue is full; try again shortly."""
