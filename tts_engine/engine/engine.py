@@ -1,0 +1,297 @@
+"""TTSEngine: the public API of tts_engine.
+
+    engine = TTSEngine.from_pretrained("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    wav = engine.synthesize("Hello!", voice="ryan")                     # float32 @ 24 kHz
+    for chunk in engine.stream("Hello!", voice="ryan"): ...              # float32 chunks while generating
+    voice = base_engine.clone_voice("ref.wav", ref_text="...")           # Base checkpoints
+    voice.save("me.safetensors"); Voice.load("me.safetensors")
+
+Validation turns every bad input into a `TTSError` before any device work starts.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..errors import TTSError
+from ..model.prompt import Prompt
+from ..model.qwen3_tts import Qwen3TTSModel
+from ..model.sampling import SamplingParams
+from ..voices.voice import Voice, check_embedding
+from .model_runner import ModelRunner
+from .request import Request
+
+SAMPLE_RATE = 24000
+MAX_TEXT_CHARS = 5000
+
+
+class TTSStream:
+    """Iterator over float32 PCM chunks of one request. After exhaustion `.codes` holds the generated
+    codes [frames, 16] (int64) and `.seed` the seed used."""
+
+    def __init__(self, gen: Iterator[np.ndarray], request: Request, seed: int):
+        self._gen = gen
+        self.request = request
+        self.seed = seed
+        self.sample_rate = SAMPLE_RATE
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return next(self._gen)
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._gen.close()
+
+    @property
+    def codes(self) -> torch.Tensor:
+        c = self.request.codes
+        return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
+
+
+class TTSEngine:
+    def __init__(self, model: Qwen3TTSModel, max_seq_len: int = 4096):
+        self.model = model
+        self.config = model.config
+        self._lock = threading.Lock()
+        self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=1, max_len=max_seq_len,
+                                  eos_id=model.config.talker.codec_eos_token_id)
+
+    @classmethod
+    def from_pretrained(cls, model, device=None, dtype=None, max_seq_len: int = 4096) -> "TTSEngine":
+        return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype), max_seq_len=max_seq_len)
+
+    # --- what this checkpoint offers ------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.config.tts_model_type
+
+    @property
+    def speakers(self) -> list[str]:
+        return self.config.speakers
+
+    @property
+    def languages(self) -> list[str]:
+        return self.config.languages
+
+    @property
+    def supports_instruct(self) -> bool:
+        return self.config.supports_instruct
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.talker.hidden_size
+
+    @property
+    def sample_rate(self) -> int:
+        return SAMPLE_RATE
+
+    def preset_embedding(self, speaker: str) -> torch.Tensor:
+        """The codec-embedding row of a CustomVoice speaker [H] (float32, CPU): the basis for blending presets."""
+        sid = self._speaker_id(speaker)
+        return self.model.talker.model.codec_embedding.weight[sid].detach().float().cpu().clone()
+
+    # --- voices -----------------------------------------------------------------------------------
+    def clone_voice(self, ref_audio, ref_text: str | None = None, x_vector_only: bool = False,
+                    name: str = "") -> Voice:
+        """Make a voice from a reference clip (path, bytes or (array, sr)). ICL mode (the default) needs the
+        clip's transcript; x-vector-only mode uses the speaker embedding alone."""
+        from ..audio import load_audio, resample
+
+        if not self.config.supports_clone:
+            raise TTSError("voice cloning needs a Base checkpoint (Qwen3-TTS-12Hz-*-Base)")
+        if not x_vector_only and not (ref_text or "").strip():
+            raise TTSError("in-context cloning needs the transcript of the reference clip "
+                           "(or turn on x-vector-only mode)")
+        wav, sr = load_audio(ref_audio)
+        if wav.shape[0] < sr * 0.1:
+            raise TTSError("the reference clip is too short (at least 0.1 s is needed, 3-10 s works best)")
+        with self._lock, torch.inference_mode():
+            target = int(self.config.speaker_encoder.get("sample_rate", 24000))
+            wav_se = wav if sr == target else resample(wav, sr, target)
+            emb = self.model.speaker_encoder.embed(torch.from_numpy(wav_se).float()).float().cpu()
+            codes = None if x_vector_only else self.model.speech_tokenizer.encode(wav, sr)
+        return Voice(kind="xvector" if x_vector_only else "icl", name=name, embedding=emb, ref_codes=codes,
+                     ref_text=None if x_vector_only else ref_text.strip(), model_type=self.kind,
+                     hidden_size=self.hidden_size)
+
+    def voice_from_embedding(self, vector, name: str = "", meta: dict | None = None) -> Voice:
+        return Voice(kind="embedding", name=name, embedding=check_embedding(vector, self.hidden_size),
+                     model_type=self.kind, hidden_size=self.hidden_size, meta=meta or {})
+
+    # --- synthesis --------------------------------------------------------------------------------
+    def synthesize(self, text: str, **kw) -> np.ndarray:
+        """The whole waveform (float32, 24 kHz). Same arguments as `stream`."""
+        s = self.stream(text, **kw)
+        parts = list(s)
+        self.last_stream = s
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    def stream(self, text: str, *, voice: Voice | str | None = None, language: str = "auto",
+               instruct: str | None = None, seed: int | None = None, sampling: SamplingParams | dict | None = None,
+               greedy: bool = False, max_new_tokens: int | None = None, non_streaming_mode: bool | None = None,
+               first_chunk_frames: int = 2, max_chunk_frames: int = 12) -> TTSStream:
+        """Float32 PCM chunks at 24 kHz while generating: the first after `first_chunk_frames` frames
+        (80 ms each), later ones doubling up to `max_chunk_frames`."""
+        req, seed = self._make_request(text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
+                                       non_streaming_mode, first_chunk_frames, max_chunk_frames)
+        return TTSStream(self._run(req), req, seed)
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _speaker_id(self, speaker: str) -> int:
+        spk = self.config.talker.spk_id
+        key = str(speaker).strip().lower()
+        if key not in spk:
+            if not spk:
+                raise TTSError("this checkpoint has no preset speakers")
+            raise TTSError(f"unknown speaker {speaker!r}; choose one of: {', '.join(sorted(spk))}")
+        return int(spk[key])
+
+    def _make_request(self, text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
+                      non_streaming_mode, first_chunk_frames, max_chunk_frames) -> tuple[Request, int]:
+        cfg, tc = self.config, self.config.talker
+        if not isinstance(text, str) or not text.strip():
+            raise TTSError("the text is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise TTSError(f"the text is too long ({len(text)} characters; the limit is {MAX_TEXT_CHARS})")
+        language = (language or "auto").strip().lower()
+        if language not in self.languages:
+            raise TTSError(f"unsupported language {language!r}; choose one of: {', '.join(self.languages)}")
+        if instruct is not None and instruct.strip() == "":
+            instruct = None
+        if instruct is not None and not cfg.supports_instruct:
+            raise TTSError("this checkpoint does not follow instructions (use a 1.7B CustomVoice or a "
+                           "VoiceDesign checkpoint)")
+
+        if isinstance(voice, str):
+            voice = Voice(kind="preset", speaker=voice)
+        speaker_vec, speaker_name, ref_codes, ref_text = None, None, None, None
+        if cfg.tts_model_type == "custom_voice":
+            if voice is None:
+                raise TTSError("choose a speaker: " + ", ".join(self.speakers))
+            if voice.kind == "preset":
+                speaker_name = voice.speaker.strip().lower()
+                speaker_vec = self.model.talker.model.codec_embedding.weight[self._speaker_id(speaker_name)]
+            elif voice.kind == "embedding":
+                speaker_vec = self._fit_embedding(voice)
+            else:
+                raise TTSError("CustomVoice checkpoints take a preset speaker or an embedding, not a clone "
+                               "(use a Base checkpoint to clone)")
+        elif cfg.tts_model_type == "base":
+            if voice is None:
+                raise TTSError("a Base checkpoint needs a voice: a reference clip, a voice file or an embedding")
+            if voice.kind == "preset":
+                raise TTSError("Base checkpoints have no preset speakers; clone a voice instead")
+            speaker_vec = self._fit_embedding(voice)
+            if voice.kind == "icl":
+                ref_codes, ref_text = voice.ref_codes, voice.ref_text
+        else:  # voice_design
+            if voice is not None:
+                raise TTSError("VoiceDesign checkpoints take no voice; describe it in the instruction")
+
+        if non_streaming_mode is None:  # the official wrapper's defaults per model kind
+            non_streaming_mode = cfg.tts_model_type != "base"
+
+        tok = self.model.tokenizer
+        dev = self.model.device
+        text_ids = tok.assistant_ids(text).to(dev)
+        instruct_ids = tok.instruct_ids(instruct).to(dev) if instruct is not None else None
+        ref_ids = tok.ref_ids(ref_text).to(dev) if ref_text is not None else None
+
+        language_id = None if language == "auto" else int(tc.codec_language_id[language])
+        if speaker_name is not None and language in ("chinese", "auto"):
+            dialect = tc.spk_is_dialect.get(speaker_name, False)
+            if dialect:
+                language_id = int(tc.codec_language_id[dialect])
+
+        with torch.inference_mode():
+            prompt: Prompt = self.model.prompts.build(
+                text_ids, language_id=language_id, speaker=speaker_vec, instruct_ids=instruct_ids,
+                non_streaming=non_streaming_mode, ref_text_ids=ref_ids, ref_codes=ref_codes)
+
+        params = self._sampling(sampling, greedy, max_new_tokens)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise TTSError("the seed must be a non-negative integer")
+        params.seed = int(seed)
+        req = Request(prompt=prompt, params=params, first_chunk_frames=int(first_chunk_frames),
+                      max_chunk_frames=int(max_chunk_frames), ref_codes=ref_codes)
+        return req, int(seed)
+
+    def _fit_embedding(self, voice: Voice) -> torch.Tensor:
+        if voice.kind == "preset":
+            raise TTSError("expected a cloned or embedding voice")
+        emb = check_embedding(voice.embedding, self.hidden_size)
+        return emb.to(self.model.device, self.model.dtype)
+
+    def _sampling(self, sampling, greedy, max_new_tokens) -> SamplingParams:
+        d = self.model.generation_defaults
+        params = SamplingParams(**{k: getattr(d, k) for k in d.__dataclass_fields__})
+        if isinstance(sampling, SamplingParams):
+            params = SamplingParams(**sampling.__dict__)
+        elif isinstance(sampling, dict):
+            for k, v in sampling.items():
+                if v is None:
+                    continue
+                if k not in params.__dataclass_fields__ or k == "seed":
+                    raise TTSError(f"unknown sampling setting {k!r}")
+                setattr(params, k, type(getattr(params, k))(v))
+        elif sampling is not None:
+            raise TTSError("sampling must be a dict or SamplingParams")
+        if greedy:
+            params.do_sample = False
+            params.subtalker_dosample = False
+        if max_new_tokens is not None:
+            params.max_new_tokens = int(max_new_tokens)
+        for name in ("temperature", "subtalker_temperature"):
+            if not (getattr(params, name) > 0):
+                raise TTSError(f"{name} must be > 0")
+        for name in ("top_p", "subtalker_top_p"):
+            if not (0 < getattr(params, name) <= 1):
+                raise TTSError(f"{name} must be in (0, 1]")
+        if params.top_k < 0 or params.subtalker_top_k < 0:
+            raise TTSError("top_k must be >= 0")
+        if not (params.repetition_penalty > 0):
+            raise TTSError("repetition_penalty must be > 0")
+        if params.max_new_tokens < 1:
+            raise TTSError("max_new_tokens must be at least 1")
+        return params
+
+    def _run(self, req: Request) -> Iterator[np.ndarray]:
+        """Generate and decode one request, yielding audio chunks. Holds the engine while running."""
+        with self._lock:
+            runner, codec = self.runner, self.model.speech_tokenizer.decoder
+            dev, dtype = self.model.device, self.model.dtype
+            state = codec.init_state(1, dev, dtype)
+            with torch.inference_mode():
+                if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
+                    codec.decode_step(req.ref_codes.to(dev).T[None], state)
+                done = bool(runner.prefill(0, req.prompt, req.params)[0])
+            try:
+                sizes = req.chunk_sizes()
+                while not done and not req.cancelled:
+                    want = next(sizes)
+                    frames, flags = [], []
+                    with torch.inference_mode():
+                        for _ in range(want):
+                            codes, d = runner.decode([0])
+                            frames.append(codes[0])
+                            flags.append(d[0])
+                        flags = torch.stack(flags).cpu()       # the one host sync of this chunk
+                    if bool(flags.any()):
+                        n = int(flags.nonzero()[0, 0]) + 1
+                        frames, done = frames[:n], True
+                    chunk = torch.stack(frames)              # [t, 16]
+                    req.codes.extend(chunk.cpu().unbind(0))
+                    with torch.inference_mode():
+                        wav = codec.decode_step(chunk.T[None], state)[0]
+                    yield wav.float().cpu().numpy()
+            finally:
+                runner.release(0)

@@ -1,0 +1,151 @@
+"""Qwen3 decoder building blocks shared by the talker and the code predictor.
+
+Plain PyTorch, explicit shapes. Notation: B batch rows, T new positions this call, S cache positions read,
+D model width, H query heads, Hkv key/value heads, hd head_dim.
+
+Numerics follow the official Qwen3-TTS code: RMSNorm upcasts to fp32 and multiplies by the weight after
+casting back; q/k RMSNorm per head *before* RoPE; rotate-half RoPE with positions shared by all three
+M-RoPE axes (which makes M-RoPE exactly 1-D RoPE).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DecoderStackConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] (int64) -> cos, sin [B, 1, T, hd] in `dtype` (computed in fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                .float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Static KV cache for one decoder stack: k, v [layers, rows, Hkv, max_len, hd].
+
+    Row r holds one sequence; `write` puts new keys at explicit per-row positions, so rows of
+    different lengths share one tensor. Born in the model runner, lives as long as the engine.
+    """
+
+    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 device, dtype):
+        shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len):
+        """x [B, T, D]; cos/sin [B, 1, T, hd]; k_cache/v_cache [R, Hkv, L, hd] (one layer);
+        rows [B] cache rows of this batch; write_pos [B, T] positions where the new keys go;
+        attn_mask [B, 1, T, read_len] bool (True = attend); only the first read_len cache positions are read."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # scatter the new keys/values into the static cache at (row, :, pos)
+        r_idx = rows[:, None].expand(B, T)
+        k_cache[r_idx, :, write_pos] = k.transpose(1, 2)  # [B, T, Hkv, hd]
+        v_cache[r_idx, :, write_pos] = v.transpose(1, 2)
+        keys = k_cache[rows, :, :read_len]    # [B, Hkv, S, hd]
+        vals = v_cache[rows, :, :read_len]
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, rows, write_pos,
+                               attn_mask, read_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`layers` + final `norm` (state-dict names as in the official `*.model`)."""
+
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def run(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, start: torch.Tensor,
+            read_len: int) -> torch.Tensor:
+        """x [B, T, D] new inputs for cache rows `rows` [B], whose first new position is `start` [B].
+
+        Each row sees its own cache positions < start + t (causal). `read_len` >= max(start) + T is the
+        number of cache positions read (a host-side int, so no device sync). Returns normed hidden [B, T, D].
+        """
+        B, T, _ = x.shape
+        t = torch.arange(T, device=x.device)
+        pos = start[:, None] + t[None, :]                                   # [B, T]
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        key_idx = torch.arange(read_len, device=x.device)
+        mask = (key_idx[None, None, :] <= pos[:, :, None])[:, None]        # [B, 1, T, S]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], rows, pos, mask, read_len)
+        return self.norm(x)

@@ -1,0 +1,164 @@
+"""Token selection, batched, on the device, with per-row parameters.
+
+Codebook 0 (talker) follows the official HF processor order exactly:
+  repetition penalty over the row's previously generated c0 ids -> EOS masked for the first
+  `min_new_tokens` (2) steps -> suppress ids [V-1024, V) except EOS -> (if sampling) temperature ->
+  top-k -> top-p -> draw.
+Codebooks 1..15 (code predictor) use only temperature -> top-k -> top-p with the sub-talker parameters.
+Greedy rows take the argmax of the processed logits.
+
+Random draws use a counter-based generator: the uniform for (seed, frame, codebook, token) is a hash of
+those four integers, and a categorical draw is the Gumbel-max over the masked logits. A row's tokens thus
+depend only on its own seed and logits, never on which other requests share the batch, and the whole
+procedure is plain tensor arithmetic (CUDA-graph capturable, no host sync).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingParams:
+    do_sample: bool = True
+    top_k: int = 50
+    top_p: float = 1.0
+    temperature: float = 0.9
+    repetition_penalty: float = 1.05
+    subtalker_dosample: bool = True
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    subtalker_temperature: float = 0.9
+    max_new_tokens: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class RowParams:
+    """SamplingParams of B rows as device tensors (one field per tensor, each [B])."""
+
+    do_sample: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    temperature: torch.Tensor
+    penalty: torch.Tensor
+    sub_do_sample: torch.Tensor
+    sub_top_k: torch.Tensor
+    sub_top_p: torch.Tensor
+    sub_temperature: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def stack(cls, params: list[SamplingParams], device) -> "RowParams":
+        def t(vals, dtype):
+            return torch.tensor(vals, dtype=dtype, device=device)
+        return cls(
+            do_sample=t([p.do_sample for p in params], torch.bool),
+            top_k=t([p.top_k for p in params], torch.long),
+            top_p=t([p.top_p for p in params], torch.float32),
+            temperature=t([p.temperature for p in params], torch.float32),
+            penalty=t([p.repetition_penalty for p in params], torch.float32),
+            sub_do_sample=t([p.subtalker_dosample for p in params], torch.bool),
+            sub_top_k=t([p.subtalker_top_k for p in params], torch.long),
+            sub_top_p=t([p.subtalker_top_p for p in params], torch.float32),
+            sub_temperature=t([p.subtalker_temperature for p in params], torch.float32),
+            seed=t([p.seed & 0x7FFFFFFFFFFFFFFF for p in params], torch.long),
+        )
+
+    def select(self, idx: torch.Tensor) -> "RowParams":
+        return RowParams(**{k: v[idx] for k, v in self.__dict__.items()})
+
+    @classmethod
+    def concat(cls, parts: list["RowParams"]) -> "RowParams":
+        return cls(**{k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].__dict__})
+
+
+# --- counter-based uniforms ---------------------------------------------------------------------
+_M1 = -4658895280553007687   # 0xBF58476D1CE4E5B9 as signed int64
+_M2 = -7723592293110705685   # 0x94D049BB133111EB
+_G = -7046029254386353131    # 0x9E3779B97F4A7C15
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 (wrapping arithmetic; logical shifts emulated with masks)."""
+    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
+    x = x * _M2
+    return x ^ ((x >> 31) & 0x1FFFFFFFF)
+
+
+def uniforms(seed: torch.Tensor, frame: torch.Tensor, book: int, vocab: int) -> torch.Tensor:
+    """U(0,1) [B, vocab] (float64) determined by (seed [B], frame [B], codebook, token index)."""
+    tok = torch.arange(vocab, device=seed.device, dtype=torch.long)
+    key = _mix(seed * _G + frame * 1000003 + book)
+    x = _mix(key[:, None] + tok[None, :] * _G)
+    mant = (x >> 11) & ((1 << 53) - 1)
+    return (mant.double() + 0.5) / float(1 << 53)
+
+
+# --- processors -----------------------------------------------------------------------------------
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF RepetitionPenaltyLogitsProcessor over the ids marked in `seen` [B, V] bool; penalty [B]."""
+    p = penalty[:, None]
+    penalised = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(seen, penalised, logits)
+
+
+def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Temperature -> top-k -> top-p, per row, as the HF warpers (ties at the k-th value are kept)."""
+    logits = logits / temperature[:, None]
+    V = logits.shape[-1]
+    sorted_desc, _ = torch.sort(logits, dim=-1, descending=True)
+    k = top_k.clamp(1, V)
+    kth = sorted_desc.gather(-1, (k - 1)[:, None])
+    use_k = (top_k > 0)[:, None]
+    logits = torch.where(use_k & (logits < kth), torch.full_like(logits, NEG_INF), logits)
+    # top-p (HF TopPLogitsWarper): drop the low-probability tail whose cumulative mass <= 1 - top_p,
+    # always keeping the most likely token. Rows with top_p >= 1 are untouched (HF skips the warper).
+    sorted_asc, idx_asc = torch.sort(logits, dim=-1, descending=False)
+    cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1 - top_p)[:, None]
+    remove_sorted[:, -1] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, idx_asc, remove_sorted)
+    remove = remove & (top_p < 1.0)[:, None]
+    return logits.masked_fill(remove, NEG_INF)
+
+
+def choose(logits: torch.Tensor, do_sample: torch.Tensor, temperature, top_k, top_p, u: torch.Tensor) -> torch.Tensor:
+    """Greedy argmax for rows with do_sample False, else a Gumbel-max draw from the warped logits."""
+    greedy = logits.argmax(dim=-1)
+    warped = warp(logits, temperature, top_k, top_p).double()
+    gumbel = -torch.log(-torch.log(u))
+    drawn = (warped + gumbel).argmax(dim=-1)
+    return torch.where(do_sample, drawn, greedy)
+
+
+class C0Processor:
+    """Codebook-0 logits processing with the official constants of one model."""
+
+    def __init__(self, vocab_size: int, eos_id: int, min_new_tokens: int, device):
+        self.eos_id = eos_id
+        self.min_new_tokens = min_new_tokens
+        suppress = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        suppress[vocab_size - 1024:] = True
+        suppress[eos_id] = False
+        self.suppress = suppress
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor, step: torch.Tensor, rp: RowParams) -> torch.Tensor:
+        """logits [B, V] fp32, seen [B, V] bool, step [B] number of c0 ids generated so far -> chosen ids [B]."""
+        logits = apply_repetition_penalty(logits, seen, rp.penalty)
+        block_eos = (step < self.min_new_tokens)[:, None] & (
+            torch.arange(logits.shape[-1], device=logits.device) == self.eos_id)[None]
+        logits = logits.masked_fill(block_eos | self.suppress[None], NEG_INF)
+        u = uniforms(rp.seed, step, 0, logits.shape[-1])
+        return choose(logits, rp.do_sample, rp.temperature, rp.top_k, rp.top_p, u)
+
+
+def choose_residual(logits: torch.Tensor, frame: torch.Tensor, book: int, rp: RowParams) -> torch.Tensor:
+    """Codebook `book` (1..15) from the code predictor's logits [B, 2048] -> ids [B]."""
+    u = uniforms(rp.seed, frame, book, logits.shape[-1])
+    return choose(logits, rp.sub_do_sample, rp.sub_temperature, rp.sub_top_k, rp.sub_top_p, u)
