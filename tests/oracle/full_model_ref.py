@@ -83,15 +83,13 @@ def main():
     m = tts.model
 
     captured = {"prefill": [], "codes": []}
-    orig_talker_forward = m.talker.forward
 
-    def talker_forward(*a, **kw):
-        e = kw.get("inputs_embeds")
+    def talker_hook(module, args, kwargs):  # the prefill call is the one with more than one position
+        e = kwargs.get("inputs_embeds")
         if e is not None and e.shape[1] > 1:
             captured["prefill"].append(e[0].detach().clone())
-        return orig_talker_forward(*a, **kw)
 
-    m.talker.forward = talker_forward
+    m.talker.register_forward_pre_hook(talker_hook, with_kwargs=True)
     orig_generate = m.generate
 
     def generate(*a, **kw):
