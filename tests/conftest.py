@@ -41,3 +41,28 @@ def run_oracle():
             raise RuntimeError(f"oracle script {script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
     return run
+
+
+@pytest.fixture(scope="session")
+def official(run_oracle, tmp_path_factory):
+    """official(kind, size) -> (checkpoint folder, recorded cases, reference tensors), built once a session
+    by tests/oracle/full_model_ref.py with the official classes (random tiny weights, official layout)."""
+    import json
+
+    from safetensors import safe_open
+
+    made = {}
+
+    def get(kind: str, size: str = "0b6"):
+        key = (kind, size)
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"official_{kind}_{size}")
+            ckpt, ref = d / "ckpt", d / "ref.safetensors"
+            run_oracle("full_model_ref.py", ckpt, ref, kind, size, 7)
+            with safe_open(str(ref), "pt") as f:
+                cases = json.loads(f.metadata()["cases"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            made[key] = (ckpt, cases, tensors)
+        return made[key]
+
+    return get

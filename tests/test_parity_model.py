@@ -21,25 +21,6 @@ from tts_engine.voices.voice import Voice
 MAX_NEW = 14  # as in the oracle script
 
 
-@pytest.fixture(scope="session")
-def official(run_oracle, tmp_path_factory):
-    made = {}
-
-    def get(kind: str, size: str = "0b6"):
-        key = (kind, size)
-        if key not in made:
-            d = tmp_path_factory.mktemp(f"official_{kind}_{size}")
-            ckpt, ref = d / "ckpt", d / "ref.safetensors"
-            run_oracle("full_model_ref.py", ckpt, ref, kind, size, 7)
-            with safe_open(str(ref), "pt") as f:
-                cases = json.loads(f.metadata()["cases"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            made[key] = (ckpt, cases, tensors)
-        return made[key]
-
-    return get
-
-
 def _voice_for(engine, case, tensors, ref_audio):
     if "speaker" in case:
         return case["speaker"]

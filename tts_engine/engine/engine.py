@@ -102,10 +102,9 @@ class TTSEngine:
                     name: str = "") -> Voice:
         """Make a voice from a reference clip (path, bytes or (array, sr)). ICL mode (the default) needs the
         clip's transcript; x-vector-only mode uses the speaker embedding alone."""
-        from ..audio import load_audio, resample
-
         if not self.config.supports_clone:
             raise TTSError("voice cloning needs a Base checkpoint (Qwen3-TTS-12Hz-*-Base)")
+        from ..audio import load_audio, resample
         if not x_vector_only and not (ref_text or "").strip():
             raise TTSError("in-context cloning needs the transcript of the reference clip "
                            "(or turn on x-vector-only mode)")

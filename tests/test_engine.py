@@ -1,0 +1,217 @@
+"""Unit tests: sampling rules, the streaming codec decoder, lazy loading and sharing, bad input, voice files,
+and the command line."""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tts_engine import TTSEngine, TTSError
+from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig, CodecDecoderState
+from tts_engine.model.sampling import (C0Processor, RowParams, SamplingParams, apply_repetition_penalty,
+                                       uniforms, warp)
+from tts_engine.tiny import tiny_speech_tokenizer_config
+from tts_engine.voices.voice import Voice
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+def test_repetition_penalty_matches_hf_rule():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive / p, negative * p, unseen untouched
+
+
+def test_c0_processor_blocks_eos_then_allows_it_and_suppresses_specials():
+    V, eos = 3072, 2150
+    proc = C0Processor(V, eos, min_new_tokens=2, device="cpu")
+    logits = torch.full((1, V), -5.0)
+    logits[0, eos] = 10.0
+    logits[0, 2500] = 20.0          # a special id: must never be chosen
+    logits[0, 7] = 1.0
+    rp = RowParams.stack([SamplingParams(do_sample=False, repetition_penalty=1.0)], "cpu")
+    seen = torch.zeros(1, V, dtype=torch.bool)
+    assert proc(logits, seen, torch.tensor([0]), rp).item() == 7       # EOS blocked at step 0
+    assert proc(logits, seen, torch.tensor([1]), rp).item() == 7       # and step 1
+    assert proc(logits, seen, torch.tensor([2]), rp).item() == eos     # allowed from step 2
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_at_least_one():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
+    w = warp(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(w).tolist() == [[True, True, True, False, False]]
+    w = warp(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.01]))
+    assert torch.isfinite(w).sum() == 1 and torch.isfinite(w[0, 0])
+
+
+def test_uniforms_are_seeded_and_batch_invariant():
+    a = uniforms(torch.tensor([5, 9]), torch.tensor([3, 3]), 1, 2048)
+    b = uniforms(torch.tensor([9]), torch.tensor([3]), 1, 2048)
+    assert torch.equal(a[1], b[0])                    # a row's draws ignore the other rows
+    assert not torch.equal(a[0], a[1])
+    assert (a > 0).all() and (a < 1).all()
+    assert abs(float(a.mean()) - 0.5) < 0.02
+
+
+# --- codec decoder ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def decoder():
+    torch.manual_seed(0)
+    return CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"])).eval()
+
+
+@pytest.mark.parametrize("splits", [[1, 1, 2, 3, 7, 86], [100], [40, 40, 20], [71, 1, 1, 27]])
+def test_streaming_decode_equals_one_shot(decoder, splits):
+    codes = torch.randint(0, 2048, (1, 16, sum(splits)))
+    with torch.inference_mode():
+        full = decoder(codes)
+        st, parts, o = decoder.init_state(1), [], 0
+        for n in splits:
+            parts.append(decoder.decode_step(codes[..., o:o + n], st))
+            o += n
+        streamed = torch.cat(parts, -1)
+    assert full.shape == (1, 100 * 1920)
+    rel = (streamed - full).norm() / full.norm()
+    assert rel < 1e-4
+
+
+def test_streaming_state_rows_are_independent(decoder):
+    a, b = torch.randint(0, 2048, (1, 16, 30)), torch.randint(0, 2048, (1, 16, 30))
+    with torch.inference_mode():
+        sa, sb = decoder.init_state(1), decoder.init_state(1)
+        decoder.decode_step(a[..., :20], sa)           # row a is 20 frames ahead of row b
+        joint = CodecDecoderState.concat([sa, sb])
+        out = decoder.decode_step(torch.cat([a[..., 20:25], b[..., :5]]), joint)
+        ref_a = decoder(a[..., :25])[..., 20 * 1920:]
+        ref_b = decoder(b[..., :5])
+        assert (out[0] - ref_a[0]).abs().max() < 1e-4
+        assert (out[1] - ref_b[0]).abs().max() < 1e-4
+        only_b = joint.select(torch.tensor([1]))
+        nxt = decoder.decode_step(b[..., 5:8], only_b)
+        assert (nxt[0] - decoder(b[..., :8])[0, 5 * 1920:]).abs().max() < 1e-4
+
+
+# --- a loaded engine ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cv(official):
+    ckpt, _, _ = official("custom_voice", "0b6")
+    return ckpt
+
+
+def test_lazy_loading_and_shared_codec(cv, tmp_path):
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    st = eng.model.speech_tokenizer
+    assert not st.decoder_loaded and not st.encoder_loaded and st.file.tensors_read == 0
+    eng.synthesize("Hi there.", voice="vivian", max_new_tokens=4, seed=1)
+    assert st.decoder_loaded and not st.encoder_loaded
+    assert st.file.tensors_read == len(st.decoder.state_dict())           # only decoder tensors were read
+    assert not eng.model.weights.has_prefix("speaker_encoder.")
+    # a second checkpoint with the same speech tokenizer (a copy elsewhere) shares the codec instance
+    other = tmp_path / "copy"
+    shutil.copytree(cv, other)
+    eng2 = TTSEngine.from_pretrained(str(other), device="cpu")
+    assert eng2.model.speech_tokenizer is st
+
+
+def test_seed_reproducible_and_sampling_differs_by_seed(cv):
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    a = eng.stream("Hello there, world.", voice="ryan", seed=3, max_new_tokens=8)
+    wa = np.concatenate(list(a))
+    b = eng.stream("Hello there, world.", voice="ryan", seed=3, max_new_tokens=8)
+    wb = np.concatenate(list(b))
+    c = eng.stream("Hello there, world.", voice="ryan", seed=4, max_new_tokens=8)
+    list(c)
+    assert torch.equal(a.codes, b.codes) and np.array_equal(wa, wb)
+    assert not torch.equal(a.codes, c.codes)
+
+
+def test_stream_chunks_first_after_two_frames(cv):
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    s = eng.stream("A somewhat longer sentence to speak.", voice="serena", seed=0, max_new_tokens=12,
+                   greedy=True)
+    sizes = [len(c) // 1920 for c in s]
+    assert sizes[0] == min(2, s.codes.shape[0])
+    assert sum(sizes) == s.codes.shape[0]
+    assert all(a <= b for a, b in zip(sizes[:-1], sizes[1:-1]))   # later chunks are not smaller (but the last)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(text="   "), "empty"),
+    (dict(text="x" * 6000), "too long"),
+    (dict(voice="nobody"), "unknown speaker"),
+    (dict(language="klingon"), "unsupported language"),
+    (dict(instruct="whisper"), "instructions"),
+    (dict(seed=-1), "seed"),
+    (dict(sampling={"temperature": 0}), "temperature"),
+    (dict(sampling={"bogus": 1}), "unknown sampling"),
+    (dict(voice=None), "choose a speaker"),
+])
+def test_bad_input_raises_clear_tts_error(cv, kw, msg):
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    args = dict(text="Hello.", voice="ryan")
+    args.update(kw)
+    with pytest.raises(TTSError, match=msg):
+        eng.synthesize(args.pop("text"), **args)
+    with pytest.raises(TTSError, match="Base checkpoint"):
+        eng.clone_voice((np.zeros(24000, np.float32), 24000), x_vector_only=True)
+
+
+def test_embedding_voice_and_preset_row(cv):
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    row = eng.preset_embedding("Ryan")
+    v = eng.voice_from_embedding(row)
+    a = eng.stream("Hi.", voice=v, greedy=True, max_new_tokens=6)
+    b = eng.stream("Hi.", voice="ryan", greedy=True, max_new_tokens=6, language="english")
+    list(a), list(b)
+    # the same vector in the speaker slot gives the same codes (ryan has no dialect; same language)
+    c = eng.stream("Hi.", voice=v, greedy=True, max_new_tokens=6, language="english")
+    list(c)
+    assert torch.equal(b.codes, c.codes)
+    with pytest.raises(TTSError, match="needs"):
+        eng.voice_from_embedding(row[:10])
+
+
+# --- voice files ------------------------------------------------------------------------------------------
+def test_voice_file_round_trips_and_rejects_bad_files(tmp_path):
+    v = Voice(kind="icl", name="me", embedding=torch.randn(64), ref_codes=torch.randint(0, 2048, (9, 16)),
+              ref_text="hello", model_type="base", meta={"source": "test"})
+    for ext in (".safetensors", ".json"):
+        w = Voice.load(v.save(tmp_path / f"v{ext}"))
+        assert w.kind == "icl" and w.ref_text == "hello" and w.meta == {"source": "test"}
+        assert torch.allclose(w.embedding, v.embedding) and torch.equal(w.ref_codes, v.ref_codes)
+    bad = tmp_path / "evil.pt"
+    bad.write_bytes(pickle.dumps({"items": [1, 2, 3]}))
+    with pytest.raises(TTSError, match="not a voice file"):
+        Voice.load(bad)
+    d = v.to_dict()
+    d["embedding"][3] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(d))
+    with pytest.raises(TTSError, match="NaN"):
+        Voice.load(tmp_path / "nan.json")
+    d = v.to_dict()
+    d["embedding"] = [[1.0, 2.0]]
+    (tmp_path / "dim.json").write_text(json.dumps(d))
+    with pytest.raises(TTSError, match="1-D"):
+        Voice.load(tmp_path / "dim.json")
+
+
+# --- command line ------------------------------------------------------------------------------------------
+def test_cli_synth_writes_wav_and_codes(cv, tmp_path):
+    out, codes = tmp_path / "o.wav", tmp_path / "c.npy"
+    r = subprocess.run([sys.executable, "-m", "tts_engine", "synth", "--model", str(cv), "--text", "Hello!",
+                        "--speaker", "Ryan", "--greedy", "--max-new-tokens", "6", "--out", str(out),
+                        "--codes-out", str(codes)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    wav, sr = sf.read(out)
+    c = np.load(codes)
+    assert sr == 24000 and c.dtype == np.int64 and c.shape[1] == 16 and len(wav) == c.shape[0] * 1920
+    r = subprocess.run([sys.executable, "-m", "tts_engine", "synth", "--model", str(cv), "--text", "Hi",
+                        "--speaker", "nobody", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "unknown speaker" in r.stderr and "Traceback" not in r.stderr
