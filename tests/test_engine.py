@@ -215,3 +215,18 @@ def test_cli_synth_writes_wav_and_codes(cv, tmp_path):
     r = subprocess.run([sys.executable, "-m", "tts_engine", "synth", "--model", str(cv), "--text", "Hi",
                         "--speaker", "nobody", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "unknown speaker" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kind,size", [("custom_voice", "0b6"), ("voice_design", "1b7")])
+def test_make_tiny_checkpoint_loads_and_speaks(tmp_path, kind, size):
+    from tts_engine.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / kind, kind=kind, size=size, seed=0)
+    for f in ("config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
+              "tokenizer_config.json", "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors"):
+        assert (folder / f).exists(), f
+    eng = TTSEngine.from_pretrained(str(folder), device="cpu")
+    voice = "vivian" if kind == "custom_voice" else None
+    wav = eng.synthesize("Testing one two three.", voice=voice, instruct="Calm." if kind != "custom_voice" else None,
+                         max_new_tokens=10, seed=0)
+    assert wav.dtype == np.float32 and np.isfinite(wav).all() and len(wav) % 1920 == 0 and np.abs(wav).max() > 0
