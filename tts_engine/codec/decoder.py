@@ -181,13 +181,17 @@ class RVQ(nn.Module):
         self._cache = None
 
     def codebooks(self) -> torch.Tensor:
-        """[n, size, dim] codebook vectors (embedding_sum / clamp(cluster_usage, 1e-5)), cached."""
+        """[n, size, dim] codebook vectors (embedding_sum / clamp(cluster_usage, 1e-5)), cached; rebuilt when the
+        parameters are replaced (loading assigns new tensors). Call `clear_cache()` after in-place edits."""
         ps = [layer._codebook for layer in self.vq.layers]
-        key = tuple((p.embedding_sum.data_ptr(), p.embedding_sum._version, p.cluster_usage._version) for p in ps)
+        key = tuple((p.embedding_sum.data_ptr(), p.cluster_usage.data_ptr()) for p in ps)
         if self._cache is None or self._cache[0] != key:
             books = torch.stack([p.embedding_sum / p.cluster_usage.clamp(min=1e-5)[:, None] for p in ps])
             self._cache = (key, books.detach())
         return self._cache[1]
+
+    def clear_cache(self):
+        self._cache = None
 
     def decode(self, codes):
         """codes [B, n, T] -> [B, io_dim, T]; summed in book order like the official."""

@@ -24,30 +24,59 @@ from ..model.sampling import SamplingParams
 from ..voices.voice import Voice, check_embedding
 from .model_runner import ModelRunner
 from .request import Request
+from .scheduler import END, Scheduler, Sequence
+from .worker import EngineWorker
 
 SAMPLE_RATE = 24000
 MAX_TEXT_CHARS = 5000
 
 
 class TTSStream:
-    """Iterator over float32 PCM chunks of one request. After exhaustion `.codes` holds the generated
-    codes [frames, 16] (int64) and `.seed` the seed used."""
+    """Handle of one submitted request: iterate it for float32 PCM chunks (24 kHz) as they are generated.
 
-    def __init__(self, gen: Iterator[np.ndarray], request: Request, seed: int):
-        self._gen = gen
-        self.request = request
+    `.cancel()` frees the request's place in the engine within one frame; `.position` is the number of
+    requests ahead of it while it waits (None once it runs); after exhaustion `.codes` holds the generated
+    codes [frames, 16] (int64) and `.seed` the seed used. A failure raises `TTSError` from the iteration."""
+
+    def __init__(self, seq: Sequence, engine: "TTSEngine", seed: int):
+        self.seq = seq
+        self.request = seq.request
+        self._engine = engine
         self.seed = seed
         self.sample_rate = SAMPLE_RATE
+        self._finished = False
 
     def __iter__(self):
         return self
 
     def __next__(self) -> np.ndarray:
-        return next(self._gen)
+        if self._finished:
+            raise StopIteration
+        item = self.seq.out.get()
+        if item is END:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
 
     def cancel(self) -> None:
-        self.request.cancelled = True
-        self._gen.close()
+        if not self._finished:
+            self.seq.cancelled.set()
+            self._engine.worker.wake.set()
+
+    close = cancel
+
+    def __del__(self):  # an abandoned stream (client gone) must not keep its slot
+        try:
+            self.cancel()
+        except Exception:
+            pass
+
+    @property
+    def position(self) -> int | None:
+        return self._engine.scheduler.position(self.seq)
 
     @property
     def codes(self) -> torch.Tensor:
@@ -56,16 +85,28 @@ class TTSStream:
 
 
 class TTSEngine:
-    def __init__(self, model: Qwen3TTSModel, max_seq_len: int = 4096):
+    def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
+                 max_waiting: int = 64):
+        """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
+        frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError."""
         self.model = model
         self.config = model.config
-        self._lock = threading.Lock()
-        self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=1, max_len=max_seq_len,
-                                  eos_id=model.config.talker.codec_eos_token_id)
+        gpu = model.device.type == "cuda"
+        self.max_batch = max_batch or (16 if gpu else 4)
+        self.max_seq_len = max_seq_len or (4096 if gpu else 2048)
+        self._lock = threading.Lock()   # serialises voice cloning (speaker/codec encoders)
+        self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
+                                  max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
+        self.scheduler = Scheduler(self.max_batch, max_waiting)
+        self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
 
     @classmethod
-    def from_pretrained(cls, model, device=None, dtype=None, max_seq_len: int = 4096) -> "TTSEngine":
-        return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype), max_seq_len=max_seq_len)
+    def from_pretrained(cls, model, device=None, dtype=None, **engine_kw) -> "TTSEngine":
+        return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype), **engine_kw)
+
+    def close(self) -> None:
+        """Stop the worker thread; queued and running requests fail with a TTSError."""
+        self.worker.close()
 
     # --- what this checkpoint offers ------------------------------------------------------------
     @property
@@ -140,7 +181,11 @@ class TTSEngine:
         (80 ms each), later ones doubling up to `max_chunk_frames`."""
         req, seed = self._make_request(text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
                                        non_streaming_mode, first_chunk_frames, max_chunk_frames)
-        return TTSStream(self._run(req), req, seed)
+        seq = Sequence(req)
+        self.worker.submit(seq)   # EngineBusyError when the waiting queue is full
+        return TTSStream(seq, self, seed)
+
+    submit = stream
 
     # --- internals ---------------------------------------------------------------------------------
     def _speaker_id(self, speaker: str) -> int:
@@ -262,35 +307,3 @@ class TTSEngine:
         if params.max_new_tokens < 1:
             raise TTSError("max_new_tokens must be at least 1")
         return params
-
-    def _run(self, req: Request) -> Iterator[np.ndarray]:
-        """Generate and decode one request, yielding audio chunks. Holds the engine while running."""
-        with self._lock:
-            runner, codec = self.runner, self.model.speech_tokenizer.decoder
-            dev, dtype = self.model.device, self.model.dtype
-            state = codec.init_state(1, dev, dtype)
-            with torch.inference_mode():
-                if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
-                    codec.decode_step(req.ref_codes.to(dev).T[None], state)
-                done = bool(runner.prefill(0, req.prompt, req.params)[0])
-            try:
-                sizes = req.chunk_sizes()
-                while not done and not req.cancelled:
-                    want = next(sizes)
-                    frames, flags = [], []
-                    with torch.inference_mode():
-                        for _ in range(want):
-                            codes, d = runner.decode([0])
-                            frames.append(codes[0])
-                            flags.append(d[0])
-                        flags = torch.stack(flags).cpu()       # the one host sync of this chunk
-                    if bool(flags.any()):
-                        n = int(flags.nonzero()[0, 0]) + 1
-                        frames, done = frames[:n], True
-                    chunk = torch.stack(frames)              # [t, 16]
-                    req.codes.extend(chunk.cpu().unbind(0))
-                    with torch.inference_mode():
-                        wav = codec.decode_step(chunk.T[None], state)[0]
-                    yield wav.float().cpu().numpy()
-            finally:
-                runner.release(0)

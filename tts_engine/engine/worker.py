@@ -1,0 +1,181 @@
+"""The engine worker: the one thread that owns the device.
+
+Each iteration is one frame boundary:
+  1. drop cancelled sequences (their rows are free again within one frame),
+  2. admit waiting sequences into free rows and prefill them (newcomers join the running batch),
+  3. decode one frame for every running sequence in one batched call,
+  4. for sequences whose chunk is complete: one host read of their end-of-speech flags (the only sync in the
+     loop), then a codec decode batched across them, and their audio goes to their output queues.
+An exception while serving one sequence fails that sequence only.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from ..errors import TTSError
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, Sequence, Status
+
+log = logging.getLogger("tts_engine")
+
+
+class EngineWorker:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, speech_tokenizer):
+        self.runner, self.scheduler, self.speech_tokenizer = runner, scheduler, speech_tokenizer
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.steps = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        with self._start_lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="tts-engine-worker", daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        for seq in self.scheduler.drain_waiting() + list(self.scheduler.running):
+            seq.finish(TTSError("the engine was shut down"))
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            if self.scheduler.idle():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception:  # a bug in the loop itself: fail everyone running, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, RuntimeError("internal engine error"))
+
+    # --- one frame boundary ----------------------------------------------------------------------------
+    def _step(self) -> None:
+        for seq in list(self.scheduler.running):
+            if seq.cancelled.is_set():
+                self._end(seq)
+        for seq in self.scheduler.admit():
+            try:
+                self._prefill(seq)
+            except Exception as e:
+                self._fail(seq, e)
+        active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        if not active:
+            return
+        self._decode(active)
+        self.steps += 1
+        ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
+        if ready:
+            self._emit(ready)
+
+    def _prefill(self, seq: Sequence) -> None:
+        req = seq.request
+        codec = self.speech_tokenizer.decoder
+        seq.decoder_state = codec.init_state(1, self.runner.device, self.runner.dtype)
+        if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
+            codec.decode_step(req.ref_codes.to(self.runner.device).T[None], seq.decoder_state)
+        self.runner.prefill(seq.row, req.prompt, req.params)
+        seq.chunk_sizes = req.chunk_sizes()
+        seq.target = next(seq.chunk_sizes)
+        seq.pending = []
+        if req.params.max_new_tokens <= 1:  # the first drawn id is never completed into a frame
+            self._end(seq)
+
+    def _decode(self, active: list[Sequence]) -> None:
+        rows = [s.row for s in active]
+        try:
+            codes, done = self.runner.decode(rows)
+        except Exception:
+            if len(active) == 1:
+                self._fail(active[0], _user_error(*_exc()))
+                return
+            # isolate the failing request: run each row alone (rows' state only advances on success)
+            for s in active:
+                try:
+                    c, d = self.runner.decode([s.row])
+                    s.pending.append((c[0], d[0]))
+                except Exception as e:
+                    self._fail(s, e)
+            return
+        for i, s in enumerate(active):
+            s.pending.append((codes[i], done[i]))
+
+    def _emit(self, ready: list[Sequence]) -> None:
+        flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
+        groups: dict[int, list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
+        o = 0
+        for s in ready:
+            f = flags[o:o + len(s.pending)]
+            o += len(s.pending)
+            n = int(f.nonzero()[0, 0]) + 1 if bool(f.any()) else len(f)
+            frames = torch.stack([c for c, _ in s.pending[:n]])          # [n, 16]
+            s.request.codes.extend(frames.cpu().unbind(0))
+            s.finishing = bool(f.any())  # noqa
+            s.pending = []
+            groups[n].append((s, frames))
+        codec = self.speech_tokenizer.decoder
+        for n, items in groups.items():
+            try:
+                states = [s.decoder_state for s, _ in items]
+                state = states[0] if len(states) == 1 else type(states[0]).concat(states)
+                wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
+                audio = wav.float().cpu().numpy()
+                for i, (s, _) in enumerate(items):
+                    s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
+                    s.out.put(np.ascontiguousarray(audio[i]))
+            except Exception as e:
+                for s, _ in items:
+                    self._fail(s, e)
+                continue
+        for s in ready:
+            if s.status is Status.RUNNING:
+                if s.finishing:
+                    self._end(s)
+                else:
+                    s.target = next(s.chunk_sizes)
+
+    # --- endings -------------------------------------------------------------------------------------
+    def _end(self, seq: Sequence, item=None) -> None:
+        if seq.row is not None:
+            self.runner.release(seq.row)
+        self.scheduler.release(seq)
+        seq.decoder_state = None
+        seq.pending = []
+        seq.finish() if item is None else seq.finish(item)
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        if not isinstance(exc, TTSError):
+            log.error("request %s failed: %s", seq.id, exc)
+            if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self._end(seq, _user_error(type(exc), exc))
+
+
+def _exc():
+    import sys
+    t, v, _ = sys.exc_info()
+    return t, v
+
+
+def _user_error(t, v) -> Exception:
+    if isinstance(v, TTSError):
+        return v
+    if isinstance(v, torch.cuda.OutOfMemoryError):
+        return TTSError("the GPU ran out of memory for this request; try a shorter text")
+    return TTSError(f"synthesis failed ({t.__name__ if t else 'error'}); please try again")
