@@ -15,7 +15,7 @@ import torch
 
 from tts_engine import TTSEngine, TTSError
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig, CodecDecoderState
-from tts_engine.model.sampling import (C0Processor, RowParams, SamplingParams, apply_repetition_penalty,
+from tts_engine.model.sampling import (C0Processor, RowParams, SamplingParams, apply_repetition_penalty, choose,
                                        uniforms, warp)
 from tts_engine.tiny import tiny_speech_tokenizer_config
 from tts_engine.voices.voice import Voice
@@ -58,6 +58,30 @@ def test_uniforms_are_seeded_and_batch_invariant():
     assert not torch.equal(a[0], a[1])
     assert (a > 0).all() and (a < 1).all()
     assert abs(float(a.mean()) - 0.5) < 0.02
+
+
+def test_candidate_draw_equals_full_vocabulary_draw_and_follows_the_distribution():
+    torch.manual_seed(0)
+    B, V = 6, 300
+    logits = torch.randn(B, V) * 2
+    temp = torch.tensor([0.9, 0.5, 1.3, 0.9, 0.7, 1.0])
+    k = torch.tensor([50, 5, 0, 300, 20, 1])
+    p = torch.tensor([1.0, 1.0, 0.8, 0.5, 0.95, 1.0])
+    host = {"any_sample": True, "k_max": 0, "any_top_p": True}
+    for frame in range(20):
+        fr = torch.full((B,), frame)
+        seed = torch.arange(B) + 100
+        got = choose(logits, torch.ones(B, dtype=torch.bool), temp, k, p, seed, fr, 3, host)
+        full = (warp(logits, temp, k, p).double() - torch.log(-torch.log(uniforms(seed, fr, 3, V)))).argmax(-1)
+        assert torch.equal(got, full)
+    # empirical frequencies over many seeds match the warped softmax (row 1: top-5 at temperature 0.5)
+    n = 4000
+    draws = choose(logits[1:2].expand(n, V), torch.ones(n, dtype=torch.bool), temp[1].expand(n), k[1].expand(n),
+                   p[1].expand(n), torch.arange(n), torch.zeros(n, dtype=torch.long), 1,
+                   {"any_sample": True, "k_max": 5, "any_top_p": False})
+    probs = warp(logits[1:2], temp[1:2], k[1:2], p[1:2]).softmax(-1)[0]
+    freq = torch.bincount(draws, minlength=V).float() / n
+    assert (freq - probs).abs().max() < 0.03 and set(draws.unique().tolist()) <= set(probs.nonzero()[:, 0].tolist())
 
 
 # --- codec decoder ---------------------------------------------------------------------------------------

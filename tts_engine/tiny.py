@@ -26,15 +26,42 @@ KINDS = ("base", "custom_voice", "voice_design")
 
 TALKER_HIDDEN = 64
 
+# Network widths. "tiny" is what tests use; "small" is the CPU benchmark size; "0.6b"/"1.7b" are the real
+# architectures (reference notes section 2), used with random weights by the benchmark.
+ARCHS = {
+    "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, hd=16, text_hidden=32,
+                 cp_hidden={"0b6": 64, "1b7": 32}, cp_inter=64, cp_layers=2, cp_heads=4, cp_kv=2, cp_hd=8,
+                 spk=dict(enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_res2net_scale=4,
+                          enc_se_channels=16)),
+    "small": dict(hidden=256, inter=768, layers=6, heads=8, kv=4, hd=32, text_hidden=256,
+                  cp_hidden={"0b6": 256, "1b7": 128}, cp_inter=512, cp_layers=3, cp_heads=8, cp_kv=4, cp_hd=32,
+                  spk=dict(enc_channels=[64, 64, 64, 64, 192], enc_attention_channels=32, enc_res2net_scale=4,
+                           enc_se_channels=32)),
+    "0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, hd=128, text_hidden=2048,
+                 cp_hidden={"0b6": 1024, "1b7": 1024}, cp_inter=3072, cp_layers=5, cp_heads=16, cp_kv=8, cp_hd=128,
+                 spk=dict(enc_channels=[512, 512, 512, 512, 1536], enc_attention_channels=128,
+                          enc_res2net_scale=8, enc_se_channels=128)),
+    "1.7b": dict(hidden=2048, inter=6144, layers=28, heads=16, kv=8, hd=128, text_hidden=2048,
+                 cp_hidden={"0b6": 1024, "1b7": 1024}, cp_inter=3072, cp_layers=5, cp_heads=16, cp_kv=8, cp_hd=128,
+                 spk=dict(enc_channels=[512, 512, 512, 512, 1536], enc_attention_channels=128,
+                          enc_res2net_scale=8, enc_se_channels=128)),
+}
+REAL_TEXT_VOCAB = 151936
 
-def tiny_config(kind: str, size: str, text_ids: dict) -> dict:
-    cp_hidden = TALKER_HIDDEN if size == "0b6" else 32   # 1.7B-like: predictor narrower -> projection
+
+def tiny_config(kind: str, size: str, text_ids: dict, arch: str = "tiny") -> dict:
+    a = ARCHS[arch]
+    cp_hidden = a["cp_hidden"][size]
+    half = a["hd"] // 2
     talker = {
-        "hidden_size": TALKER_HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+        "hidden_size": a["hidden"], "intermediate_size": a["inter"], "num_hidden_layers": a["layers"],
+        "num_attention_heads": a["heads"], "num_key_value_heads": a["kv"], "head_dim": a["hd"], "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-        "rope_scaling": {"mrope_section": [4, 2, 2], "interleaved": True, "rope_type": "default"},
-        "vocab_size": 3072, "text_vocab_size": text_ids["text_vocab_size"], "text_hidden_size": 32,
+        "rope_scaling": {"mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
+                         "interleaved": True, "rope_type": "default"},
+        "vocab_size": 3072,
+        "text_vocab_size": text_ids["text_vocab_size"] if arch in ("tiny", "small") else REAL_TEXT_VOCAB,
+        "text_hidden_size": a["text_hidden"],
         "num_code_groups": 16, "attention_bias": False, "use_sliding_window": False,
         "codec_eos_token_id": 2150, "codec_think_id": 2154, "codec_nothink_id": 2155,
         "codec_think_bos_id": 2156, "codec_think_eos_id": 2157, "codec_pad_id": 2148, "codec_bos_id": 2149,
@@ -43,8 +70,9 @@ def tiny_config(kind: str, size: str, text_ids: dict) -> dict:
         "spk_is_dialect": ({s: SPEAKER_DIALECT.get(s, False) for s in SPEAKERS} if kind == "custom_voice" else {}),
         "codec_language_id": {**LANGUAGES, **(DIALECTS if kind == "custom_voice" else {})},
         "code_predictor_config": {
-            "hidden_size": cp_hidden, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+            "hidden_size": cp_hidden, "intermediate_size": a["cp_inter"], "num_hidden_layers": a["cp_layers"],
+            "num_attention_heads": a["cp_heads"], "num_key_value_heads": a["cp_kv"], "head_dim": a["cp_hd"],
+            "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 65536,
             "vocab_size": 2048, "num_code_groups": 16, "use_sliding_window": False,
         },
@@ -57,14 +85,31 @@ def tiny_config(kind: str, size: str, text_ids: dict) -> dict:
         "tts_eos_token_id": text_ids["tts_eos_token_id"],
         "talker_config": talker,
         "speaker_encoder_config": {
-            "mel_dim": 128, "enc_dim": TALKER_HIDDEN, "enc_channels": [32, 32, 32, 32, 96],
-            "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
-            "enc_attention_channels": 16, "enc_res2net_scale": 4, "enc_se_channels": 16, "sample_rate": 24000,
+            "mel_dim": 128, "enc_dim": a["hidden"], "enc_kernel_sizes": [5, 3, 3, 3, 1],
+            "enc_dilations": [1, 2, 3, 4, 1], "sample_rate": 24000, **a["spk"],
         },
     }
 
 
-def tiny_speech_tokenizer_config() -> dict:
+REAL_CODEC = {
+    "encoder_config": {"hidden_size": 512, "num_filters": 64, "codebook_dim": 256, "num_hidden_layers": 8,
+                       "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+                       "num_quantizers": 32, "upsample_groups": 512, "vector_quantization_hidden_dimension": 256},
+    "decoder_config": {"codebook_dim": 512, "hidden_size": 512, "latent_dim": 1024, "intermediate_size": 1024,
+                       "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
+                       "decoder_dim": 1536},
+}
+
+
+def tiny_speech_tokenizer_config(arch: str = "tiny") -> dict:
+    cfg = _tiny_speech_tokenizer_config()
+    if arch in ("0.6b", "1.7b"):
+        for part in ("encoder_config", "decoder_config"):
+            cfg[part].update(REAL_CODEC[part])
+    return cfg
+
+
+def _tiny_speech_tokenizer_config() -> dict:
     return {
         "architectures": ["Qwen3TTSTokenizerV2Model"], "model_type": "qwen3_tts_tokenizer_12hz",
         "encoder_valid_num_quantizers": 16, "input_sample_rate": 24000, "output_sample_rate": 24000,
@@ -96,12 +141,15 @@ FEATURE_EXTRACTOR = {"feature_extractor_type": "EncodecFeatureExtractor", "featu
                      "return_attention_mask": True, "chunk_length_s": None, "overlap": None}
 
 
-def _prefixed(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {prefix + k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+def _prefixed(prefix: str, module: torch.nn.Module, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {prefix + k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().clone()
+            for k, v in module.state_dict().items()}
 
 
-def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6", seed: int = 0) -> Path:
-    """Write a tiny random checkpoint of `kind` (base | custom_voice | voice_design) to `folder`."""
+def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6", seed: int = 0,
+              arch: str = "tiny", dtype: torch.dtype = torch.float32) -> Path:
+    """Write a random checkpoint of `kind` (base | custom_voice | voice_design) to `folder`; `arch` picks the
+    widths (tiny for tests, or the real 0.6b / 1.7b architecture for benchmarks), `dtype` the stored dtype."""
     from .codec.decoder import CodecDecoder, CodecDecoderConfig
     from .config import ModelConfig
     from .model.talker import Talker
@@ -114,33 +162,33 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     folder = Path(folder)
     (folder / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     text_ids = write_tiny_tokenizer(folder, seed=seed)
-    cfg_dict = tiny_config(kind, size, text_ids)
+    cfg_dict = tiny_config(kind, size, text_ids, arch)
     (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
 
     torch.manual_seed(seed)
     cfg = ModelConfig.from_dict(cfg_dict)
-    tensors = _prefixed("talker.", Talker(cfg.talker))
+    tensors = _prefixed("talker.", Talker(cfg.talker), dtype)
     if kind == "base":
         from .voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig  # not written yet: issue 2
 
         se = SpeakerEncoder(SpeakerEncoderConfig.from_dict(cfg_dict["speaker_encoder_config"]))
-        tensors.update(_prefixed("speaker_encoder.", se))
+        tensors.update(_prefixed("speaker_encoder.", se, dtype))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-    st = tiny_speech_tokenizer_config()
+    st = tiny_speech_tokenizer_config(arch)
     (folder / "speech_tokenizer" / "config.json").write_text(json.dumps(st, indent=2))
     (folder / "speech_tokenizer" / "preprocessor_config.json").write_text(json.dumps(FEATURE_EXTRACTOR, indent=2))
     # the codec does not depend on the checkpoint kind or seed: every tiny checkpoint shares it, like the
     # released ones do
     torch.manual_seed(1234)
-    codec = _prefixed("decoder.", CodecDecoder(CodecDecoderConfig.from_dict(st["decoder_config"])))
+    codec = _prefixed("decoder.", CodecDecoder(CodecDecoderConfig.from_dict(st["decoder_config"])), dtype)
     try:  # the codec encoder (ICL cloning) is not written yet; checkpoints without it still synthesize
         from .codec.encoder import CodecEncoder, CodecEncoderConfig
     except ImportError:
         CodecEncoder = None
     if CodecEncoder is not None:
         codec.update(_prefixed("encoder.", CodecEncoder(CodecEncoderConfig.from_dict(
-            st["encoder_config"], valid_num_quantizers=16))))
+            st["encoder_config"], valid_num_quantizers=16)), dtype))
     save_file(codec, str(folder / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -34,11 +34,13 @@ class SamplingParams:
     subtalker_temperature: float = 0.9
     max_new_tokens: int = 2048
     seed: int = 0
+    ignore_eos: bool = False   # benchmarks: force a fixed output length
 
 
 @dataclass
 class RowParams:
-    """SamplingParams of B rows as device tensors (one field per tensor, each [B])."""
+    """SamplingParams of B rows as device tensors ([B] each), plus host-side facts about the batch (known
+    without asking the device) that let the sampler skip work no row needs."""
 
     do_sample: torch.Tensor
     top_k: torch.Tensor
@@ -50,11 +52,20 @@ class RowParams:
     sub_top_p: torch.Tensor
     sub_temperature: torch.Tensor
     seed: torch.Tensor
+    ignore_eos: torch.Tensor
+    host: dict
 
     @classmethod
     def stack(cls, params: list[SamplingParams], device) -> "RowParams":
         def t(vals, dtype):
             return torch.tensor(vals, dtype=dtype, device=device)
+
+        def facts(sample, k, p):
+            return {"any_sample": any(sample), "k_max": 0 if any(x <= 0 for x in k) else max(k),
+                    "any_top_p": any(x < 1.0 for x in p)}
+        host = {"c0": facts([p.do_sample for p in params], [p.top_k for p in params], [p.top_p for p in params]),
+                "sub": facts([p.subtalker_dosample for p in params], [p.subtalker_top_k for p in params],
+                             [p.subtalker_top_p for p in params])}
         return cls(
             do_sample=t([p.do_sample for p in params], torch.bool),
             top_k=t([p.top_k for p in params], torch.long),
@@ -66,14 +77,9 @@ class RowParams:
             sub_top_p=t([p.subtalker_top_p for p in params], torch.float32),
             sub_temperature=t([p.subtalker_temperature for p in params], torch.float32),
             seed=t([p.seed & 0x7FFFFFFFFFFFFFFF for p in params], torch.long),
+            ignore_eos=t([p.ignore_eos for p in params], torch.bool),
+            host=host,
         )
-
-    def select(self, idx: torch.Tensor) -> "RowParams":
-        return RowParams(**{k: v[idx] for k, v in self.__dict__.items()})
-
-    @classmethod
-    def concat(cls, parts: list["RowParams"]) -> "RowParams":
-        return cls(**{k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].__dict__})
 
 
 # --- counter-based uniforms ---------------------------------------------------------------------
@@ -91,11 +97,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & 0x1FFFFFFFF)
 
 
-def uniforms(seed: torch.Tensor, frame: torch.Tensor, book: int, vocab: int) -> torch.Tensor:
-    """U(0,1) [B, vocab] (float64) determined by (seed [B], frame [B], codebook, token index)."""
-    tok = torch.arange(vocab, device=seed.device, dtype=torch.long)
+def uniforms(seed: torch.Tensor, frame: torch.Tensor, book: int, vocab: int | torch.Tensor) -> torch.Tensor:
+    """U(0,1) (float64) determined by (seed [B], frame [B], codebook, token id): [B, vocab] for every id, or
+    [B, k] for the ids given as a [B, k] tensor."""
+    tok = (torch.arange(vocab, device=seed.device, dtype=torch.long)[None] if isinstance(vocab, int) else vocab)
     key = _mix(seed * _G + frame * 1000003 + book)
-    x = _mix(key[:, None] + tok[None, :] * _G)
+    x = _mix(key[:, None] + tok * _G)
     mant = (x >> 11) & ((1 << 53) - 1)
     return (mant.double() + 0.5) / float(1 << 53)
 
@@ -109,31 +116,47 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Temperature -> top-k -> top-p, per row, as the HF warpers (ties at the k-th value are kept)."""
+    """Temperature -> top-k -> top-p over the full vocabulary, per row, as the HF warpers (ties at the k-th
+    value kept). The reference for `choose`, which does the same on the top-k candidates only."""
     logits = logits / temperature[:, None]
     V = logits.shape[-1]
     sorted_desc, _ = torch.sort(logits, dim=-1, descending=True)
-    k = top_k.clamp(1, V)
-    kth = sorted_desc.gather(-1, (k - 1)[:, None])
-    use_k = (top_k > 0)[:, None]
-    logits = torch.where(use_k & (logits < kth), torch.full_like(logits, NEG_INF), logits)
-    # top-p (HF TopPLogitsWarper): drop the low-probability tail whose cumulative mass <= 1 - top_p,
-    # always keeping the most likely token. Rows with top_p >= 1 are untouched (HF skips the warper).
+    kth = sorted_desc.gather(-1, (top_k.clamp(1, V) - 1)[:, None])
+    logits = torch.where((top_k > 0)[:, None] & (logits < kth), torch.full_like(logits, NEG_INF), logits)
+    return _top_p(logits, top_p)
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF TopPLogitsWarper: drop the tail whose cumulative mass <= 1 - top_p, always keeping the most likely
+    token; rows with top_p >= 1 are untouched (HF does not add the warper)."""
     sorted_asc, idx_asc = torch.sort(logits, dim=-1, descending=False)
     cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum <= (1 - top_p)[:, None]
     remove_sorted[:, -1] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, idx_asc, remove_sorted)
-    remove = remove & (top_p < 1.0)[:, None]
-    return logits.masked_fill(remove, NEG_INF)
+    return logits.masked_fill(remove & (top_p < 1.0)[:, None], NEG_INF)
 
 
-def choose(logits: torch.Tensor, do_sample: torch.Tensor, temperature, top_k, top_p, u: torch.Tensor) -> torch.Tensor:
-    """Greedy argmax for rows with do_sample False, else a Gumbel-max draw from the warped logits."""
+def choose(logits: torch.Tensor, do_sample, temperature, top_k, top_p, seed, frame, book: int,
+           host: dict) -> torch.Tensor:
+    """Greedy argmax for rows with do_sample False, else a Gumbel-max draw from the warped distribution.
+
+    Only the k_max best candidates are scored (top-k by value, then each row's own k, temperature and
+    top-p among them), so the per-draw cost is O(k) after one top-k, not a sort of the vocabulary."""
     greedy = logits.argmax(dim=-1)
-    warped = warp(logits, temperature, top_k, top_p).double()
-    gumbel = -torch.log(-torch.log(u))
-    drawn = (warped + gumbel).argmax(dim=-1)
+    if not host["any_sample"]:
+        return greedy
+    V = logits.shape[-1]
+    k_max = host["k_max"] or V
+    vals, idx = torch.topk(logits, min(k_max, V), dim=-1)                       # [B, k] descending
+    rank = torch.arange(vals.shape[1], device=logits.device)[None]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    vals = (vals / temperature[:, None]).masked_fill(~keep, NEG_INF)
+    if host["any_top_p"]:
+        vals = _top_p(vals, top_p)
+    u = uniforms(seed, frame, book, idx)
+    pick = (vals.double() - torch.log(-torch.log(u))).argmax(dim=-1)
+    drawn = idx.gather(-1, pick[:, None])[:, 0]
     return torch.where(do_sample, drawn, greedy)
 
 
@@ -151,14 +174,13 @@ class C0Processor:
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor, step: torch.Tensor, rp: RowParams) -> torch.Tensor:
         """logits [B, V] fp32, seen [B, V] bool, step [B] number of c0 ids generated so far -> chosen ids [B]."""
         logits = apply_repetition_penalty(logits, seen, rp.penalty)
-        block_eos = (step < self.min_new_tokens)[:, None] & (
+        block_eos = ((step < self.min_new_tokens) | rp.ignore_eos)[:, None] & (
             torch.arange(logits.shape[-1], device=logits.device) == self.eos_id)[None]
         logits = logits.masked_fill(block_eos | self.suppress[None], NEG_INF)
-        u = uniforms(rp.seed, step, 0, logits.shape[-1])
-        return choose(logits, rp.do_sample, rp.temperature, rp.top_k, rp.top_p, u)
+        return choose(logits, rp.do_sample, rp.temperature, rp.top_k, rp.top_p, rp.seed, step, 0, rp.host["c0"])
 
 
 def choose_residual(logits: torch.Tensor, frame: torch.Tensor, book: int, rp: RowParams) -> torch.Tensor:
     """Codebook `book` (1..15) from the code predictor's logits [B, 2048] -> ids [B]."""
-    u = uniforms(rp.seed, frame, book, logits.shape[-1])
-    return choose(logits, rp.sub_do_sample, rp.sub_temperature, rp.sub_top_k, rp.sub_top_p, u)
+    return choose(logits, rp.sub_do_sample, rp.sub_temperature, rp.sub_top_k, rp.sub_top_p, rp.seed, frame, book,
+                  rp.host["sub"])

@@ -1,0 +1,226 @@
+"""Benchmark: `python -m tts_engine.bench`.
+
+Builds a checkpoint of the chosen architecture with random weights (no download) or loads one, forces a
+fixed output length (end-of-speech disabled), and measures through the public streaming API:
+time to first audio chunk (p50/p99, from submit), per-stream real-time factor (x real time, p50 and the
+worst p99), total audio seconds per wall second, at each concurrency, and peak memory. Where the official
+implementation is installed (the oracle venv), it is timed on the same weights and the speed ratio printed.
+A per-frame profile (talker, code predictor, sampling, codec, host overhead) is taken at concurrency 1.
+Results go to stdout and to docs/benchmarks.md, with the device named.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .engine.engine import TTSEngine
+from .tiny import make_tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def checkpoint_for(arch: str, dtype: torch.dtype) -> Path:
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "bench" / arch
+    if not (folder / "speech_tokenizer" / "model.safetensors").exists():
+        print(f"writing a random {arch} checkpoint to {folder} ...", file=sys.stderr)
+        make_tiny(folder, kind="custom_voice", size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,
+                  dtype=torch.bfloat16 if arch in ("0.6b", "1.7b") else torch.float32)
+    return folder
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else float("nan")
+
+
+def run_concurrency(engine: TTSEngine, c: int, frames: int, first_chunk: int) -> dict:
+    results = [None] * c
+    start = threading.Barrier(c)
+
+    def client(i):
+        start.wait()
+        t0 = time.perf_counter()
+        s = engine.stream("Ladies and gentlemen, please remain calm.", voice=engine.speakers[i % len(engine.speakers)],
+                          seed=i, max_new_tokens=frames + 1, sampling={"ignore_eos": True},
+                          first_chunk_frames=first_chunk)
+        first, n = None, 0
+        for chunk in s:
+            if first is None:
+                first = time.perf_counter() - t0
+            n += len(chunk)
+        results[i] = (first, time.perf_counter() - t0, n / engine.sample_rate)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfa = [r[0] for r in results]
+    xrt = [r[2] / r[1] for r in results]
+    return {"concurrency": c, "ttfa_p50_ms": 1000 * pct(ttfa, 50), "ttfa_p99_ms": 1000 * pct(ttfa, 99),
+            "xrt_p50": pct(xrt, 50), "xrt_p99_worst": pct(xrt, 1), "audio_s_per_s": sum(r[2] for r in results) / wall,
+            "audio_s": sum(r[2] for r in results), "wall_s": wall}
+
+
+def profile_frame(engine: TTSEngine, frames: int) -> dict:
+    """Per-frame time split at batch 1, measured around each part with device synchronisation."""
+    runner, model = engine.runner, engine.model
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers[0], "auto", None, 0,
+                                  {"ignore_eos": True}, False, frames + 1, None, 2, 12)
+    row = engine.scheduler.free_rows[-1]
+    codec = model.speech_tokenizer.decoder
+    acc = {"talker_ms": 0.0, "code_predictor_ms": 0.0, "codec_ms": 0.0, "frame_total_ms": 0.0}
+    with torch.inference_mode():
+        runner.prefill(row, req.prompt, req.params)
+        state = codec.init_state(1)
+        rows = [row]
+        r = torch.tensor(rows, device=model.device)
+        rp = runner._row_params(rows)
+        for _ in range(frames):
+            sync()
+            t0 = time.perf_counter()
+            codes, _ = runner.decode(rows)
+            sync()
+            t1 = time.perf_counter()
+            codec.decode_step(codes.T[None], state)
+            sync()
+            t2 = time.perf_counter()
+            acc["frame_total_ms"] += 1000 * (t1 - t0)
+            acc["codec_ms"] += 1000 * (t2 - t1)
+            # the same frame's parts, timed separately (results discarded)
+            fi = runner.step[r] - 1
+            sync()
+            a = time.perf_counter()
+            runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
+            sync()
+            b = time.perf_counter()
+            x = model.talker.frame_embed(codes)[:, None]
+            model.talker.forward_embeds(x, runner.cache, r, runner.pos[r] - 1, runner.host_len[row])
+            sync()
+            c = time.perf_counter()
+            acc["code_predictor_ms"] += 1000 * (b - a)
+            acc["talker_ms"] += 1000 * (c - b)
+        runner.release(row)
+    out = {k: v / frames for k, v in acc.items()}
+    out["sampling_and_host_ms"] = out["frame_total_ms"] - out["talker_ms"] - out["code_predictor_ms"]
+    return out
+
+
+def official_xrt(ckpt: Path, frames: int, device: str, dtype: str) -> float | None:
+    exe = os.environ.get("QWEN_TTS_ORACLE_PYTHON") or str(ROOT / ".venv-oracle" / "bin" / "python")
+    if not Path(exe).exists():
+        return None
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    p = subprocess.run([exe, str(ROOT / "tests" / "oracle" / "bench_official.py"), str(ckpt), str(frames), device,
+                        dtype], capture_output=True, text=True, env=env, timeout=3600)
+    if p.returncode != 0:
+        print("official benchmark failed:\n" + p.stderr[-2000:], file=sys.stderr)
+        return None
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return r["frames"] * 0.08 / r["wall_s"]
+
+
+def peak_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU (max allocated)"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB host RSS (peak)"
+
+
+def write_markdown(path: Path, header: str, body: str) -> None:
+    """Replace (or add) the section that starts with `header` in docs/benchmarks.md."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\nWritten by `python -m tts_engine.bench`.\n"
+    sections = text.split("\n## ")
+    kept = [sections[0]] + ["## " + s for s in sections[1:] if not ("## " + s).startswith(header)]
+    path.write_text("\n".join(k.rstrip("\n") + "\n" for k in kept) + "\n" + header + "\n\n" + body + "\n",
+                    encoding="utf-8")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tts_engine.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], help="random-weight architecture "
+                   "(default: 0.6b on a GPU, small on a CPU)")
+    p.add_argument("--model", help="a checkpoint folder or hub id instead of random weights")
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--frames", type=int, help="frames per request (80 ms each); default 250 GPU / 40 CPU")
+    p.add_argument("--concurrency", default=None, help="comma list; default 1,4,16,64 GPU / 1,4 CPU")
+    p.add_argument("--first-chunk", type=int, default=2)
+    p.add_argument("--no-official", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    a = p.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    arch = a.arch or ("0.6b" if gpu else "small")
+    frames = a.frames or (250 if gpu else 40)
+    conc = [int(x) for x in (a.concurrency or ("1,4,16,64" if gpu else "1,4")).split(",")]
+    ckpt = Path(a.model) if a.model else checkpoint_for(arch, torch.bfloat16)
+    t0 = time.perf_counter()
+    engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
+                                       max_seq_len=frames + 128)
+    load_s = time.perf_counter() - t0
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[engine.model.dtype]
+    run_concurrency(engine, 1, 4, a.first_chunk)                  # warm-up
+    rows = [run_concurrency(engine, c, frames, a.first_chunk) for c in conc]
+    prof = profile_frame(engine, min(frames, 20))
+    mem = peak_memory(device)
+    off = None if a.no_official else official_xrt(ckpt, min(frames, 40 if not gpu else frames), str(device), dtype_name)
+    engine.close()
+
+    dev = device_name(device)
+    what = a.model or f"random-weight {arch} architecture"
+    lines = [f"Device: **{dev}**. Model: {what}, {dtype_name}. {frames} frames ({frames * 0.08:.1f} s of audio) per "
+             f"request, end-of-speech disabled, first chunk after {a.first_chunk} frames. Load {load_s:.1f} s. "
+             f"Peak memory: {mem}.",
+             "",
+             f"Command: `python -m tts_engine.bench {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
+             "",
+             "| concurrency | first audio p50 (ms) | first audio p99 (ms) | x real time per stream p50 | worst stream p99 | audio s per wall s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p99_ms']:.0f} | {r['xrt_p50']:.2f} | "
+                     f"{r['xrt_p99_worst']:.2f} | {r['audio_s_per_s']:.2f} |")
+    lines += ["", "Per frame at concurrency 1 (ms): " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.2f}"
+                                                               for k, v in prof.items()) + "."]
+    if off is not None:
+        ours = rows[0]["xrt_p50"]
+        lines.append(f"\nOfficial qwen-tts 0.1.1 on the same weights and device: {off:.3f}x real time "
+                     f"(non-streaming, whole request); tts_engine at concurrency 1: {ours:.2f}x, "
+                     f"**{ours / off:.1f}x the official speed**.")
+    else:
+        lines.append("\nOfficial implementation: not measured in this run (oracle venv not installed or --no-official).")
+    body = "\n".join(lines)
+    print(body)
+    write_markdown(Path(a.out), f"## {dev} — {what}, {dtype_name}", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
