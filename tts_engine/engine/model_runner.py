@@ -106,6 +106,8 @@ class ModelRunner:
         frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last."""
         B = len(rows)
         r = torch.tensor(rows, device=self.device)
+        contiguous = rows == list(range(rows[0], rows[0] + B))
+        cache_rows = slice(rows[0], rows[0] + B) if contiguous else r   # views instead of gathers
         rp = self._row_params(rows)
         frame_idx = self.step[r] - 1                        # index of the frame being completed
         codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
@@ -113,7 +115,7 @@ class ModelRunner:
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        h, logits = self.talker.forward_embeds(x[:, None], self.cache, r, self.pos[r], read_len)
+        h, logits = self.talker.forward_embeds(x[:, None], self.cache, cache_rows, self.pos[r], read_len)
         self.pos[r] += 1
         for i in rows:
             self.host_len[i] += 1
@@ -130,8 +132,7 @@ class ModelRunner:
                            rp: RowParams) -> torch.Tensor:
         """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]."""
         cp = self.talker.code_predictor
-        B = h.shape[0]
-        rows = torch.arange(B, device=self.device)
+        rows = None  # the predictor's scratch cache: rows 0..B-1 (views)
         x = torch.stack([h, self.talker.codec_embed(c0)], dim=1)                # [B, 2, D]
         out = [c0]
         for j in range(self.n_books - 1):

@@ -29,10 +29,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+_inv_freq_cache: dict = {}
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """positions [B, T] (int64) -> cos, sin [B, 1, T, hd] in `dtype` (computed in fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / head_dim))
+    key = (head_dim, theta, positions.device)
+    inv_freq = _inv_freq_cache.get(key)
+    if inv_freq is None:  # built once per (head_dim, theta, device)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                    .float() / head_dim))
+        _inv_freq_cache[key] = inv_freq
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -81,7 +88,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len):
         """x [B, T, D]; cos/sin [B, 1, T, hd]; k_cache/v_cache [R, Hkv, L, hd] (one layer);
-        rows [B] cache rows of this batch; write_pos [B, T] positions where the new keys go;
+        rows: cache rows of this batch, a slice (contiguous rows: cache views, no copies) or an index tensor [B];
+        write_pos [B, T] positions where the new keys go;
         attn_mask [B, 1, T, read_len] bool (True = attend); only the first read_len cache positions are read."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
@@ -90,10 +98,15 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         # scatter the new keys/values into the static cache at (row, :, pos)
-        r_idx = rows[:, None].expand(B, T)
+        if isinstance(rows, slice):
+            k_cache, v_cache = k_cache[rows], v_cache[rows]            # views [B, Hkv, L, hd]
+            r_idx = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            rows = slice(None)
+        else:
+            r_idx = rows[:, None].expand(B, T)
         k_cache[r_idx, :, write_pos] = k.transpose(1, 2)  # [B, T, Hkv, hd]
         v_cache[r_idx, :, write_pos] = v.transpose(1, 2)
-        keys = k_cache[rows, :, :read_len]    # [B, Hkv, S, hd]
+        keys = k_cache[rows, :, :read_len]    # [B, Hkv, S, hd] (a view when rows is a slice)
         vals = v_cache[rows, :, :read_len]
         out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
@@ -133,7 +146,7 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def run(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, start: torch.Tensor,
+    def run(self, x: torch.Tensor, cache: KVCache, rows, start: torch.Tensor,
             read_len: int) -> torch.Tensor:
         """x [B, T, D] new inputs for cache rows `rows` [B], whose first new position is `start` [B].
 

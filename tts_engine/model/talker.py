@@ -67,7 +67,7 @@ class CodePredictor(nn.Module):
         """x [B, T, talker D] inputs at positions start..start+T-1 (same for every row, since every row
         runs the same 15 steps each frame) -> logits of codebook head+1 for the last position [B, V] (fp32)."""
         B = x.shape[0]
-        h = self.model.run(self.small_to_mtp_projection(x), cache, rows,
+        h = self.model.run(self.small_to_mtp_projection(x), cache, slice(0, B) if rows is None else rows,
                            torch.full((B,), start, dtype=torch.long, device=x.device), start + x.shape[1])
         return self.lm_head[head](h[:, -1]).float()
 
