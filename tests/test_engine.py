@@ -241,7 +241,7 @@ def test_cli_synth_writes_wav_and_codes(cv, tmp_path):
     assert r.returncode == 2 and "unknown speaker" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("kind,size", [("custom_voice", "0b6"), ("voice_design", "1b7")])
+@pytest.mark.parametrize("kind,size", [("custom_voice", "0b6"), ("voice_design", "1b7"), ("base", "0b6")])
 def test_make_tiny_checkpoint_loads_and_speaks(tmp_path, kind, size):
     from tts_engine.tiny import make_tiny
 
@@ -251,6 +251,58 @@ def test_make_tiny_checkpoint_loads_and_speaks(tmp_path, kind, size):
         assert (folder / f).exists(), f
     eng = TTSEngine.from_pretrained(str(folder), device="cpu")
     voice = "vivian" if kind == "custom_voice" else None
-    wav = eng.synthesize("Testing one two three.", voice=voice, instruct="Calm." if kind != "custom_voice" else None,
+    if kind == "base":
+        t = np.arange(24000 * 2) / 24000
+        voice = eng.clone_voice((0.3 * np.sin(2 * np.pi * 180 * t).astype(np.float32), 24000), ref_text="Hello.")
+        assert voice.kind == "icl" and voice.ref_codes.shape == (25, 16) and voice.embedding.shape == (64,)
+    wav = eng.synthesize("Testing one two three.", voice=voice, instruct="Calm." if kind == "voice_design" else None,
                          max_new_tokens=10, seed=0)
     assert wav.dtype == np.float32 and np.isfinite(wav).all() and len(wav) % 1920 == 0 and np.abs(wav).max() > 0
+
+
+def test_base_loads_speaker_encoder_and_codec_encoder_only_when_needed(official):
+    ckpt, _, _ = official("base", "0b6")
+    eng = TTSEngine.from_pretrained(str(ckpt), device="cpu")
+    st, weights = eng.model.speech_tokenizer, eng.model.weights
+    assert not eng.model.speaker_encoder_loaded and not st.encoder_loaded
+    read_before = weights.tensors_read
+    t = np.arange(24000) / 24000
+    clip = (0.3 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)
+    v = eng.clone_voice((clip, 24000), x_vector_only=True)          # x-vector only: no codec encoder
+    assert eng.model.speaker_encoder_loaded and not st.encoder_loaded
+    assert weights.tensors_read - read_before == len(eng.model.speaker_encoder.state_dict())
+    eng.synthesize("Hi.", voice=v, max_new_tokens=3, seed=0)
+    assert st.decoder_loaded and not st.encoder_loaded
+    eng.clone_voice((clip, 24000), ref_text="Hello.")                # ICL: now the encoder is read
+    assert st.encoder_loaded
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("missing.wav", "not found"),
+    (b"", "not a readable audio"),
+    (b"definitely not audio", "not a readable audio"),
+    ((np.zeros(0, np.float32), 24000), "empty"),
+    ((np.full(100, np.nan, np.float32), 24000), "invalid"),
+    ((np.zeros(100, np.float32), 10), "sample rate"),
+])
+def test_load_audio_rejects_bad_input(bad, msg, tmp_path):
+    from tts_engine.audio import load_audio
+
+    with pytest.raises(TTSError, match=msg):
+        load_audio(str(tmp_path / bad) if isinstance(bad, str) else bad)
+
+
+def test_load_audio_formats(tmp_path):
+    from tts_engine.audio import get_resampler, load_audio, resample
+
+    st = np.stack([np.full(800, 0.5, np.float32), np.full(800, -0.1, np.float32)], axis=1)
+    p = tmp_path / "s.wav"
+    sf.write(p, st, 16000)
+    wav, sr = load_audio(str(p))
+    assert sr == 16000 and wav.shape == (800,) and abs(float(wav.mean()) - 0.2) < 1e-3
+    wav, sr = load_audio((8000, (st * 32767).astype(np.int16)))      # Gradio's (sr, int16 array)
+    assert sr == 8000 and abs(float(wav.mean()) - 0.2) < 1e-3
+    wav, sr = load_audio(p.read_bytes())
+    assert sr == 16000
+    assert resample(wav, 16000, 24000).shape == (1200,)
+    assert get_resampler(16000, 24000) is get_resampler(16000, 24000) and get_resampler.cache_info().maxsize == 16

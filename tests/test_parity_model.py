@@ -49,7 +49,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("kind,size", [("custom_voice", "0b6"), ("custom_voice", "1b7"), ("voice_design", "1b7")])
+@pytest.mark.parametrize("kind,size", [("custom_voice", "0b6"), ("custom_voice", "1b7"), ("voice_design", "1b7"),
+                                       ("base", "0b6"), ("base", "1b7")])
 def test_fp32_matches_official(official, kind, size):
     engine, results, ref = _run_cases(kind, size, official, torch.float32)
     assert results, "the oracle recorded no cases"
@@ -74,20 +75,28 @@ def test_fp32_matches_official(official, kind, size):
                 assert torch.equal(voice.ref_codes, ref["ref_code"]), "reference codes differ"
 
 
-@pytest.mark.parametrize("kind,size", [("custom_voice", "1b7"), ("voice_design", "1b7")])
+@pytest.mark.parametrize("kind,size", [("custom_voice", "1b7"), ("voice_design", "1b7"), ("base", "0b6")])
 def test_bf16_close_to_official(official, kind, size):
     """bf16 weights, against the official fp32 run. Stated tolerances: prompt embeddings within 3 % (relative
-    L2); the first frame's codebook-0 id identical and >= 12 of its 16 ids (later greedy frames of a random tiny model legitimately
+    L2); the first frame's codebook-0 id identical and (presets, design) >= 12 of its 16 ids (later greedy frames of a random tiny model legitimately
     diverge once one near-tie flips); the official codes decoded by our bf16 codec within
     of the official fp32 waveform: 50 % relative L2, because the random oracle codec has a large gain (its
     fp32 output already sits at the +-1 clamp) and amplifies bf16 rounding; unrelated audio gives ~140 %."""
     engine, results, ref = _run_cases(kind, size, official, torch.bfloat16)
     for case, s, wav, voice in results:
         name = case["name"]
-        assert _rel(s.request.prompt.prefill, ref[f"{name}.prefill"]) < 3e-2, name
         want, got = ref[f"{name}.codes"], s.codes
-        assert got.shape[0] >= 1 and got[0, 0] == want[0, 0], name
-        assert (got[0] == want[0]).float().mean() >= 0.75, name
+        if isinstance(voice, Voice):  # the prompt depends on our bf16 x-vector: check the clone inputs
+            xv = int(case["x_vector_only"])
+            assert _rel(voice.embedding, ref[f"xvec{xv}.spk"]) < 5e-2, f"{name}: bf16 speaker embedding"
+            if not xv:
+                assert (voice.ref_codes == ref["ref_code"]).float().mean() >= 0.5, f"{name}: bf16 reference codes"
+        else:
+            assert _rel(s.request.prompt.prefill, ref[f"{name}.prefill"]) < 3e-2, name
+            assert got.shape[0] >= 1 and got[0, 0] == want[0, 0], name
+            assert (got[0] == want[0]).float().mean() >= 0.75, name
+        if isinstance(voice, Voice) and not case["x_vector_only"]:
+            continue  # the ICL waveform is decoded after the reference codes; covered in fp32
         decoded = engine.model.speech_tokenizer.decode(want)
         rel = np.linalg.norm(decoded - ref[f"{name}.wav"].numpy()) / np.linalg.norm(ref[f"{name}.wav"].numpy())
         assert rel < 0.5, f"{name}: bf16 decode relative error {rel:.3f}"

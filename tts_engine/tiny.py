@@ -151,6 +151,7 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     """Write a random checkpoint of `kind` (base | custom_voice | voice_design) to `folder`; `arch` picks the
     widths (tiny for tests, or the real 0.6b / 1.7b architecture for benchmarks), `dtype` the stored dtype."""
     from .codec.decoder import CodecDecoder, CodecDecoderConfig
+    from .codec.encoder import CodecEncoder, CodecEncoderConfig
     from .config import ModelConfig
     from .model.talker import Talker
     from .tiny_tokenizer import write_tiny_tokenizer
@@ -170,7 +171,7 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     cfg = ModelConfig.from_dict(cfg_dict)
     tensors = _prefixed("talker.", Talker(cfg.talker), dtype)
     if kind == "base":
-        from .voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig  # not written yet: issue 2
+        from .voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
         se = SpeakerEncoder(SpeakerEncoderConfig.from_dict(cfg_dict["speaker_encoder_config"]))
         tensors.update(_prefixed("speaker_encoder.", se, dtype))
@@ -182,13 +183,8 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     # the codec does not depend on the checkpoint kind or seed: every tiny checkpoint shares it, like the
     # released ones do
     torch.manual_seed(1234)
-    codec = _prefixed("decoder.", CodecDecoder(CodecDecoderConfig.from_dict(st["decoder_config"])), dtype)
-    try:  # the codec encoder (ICL cloning) is not written yet; checkpoints without it still synthesize
-        from .codec.encoder import CodecEncoder, CodecEncoderConfig
-    except ImportError:
-        CodecEncoder = None
-    if CodecEncoder is not None:
-        codec.update(_prefixed("encoder.", CodecEncoder(CodecEncoderConfig.from_dict(
-            st["encoder_config"], valid_num_quantizers=16)), dtype))
+    codec = _prefixed("encoder.", CodecEncoder(CodecEncoderConfig.from_dict(
+        st["encoder_config"], valid_num_quantizers=16)), dtype)
+    codec.update(_prefixed("decoder.", CodecDecoder(CodecDecoderConfig.from_dict(st["decoder_config"])), dtype))
     save_file(codec, str(folder / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
     return folder

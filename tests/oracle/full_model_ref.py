@@ -35,7 +35,8 @@ def randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
             elif "embedding" in name and "codebook" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / max(1, p.shape[-1]) ** 0.5))
+                fan_in = int(torch.tensor(p.shape[1:]).prod()) if p.ndim > 1 else p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / max(1, fan_in) ** 0.5))
 
 
 def build_codec(folder: Path, gen: torch.Generator) -> None:
@@ -46,7 +47,7 @@ def build_codec(folder: Path, gen: torch.Generator) -> None:
         for name, t in model.state_dict().items():
             if name.endswith("cluster_usage"):
                 t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
-            elif name.endswith("embedding_sum"):
+            elif name.endswith(("embedding_sum", "embed_sum")):
                 t.copy_(torch.randn(t.shape, generator=gen))
             elif name.endswith(("alpha", "beta")):
                 t.copy_(0.1 * torch.randn(t.shape, generator=gen))
