@@ -306,3 +306,44 @@ def test_load_audio_formats(tmp_path):
     assert sr == 16000
     assert resample(wav, 16000, 24000).shape == (1200,)
     assert get_resampler(16000, 24000) is get_resampler(16000, 24000) and get_resampler.cache_info().maxsize == 16
+
+
+def test_hot_buffers_are_built_once(cv):
+    from tts_engine.voices.mel import mel_basis_and_window
+
+    dev = torch.device("cpu")
+    assert mel_basis_and_window(dev) is mel_basis_and_window(dev)
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    talker = eng.model.talker
+    table = talker._frame_table
+    lo, hi = table.data_ptr(), table.data_ptr() + table.numel() * table.element_size()
+    embs = [talker.model.codec_embedding] + list(talker.code_predictor.model.codec_embedding)
+    assert all(lo <= e.weight.data_ptr() < hi for e in embs)         # views of one table, no copies
+    codes = torch.randint(0, 2048, (3, 16))
+    want = talker.model.codec_embedding(codes[:, 0]) + sum(
+        talker.code_predictor.model.codec_embedding[i](codes[:, i + 1]) for i in range(15))
+    assert torch.allclose(talker.frame_embed(codes), want, atol=1e-5)
+    pb = eng.model.prompts
+    assert pb.tts_pad is eng.model.prompts.tts_pad and pb.tts_pad.shape == (talker.cfg.hidden_size,)
+
+
+def test_unreachable_hub_gives_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TTSError, match="Hugging Face Hub"):
+        TTSEngine.from_pretrained("Qwen/Not-A-Real-Checkpoint-For-Tests")
+    with pytest.raises(TTSError, match="neither a checkpoint folder"):
+        TTSEngine.from_pretrained("/no/such/folder")
+
+
+def test_cli_clone_with_reference_audio(official, tmp_path):
+    ckpt, _, _ = official("base", "0b6")
+    ref = tmp_path / "ref.wav"
+    t = np.arange(16000) / 16000
+    sf.write(ref, (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 16000)
+    out, codes = tmp_path / "o.wav", tmp_path / "c.npy"
+    r = subprocess.run([sys.executable, "-m", "tts_engine", "synth", "--model", str(ckpt), "--text", "Hello!",
+                        "--ref-audio", str(ref), "--ref-text", "A reference.", "--greedy", "--max-new-tokens", "5",
+                        "--out", str(out), "--codes-out", str(codes)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    c = np.load(codes)
+    assert c.shape == (4, 16) and len(sf.read(out)[0]) == 4 * 1920   # generated frames only, not the reference
