@@ -1,0 +1,247 @@
+"""OpenAI-compatible speech API, as vLLM-Omni serves Qwen3-TTS:
+
+  POST /v1/audio/speech   {model, input, voice, response_format, speed, stream, language, instructions,
+                           task_type, ref_audio, ref_text, x_vector_only_mode, speaker_embedding,
+                           max_new_tokens, seed}
+  GET  /v1/audio/voices
+
+Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
+`ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import threading
+from collections import defaultdict
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from tts_engine import EngineBusyError, TTSError
+
+from . import audio_formats
+from .limits import Limits
+from .registry import EngineRegistry
+
+log = logging.getLogger("tts_server")
+TASKS = {"customvoice": "custom_voice", "custom_voice": "custom_voice", "voicedesign": "voice_design",
+         "voice_design": "voice_design", "base": "base"}
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str
+    voice: str | None = None
+    response_format: str = "wav"
+    speed: float | None = None
+    stream: bool = False
+    stream_format: str | None = None
+    language: str | None = None
+    instructions: str | None = None
+    task_type: str | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    speaker_embedding: list[float] | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = (
+            status, message, param, code, type_, headers)
+
+
+def error_response(status: int, message: str, param=None, code=None, type_="invalid_request_error",
+                   headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class ClientSlots:
+    """Concurrent requests per client address."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active: dict[str, int] = defaultdict(int)
+        self.lock = threading.Lock()
+
+    def acquire(self, client: str) -> None:
+        with self.lock:
+            if self.active[client] >= self.limit:
+                raise APIError(429, f"too many concurrent requests from this client (limit {self.limit})",
+                               code="rate_limit_exceeded", type_="rate_limit_error")
+            self.active[client] += 1
+
+    def release(self, client: str) -> None:
+        with self.lock:
+            self.active[client] = max(0, self.active[client] - 1)
+            if not self.active[client]:
+                del self.active[client]
+
+
+def decode_ref_audio(s: str, limits: Limits) -> bytes:
+    s = s.strip()
+    if s.startswith(("http://", "https://", "file:")):
+        raise APIError(400, "ref_audio must be inline audio (a data: URI or base64); URLs are not fetched",
+                       param="ref_audio")
+    if s.startswith("data:"):
+        s = s.split(",", 1)[-1]
+    if len(s) * 3 // 4 > limits.max_upload_bytes:
+        raise APIError(413, f"ref_audio is larger than {limits.max_upload_bytes // 2**20} MiB", param="ref_audio")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "ref_audio is not valid base64", param="ref_audio") from None
+
+
+def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
+    """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
+    slots = ClientSlots(limits.max_per_client)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code, e.type, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        if not request.url.path.startswith("/v1/"):
+            return JSONResponse({"detail": e.errors()}, status_code=422)
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", [])[1:]) or None
+        return error_response(400, f"invalid request: {first.get('msg', 'bad body')}", param=param)
+
+    def pick_role(req: SpeechRequest) -> str:
+        if req.task_type:
+            role = TASKS.get(req.task_type.replace(" ", "").lower())
+            if role is None:
+                raise APIError(400, "task_type must be CustomVoice, VoiceDesign or Base", param="task_type")
+            return role
+        if req.ref_audio or req.speaker_embedding is not None:
+            return "base"
+        m = (req.model or "").lower()
+        for role, ck in registry.checkpoints.items():
+            if ck and m and m == str(ck).lower():
+                return role
+        for key, role in (("voicedesign", "voice_design"), ("customvoice", "custom_voice"), ("-base", "base")):
+            if key in m.replace("_", ""):
+                return role
+        if req.voice:
+            if registry.configured("custom_voice"):
+                if req.voice.strip().lower() in registry.get("custom_voice").speakers:
+                    return "custom_voice"
+            if registry.voices.get(req.voice) is not None:
+                return "base"
+            raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
+        if req.instructions and registry.configured("voice_design"):
+            return "voice_design"
+        raise APIError(400, "say which voice to use: `voice`, `ref_audio` or `speaker_embedding`", param="voice")
+
+    def make_voice(role, engine, req: SpeechRequest):
+        if role == "voice_design":
+            if not (req.instructions or "").strip():
+                raise APIError(400, "VoiceDesign needs `instructions` describing the voice", param="instructions")
+            return None
+        if role == "custom_voice":
+            if not req.voice:
+                raise APIError(400, "choose a voice: " + ", ".join(engine.speakers), param="voice")
+            return req.voice
+        if req.ref_audio:
+            data = decode_ref_audio(req.ref_audio, limits)
+            xvec = bool(req.x_vector_only_mode) or not (req.ref_text or "").strip()
+            return engine.clone_voice(data, ref_text=req.ref_text, x_vector_only=xvec)
+        if req.speaker_embedding is not None:
+            return engine.voice_from_embedding(req.speaker_embedding)
+        if req.voice:
+            v = registry.voices.get(req.voice)
+            if v is None:
+                raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
+            return v
+        raise APIError(400, "a Base model needs `ref_audio`, `speaker_embedding` or a saved `voice`", param="voice")
+
+    @app.post("/v1/audio/speech")
+    def speech(req: SpeechRequest, request: Request):
+        fmt = (req.response_format or "wav").lower()
+        if fmt not in audio_formats.available_formats():
+            raise APIError(400, f"response_format must be one of {', '.join(audio_formats.available_formats())}",
+                           param="response_format")
+        if req.speed is not None and abs(req.speed - 1.0) > 1e-6:
+            raise APIError(400, "speed is not supported by Qwen3-TTS (only 1.0)", param="speed",
+                           code="unsupported_parameter")
+        if req.stream and fmt not in audio_formats.STREAMABLE:
+            raise APIError(400, "stream=true supports response_format wav or pcm", param="response_format")
+        if not req.input or not req.input.strip():
+            raise APIError(400, "input is empty", param="input")
+        if len(req.input) > limits.max_text_chars:
+            raise APIError(400, f"input is too long: {len(req.input)} characters, the limit is "
+                                f"{limits.max_text_chars}", param="input", code="input_too_long")
+        client = request.client.host if request.client else "unknown"
+        slots.acquire(client)
+        released = False
+        try:
+            role = pick_role(req)
+            engine = registry.get(role)
+            voice = make_voice(role, engine, req)
+            max_new = min(req.max_new_tokens or limits.max_new_tokens, limits.max_new_tokens)
+            stream = engine.stream(req.input, voice=voice, language=req.language or "auto",
+                                   instruct=req.instructions if engine.supports_instruct else None,
+                                   seed=req.seed, max_new_tokens=max_new)
+            try:
+                first = next(stream)          # errors at the start still get a proper status code
+            except StopIteration:
+                first = np.zeros(0, np.float32)
+            except BaseException:
+                stream.cancel()
+                raise
+            if not req.stream:
+                parts = [first] + list(stream)
+                body = audio_formats.encode(np.concatenate(parts), fmt)
+                return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt],
+                                headers={"X-Seed": str(stream.seed)})
+
+            def chunks():
+                try:
+                    if fmt == "wav":
+                        yield audio_formats.streaming_wav_header()
+                    yield audio_formats.to_int16(first).tobytes()
+                    for c in stream:
+                        yield audio_formats.to_int16(c).tobytes()
+                except TTSError as e:  # mid-stream failure: the status is already sent; end the body
+                    log.warning("stream ended early: %s", e)
+                finally:
+                    stream.cancel()       # a client that goes away frees its engine slot
+                    slots.release(client)
+
+            released = True
+            return StreamingResponse(chunks(), media_type=audio_formats.MEDIA_TYPES[fmt],
+                                     headers={"X-Seed": str(stream.seed)})
+        except EngineBusyError as e:
+            raise APIError(503, str(e), code="server_busy", type_="server_error", headers={"Retry-After": "2"})
+        except TTSError as e:
+            raise APIError(400, str(e))
+        finally:
+            if not released:
+                slots.release(client)
+
+    @app.get("/v1/audio/voices")
+    def voices():
+        data = []
+        if registry.configured("custom_voice"):
+            try:
+                eng = registry.get("custom_voice")
+                data += [{"id": s, "name": s, "model": registry.checkpoints["custom_voice"], "task_type": "CustomVoice"}
+                         for s in eng.speakers]
+            except TTSError as e:
+                log.warning("custom voice model unavailable: %s", e)
+        data += [{"id": n, "name": n, "model": registry.checkpoints.get("base"), "task_type": "Base"}
+                 for n in registry.voices.names()]
+        return {"object": "list", "data": data, "voices": [d["id"] for d in data]}

@@ -1,0 +1,145 @@
+"""The OpenAI-compatible speech API, driven by the official `openai` client against a server on loopback."""
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+import uvicorn
+from fastapi import FastAPI
+
+from server.limits import Limits
+from server.openai_api import install
+from server.registry import EngineRegistry
+from tts_engine.tiny import make_tiny
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    ck = {role: str(make_tiny(d / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
+          for role in ("custom_voice", "base", "voice_design")}
+    registry = EngineRegistry(ck, device="cpu", offline_fallback=False)
+    limits = Limits(max_text_chars=300, max_new_tokens=12, max_per_client=8)
+    app = FastAPI()
+    install(app, registry, limits)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    yield client, registry, port
+    srv.should_exit = True
+    t.join(timeout=10)
+    registry.close()
+
+
+def _wav(data: bytes):
+    wav, sr = sf.read(io.BytesIO(data))
+    return wav, sr
+
+
+def test_preset_voice_wav_flac_pcm_mp3(server):
+    client, _, _ = server
+    for fmt in ("wav", "flac", "mp3"):
+        r = client.audio.speech.create(model="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", voice="ryan",
+                                       input="Hello from the API.", response_format=fmt)
+        wav, sr = _wav(r.content)
+        assert sr == 24000 and len(wav) > 0
+    r = client.audio.speech.create(model="tts", voice="vivian", input="Raw samples.", response_format="pcm")
+    assert len(r.content) % 2 == 0 and len(r.content) % (1920 * 2) == 0 and len(r.content) > 0
+
+
+def test_streaming_sends_audio_as_generated(server):
+    client, _, _ = server
+    with client.audio.speech.with_streaming_response.create(
+            model="tts", voice="aiden", input="Streaming, please.", response_format="wav",
+            extra_body={"stream": True, "seed": 3}) as resp:
+        assert resp.headers["content-type"].startswith("audio/wav")
+        pieces = [p for p in resp.iter_bytes() if p]
+    body = b"".join(pieces)
+    assert body[:4] == b"RIFF" and len(pieces) >= 1
+    pcm = np.frombuffer(body[44:], dtype="<i2")
+    assert len(pcm) % 1920 == 0 and len(pcm) > 0
+
+
+def test_base_clone_from_ref_audio_and_embedding_and_voice_design(server):
+    client, registry, _ = server
+    t = np.arange(24000) / 24000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000, format="WAV")
+    b64 = "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+    r = client.audio.speech.create(model="base", voice="x", input="Cloned.", response_format="wav",
+                                   extra_body={"task_type": "Base", "ref_audio": b64, "ref_text": "A tone.",
+                                               "language": "english"})
+    assert _wav(r.content)[1] == 24000
+    emb = registry.get("base").voice_from_embedding(np.random.default_rng(0).standard_normal(64)).embedding
+    r = client.audio.speech.create(model="base", voice="x", input="From a vector.",
+                                   extra_body={"speaker_embedding": emb.tolist(), "x_vector_only_mode": True})
+    assert len(_wav(r.content)[0]) > 0
+    r = client.audio.speech.create(model="Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign", voice="x", input="Designed.",
+                                   extra_body={"instructions": "A calm narrator."})
+    assert len(_wav(r.content)[0]) > 0
+
+
+def test_voices_list(server):
+    client, _, port = server
+    import httpx
+
+    r = httpx.get(f"http://127.0.0.1:{port}/v1/audio/voices")
+    assert r.status_code == 200 and "ryan" in r.json()["voices"]
+
+
+@pytest.mark.parametrize("kwargs,status,text", [
+    (dict(input="   ", voice="ryan"), 400, "empty"),
+    (dict(input="x" * 400, voice="ryan"), 400, "limit is 300"),
+    (dict(input="Hi", voice="nobody"), 400, "unknown voice"),
+    (dict(input="Hi", voice="ryan", speed=1.5), 400, "speed"),
+    (dict(input="Hi", voice="ryan", response_format="opus"), 400, "response_format"),
+    (dict(input="Hi", voice="ryan", extra_body={"language": "klingon"}), 400, "unsupported language"),
+    (dict(input="Hi", voice="x", extra_body={"ref_audio": "https://example.com/a.wav"}), 400, "URLs"),
+    (dict(input="Hi", voice="x", extra_body={"ref_audio": base64.b64encode(b"not audio").decode()}), 400,
+     "not a readable audio"),
+    (dict(input="Hi", voice="x", extra_body={"speaker_embedding": [1e30] * 64}), 400, "unusable norm"),
+    (dict(input="Hi", voice="x", extra_body={"speaker_embedding": [0.1] * 7}), 400, "needs 64"),
+])
+def test_errors_are_openai_shaped(server, kwargs, status, text):
+    client, _, _ = server
+    kwargs.setdefault("model", "tts")
+    with pytest.raises(openai.APIStatusError) as info:
+        client.audio.speech.create(**kwargs)
+    e = info.value
+    assert e.status_code == status
+    body = e.response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert text in body["error"]["message"]
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    client, registry, port = server
+    import httpx
+
+    eng = registry.get("custom_voice")
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/audio/speech",
+                      json={"model": "tts", "voice": "serena", "input": "A long one.", "stream": True,
+                            "response_format": "pcm", "max_new_tokens": 12}, timeout=60) as r:
+        next(r.iter_bytes())        # got audio, then hang up
+    deadline = time.time() + 10
+    while eng.scheduler.running and time.time() < deadline:
+        time.sleep(0.02)
+    assert not eng.scheduler.running and len(eng.scheduler.free_rows) == eng.max_batch
