@@ -130,6 +130,12 @@ def cv(official):
 
 
 def test_lazy_loading_and_shared_codec(cv, tmp_path):
+    # a private copy whose codec config differs (a nonce key), so no other test's codec instance is reused
+    mine = tmp_path / "mine"
+    shutil.copytree(cv, mine)
+    stc = mine / "speech_tokenizer" / "config.json"
+    stc.write_text(json.dumps({**json.loads(stc.read_text()), "_test_nonce": str(tmp_path)}))
+    cv = mine
     eng = TTSEngine.from_pretrained(str(cv), device="cpu")
     st = eng.model.speech_tokenizer
     assert not st.decoder_loaded and not st.encoder_loaded and st.file.tensors_read == 0

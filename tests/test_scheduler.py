@@ -185,3 +185,34 @@ def test_submit_is_thread_safe(ckpt):
         eng.close()
     assert not errors and len(out) == 8
     assert all(torch.equal(out[i], out[0]) for i in range(8))   # greedy: the same request, the same codes
+
+
+def test_static_frame_equals_eager_frame(ckpt):
+    """The captured (GPU) path runs `frame(b, L, general=True)`: the same computation for a batch bucket b >= B
+    (padding rows), a length bucket L >= the longest row, and the general sampler (top-k candidates, top-p
+    always on). On the CPU it runs eagerly; it must give the codes of the exact path, greedy and sampled."""
+    from tts_engine.model.sampling import SamplingParams
+
+    results = {}
+    for general in (False, True):
+        eng = TTSEngine.from_pretrained(str(ckpt), device="cpu", max_batch=4, use_cuda_graphs=False)
+        r = eng.runner
+        for row, (req, greedy) in enumerate([(REQS[0], True), (REQS[1], False)]):
+            q, _ = eng._make_request(req["text"], req["voice"], req.get("language", "auto"), None, req["seed"],
+                                     None, greedy, 40, None, 2, 12)
+            r.prefill(row, q.prompt, q.params)
+        out = []
+        with torch.inference_mode():
+            for _ in range(8):
+                read_len = max(r.host_len[:2]) + 1
+                if general:
+                    codes, done = r.frame(4, 128, general=True)   # bucket 4 (rows 2, 3 are padding), L=128
+                    codes, done = codes[:2].clone(), done[:2].clone()
+                else:
+                    codes, done = r.frame(2, read_len, general=False)
+                for i in range(2):
+                    r.host_len[i] += 1
+                out.append(codes)
+        results[general] = torch.stack(out)
+        eng.close()
+    assert torch.equal(results[False], results[True])

@@ -86,9 +86,11 @@ class TTSStream:
 
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
-                 max_waiting: int = 64):
+                 max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = False):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
-        frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError."""
+        frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
+        use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA);
+        capture_graphs_at_start: capture every (batch, length) bucket now instead of on first use."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -97,6 +99,16 @@ class TTSEngine:
         self._lock = threading.Lock()   # serialises voice cloning (speaker/codec encoders)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
+        if use_cuda_graphs is None:
+            use_cuda_graphs = gpu
+        if use_cuda_graphs:
+            if not gpu:
+                raise TTSError("CUDA graphs need a CUDA device")
+            from .cuda_graphs import GraphedFrames
+
+            self.runner.graphs = GraphedFrames(self.runner)
+            if capture_graphs_at_start:
+                self.runner.graphs.capture_all()
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
 

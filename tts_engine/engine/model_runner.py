@@ -8,8 +8,13 @@ Row r of each tensor belongs to one sequence (a cache slot). Born here, freed he
   seen [R, V]  codebook-0 ids drawn so far (repetition penalty)
   hidden [R, D], c0 [R]  talker hidden and codebook-0 id that the next frame starts from
   trailing [R, cap, D], trailing_len [R]  the text track fed alongside generated frames
-The host mirrors only what it can know without asking the device (each row's length), so a frame
-runs with no host synchronisation; the caller reads the `done` flags once per emitted chunk.
+  params (RowParams over all R rows)   each row's sampling settings and seed
+The host mirrors only what it can know without asking the device (each row's length), so a frame runs
+with no host synchronisation; the caller reads the `done` flags once per emitted chunk.
+
+`frame(b, read_len)` is the whole per-frame device computation for rows 0..b-1 with static shapes and
+no host-dependent control flow; on a GPU it is captured as a CUDA graph per (batch bucket, length bucket)
+(`cuda_graphs.GraphedFrames`), elsewhere it runs eagerly. Rows are kept dense (0..B-1) by `move_row`.
 """
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual
 from ..model.talker import Talker
 
+GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; larger top_k runs eagerly
+
 
 class ModelRunner:
-    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_len: int, eos_id: int):
+    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_len: int, eos_id: int,
+                 trailing_cap: int = 1024):
         self.talker = talker
         w = talker.codec_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -39,33 +47,72 @@ class ModelRunner:
         self.seen = torch.zeros(rows, V, dtype=torch.bool, **z)
         self.hidden = torch.zeros(rows, D, dtype=self.dtype, **z)
         self.c0 = torch.zeros(rows, dtype=torch.long, **z)
-        self.trailing = torch.zeros(rows, 1, D, dtype=self.dtype, **z)
+        self.trailing = torch.zeros(rows, trailing_cap, D, dtype=self.dtype, **z)
         self.trailing_len = torch.zeros(rows, dtype=torch.long, **z)
         self.tts_pad = tts_pad.to(self.dtype)
         self.host_len = [0] * rows
         self.params: list[SamplingParams | None] = [None] * rows
+        self.rp = RowParams.stack([SamplingParams()] * rows, self.device)   # all rows, written at prefill
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
-        self._rp_cache: tuple[tuple, RowParams] | None = None
+        self.row_index = torch.arange(rows, device=self.device)
+        self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
 
     # --- bookkeeping -----------------------------------------------------------------------------
-    def _row_params(self, rows: list[int]) -> RowParams:
-        key = tuple(rows) + tuple(id(self.params[r]) for r in rows)
-        if self._rp_cache is None or self._rp_cache[0] != key:
-            self._rp_cache = (key, RowParams.stack([self.params[r] for r in rows], self.device))
-        return self._rp_cache[1]
+    def _host_facts(self, b: int, general: bool) -> dict:
+        """What the sampler may skip for rows 0..b-1 (host knowledge, no device read)."""
+        if general:
+            f = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
+            return {"c0": f, "sub": f}
+        ps = [p for p in self.params[:b] if p is not None] or [SamplingParams(do_sample=False, subtalker_dosample=False)]
 
-    def capacity_frames(self, prompt_len: int) -> int:
-        return self.max_len - prompt_len
+        def facts(sample, k, p):
+            return {"any_sample": any(sample), "k_max": 0 if any(x <= 0 for x in k) else max(k),
+                    "any_top_p": any(x < 1.0 for x in p)}
+        return {"c0": facts([p.do_sample for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]),
+                "sub": facts([p.subtalker_dosample for p in ps], [p.subtalker_top_k for p in ps],
+                             [p.subtalker_top_p for p in ps])}
+
+    def graph_compatible(self, b: int) -> bool:
+        """Rows 0..b-1 can use the captured frame (their top-k fits the captured candidate count)."""
+        return all(p is None or (0 < p.top_k <= GRAPH_TOP_K_CAP and 0 < p.subtalker_top_k <= GRAPH_TOP_K_CAP)
+                   for p in self.params[:b])
+
+    def _write_params(self, row: int, p: SamplingParams) -> None:
+        one = RowParams.stack([p], self.device)
+        for k, v in one.__dict__.items():
+            if k != "host":
+                getattr(self.rp, k)[row] = v[0]
+        self.params[row] = p
 
     def _set_trailing(self, row: int, trailing: torch.Tensor) -> None:
         n = trailing.shape[0]
         if n > self.trailing.shape[1]:
-            grown = torch.zeros(self.rows, max(n, 2 * self.trailing.shape[1]), self.trailing.shape[2],
-                                dtype=self.dtype, device=self.device)
-            grown[:, :self.trailing.shape[1]] = self.trailing
-            self.trailing = grown
+            raise TTSError(f"the text is too long for one request ({n} tokens after the first; the limit is "
+                           f"{self.trailing.shape[1]}). Split it into sentences.")
         self.trailing[row, :n] = trailing.to(self.dtype)
         self.trailing_len[row] = n
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move a running sequence's state from row `src` to row `dst` (keeps active rows dense)."""
+        if src == dst:
+            return
+        L = self.host_len[src]
+        self.cache.k[:, dst, :, :L] = self.cache.k[:, src, :, :L]
+        self.cache.v[:, dst, :, :L] = self.cache.v[:, src, :, :L]
+        for t in (self.pos, self.step, self.max_new, self.seen, self.hidden, self.c0, self.trailing_len):
+            t[dst] = t[src]
+        n = self.trailing.shape[1]
+        self.trailing[dst, :n] = self.trailing[src, :n]
+        for k, v in self.rp.__dict__.items():
+            if k != "host":
+                v[dst] = v[src]
+        self.host_len[dst], self.params[dst] = self.host_len[src], self.params[src]
+        self.release(src)
+
+    def release(self, row: int) -> None:
+        self.params[row] = None
+        self.host_len[row] = 0
+        self.pos[row] = 0
 
     # --- the two kinds of step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -76,20 +123,28 @@ class ModelRunner:
         if L + 2 > self.max_len:
             raise TTSError(f"the prompt is too long ({L} positions; this engine holds {self.max_len}). "
                            "Use a shorter text or reference clip.")
-        self.params[row] = params
-        r = torch.tensor([row], device=self.device)
-        h, logits = self.talker.forward_embeds(prompt.prefill[None].to(self.dtype), self.cache, r,
+        self._set_trailing(row, prompt.trailing)
+        self._write_params(row, params)
+        r = self.row_index[row:row + 1]
+        h, logits = self.talker.forward_embeds(prompt.prefill[None].to(self.dtype), self.cache, slice(row, row + 1),
                                                torch.zeros(1, dtype=torch.long, device=self.device), L)
         self.pos[row] = L
         self.host_len[row] = L
         self.step[row] = 0
         self.seen[row] = False
-        frames_cap = self.max_len - L
-        self.max_new[row] = min(params.max_new_tokens, frames_cap + 1)
-        self._set_trailing(row, prompt.trailing)
-        rp = self._row_params([row])
+        self.max_new[row] = min(params.max_new_tokens, self.max_len - L + 1)
+        rp = RowParams(**{k: (v[row:row + 1] if k != "host" else self._host_facts_for([params]))
+                          for k, v in self.rp.__dict__.items()})
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
+
+    def _host_facts_for(self, ps: list[SamplingParams]) -> dict:
+        saved = self.params
+        self.params = ps
+        try:
+            return self._host_facts(len(ps), general=False)
+        finally:
+            self.params = saved
 
     def _after_c0(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
         self.seen[r, c0] = True
@@ -103,22 +158,46 @@ class ModelRunner:
         """Complete one frame for each row in `rows` and start the next.
 
         Returns (codes [B, 16] of the completed frame, done [B]): done means the id drawn for the next
-        frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last."""
+        frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last.
+        Dense rows 0..B-1 take the static path (a CUDA graph where captured); other row sets, eager."""
         B = len(rows)
-        r = torch.tensor(rows, device=self.device)
-        contiguous = rows == list(range(rows[0], rows[0] + B))
-        cache_rows = slice(rows[0], rows[0] + B) if contiguous else r   # views instead of gathers
-        rp = self._row_params(rows)
-        frame_idx = self.step[r] - 1                        # index of the frame being completed
-        codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
-        x = self.talker.frame_embed(codes) + self._trailing_at(r, frame_idx)         # [B, D]
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        h, logits = self.talker.forward_embeds(x[:, None], self.cache, cache_rows, self.pos[r], read_len)
-        self.pos[r] += 1
+        if rows == list(range(B)):
+            if self.graphs is not None and self.graph_compatible(B):
+                codes, done = self.graphs.run(B, read_len)
+            else:
+                codes, done = self.frame(B, read_len, general=False)
+        else:
+            codes, done = self._frame_rows(rows, read_len)
         for i in rows:
             self.host_len[i] += 1
+        return codes, done
+
+    def frame(self, b: int, read_len: int, general: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame for rows 0..b-1 (static shapes: capturable). `general` fixes the sampler's host facts to
+        the captured superset (any sampling, top-k <= GRAPH_TOP_K_CAP, top-p on)."""
+        r = self.row_index[:b]
+        rp = RowParams(**{k: (v[:b] if k != "host" else self._host_facts(b, general))
+                          for k, v in self.rp.__dict__.items()})
+        return self._frame_core(r, slice(0, b), rp, read_len)
+
+    def _frame_rows(self, rows: list[int], read_len: int):
+        r = torch.tensor(rows, device=self.device)
+        rp = RowParams(**{k: (v[r] if k != "host" else self._host_facts_for([self.params[i] for i in rows]))
+                          for k, v in self.rp.__dict__.items()})
+        B = len(rows)
+        contiguous = rows == list(range(rows[0], rows[0] + B))
+        return self._frame_core(r, slice(rows[0], rows[0] + B) if contiguous else r, rp, read_len)
+
+    def _frame_core(self, r, cache_rows, rp: RowParams, read_len: int):
+        frame_idx = self.step[r] - 1                        # index of the frame being completed
+        codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
+        x = self.talker.frame_embed(codes) + self._trailing_at(r, frame_idx)         # [B, D]
+        h, logits = self.talker.forward_embeds(x[:, None], self.cache, cache_rows, self.pos[r], read_len)
+        # (padding rows of a captured batch bucket also advance; the clamp keeps their writes in bounds)
+        self.pos[r] = (self.pos[r] + 1).clamp(max=self.max_len - 1)
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         done = self._after_c0(r, h, c0)
         return codes, done
@@ -132,17 +211,12 @@ class ModelRunner:
                            rp: RowParams) -> torch.Tensor:
         """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]."""
         cp = self.talker.code_predictor
-        rows = None  # the predictor's scratch cache: rows 0..B-1 (views)
         x = torch.stack([h, self.talker.codec_embed(c0)], dim=1)                # [B, 2, D]
         out = [c0]
         for j in range(self.n_books - 1):
-            logits = cp.step(x, self.cp_cache, rows, start=0 if j == 0 else j + 1, head=j)  # [B, 2048]
+            logits = cp.step(x, self.cp_cache, None, start=0 if j == 0 else j + 1, head=j)  # [B, 2048]
             c = choose_residual(logits, frame_idx, j + 1, rp)
             out.append(c)
             if j + 1 < self.n_books - 1:
                 x = cp.model.codec_embedding[j](c)[:, None]                      # [B, 1, D]
         return torch.stack(out, dim=-1)
-
-    def release(self, row: int) -> None:
-        self.params[row] = None
-        self.host_len[row] = 0

@@ -83,7 +83,8 @@ class Scheduler:
                 if seq.cancelled.is_set():
                     seq.finish()
                     continue
-                seq.row = self.free_rows.pop()
+                self.free_rows.sort(reverse=True)
+                seq.row = self.free_rows.pop()          # the lowest free row: running rows stay dense
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 out.append(seq)
@@ -96,6 +97,21 @@ class Scheduler:
             if seq.row is not None:
                 self.free_rows.append(seq.row)
                 seq.row = None
+
+    def compact(self) -> tuple[Sequence, int, int] | None:
+        """If a running sequence sits above a free row, move it down (returns (seq, src, dst)); the runner
+        then moves its state. Keeps running rows 0..B-1 so a batch bucket is a prefix of the cache."""
+        with self.lock:
+            if not self.running or not self.free_rows:
+                return None
+            top = max(self.running, key=lambda s: s.row)
+            low = min(self.free_rows)
+            if low > top.row:
+                return None
+            self.free_rows.remove(low)
+            self.free_rows.append(top.row)
+            src, top.row = top.row, low
+            return top, src, low
 
     def idle(self) -> bool:
         with self.lock:

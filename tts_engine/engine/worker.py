@@ -98,6 +98,7 @@ class EngineWorker:
             self._end(seq)
 
     def _decode(self, active: list[Sequence]) -> None:
+        active.sort(key=lambda s: s.row)
         rows = [s.row for s in active]
         try:
             codes, done = self.runner.decode(rows)
@@ -155,6 +156,9 @@ class EngineWorker:
         if seq.row is not None:
             self.runner.release(seq.row)
         self.scheduler.release(seq)
+        while (move := self.scheduler.compact()) is not None:   # keep running rows dense (0..B-1)
+            _, src, dst = move
+            self.runner.move_row(src, dst)
         seq.decoder_state = None
         seq.pending = []
         seq.finish() if item is None else seq.finish(item)
