@@ -25,7 +25,9 @@ from pydantic import BaseModel, ConfigDict
 from tts_engine import EngineBusyError, TTSError
 
 from . import audio_formats
+from .body_limit import BodySizeLimit
 from .limits import Limits
+from .reference import prepare_reference
 from .registry import EngineRegistry
 
 log = logging.getLogger("tts_server")
@@ -89,6 +91,13 @@ class ClientSlots:
                 del self.active[client]
 
 
+def _headers(stream, notices: list[str]) -> dict:
+    h = {"X-Seed": str(stream.seed)}
+    if notices:
+        h["X-Notice"] = "; ".join(notices).encode("ascii", "replace").decode()
+    return h
+
+
 def decode_ref_audio(s: str, limits: Limits) -> bytes:
     s = s.strip()
     if s.startswith(("http://", "https://", "file:")):
@@ -107,6 +116,8 @@ def decode_ref_audio(s: str, limits: Limits) -> bytes:
 def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
     """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
     slots = ClientSlots(limits.max_per_client)
+    # base64 grows uploads by 4/3; leave room for the rest of the JSON body
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_upload_bytes * 4 // 3 + 64 * 1024)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -146,7 +157,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             return "voice_design"
         raise APIError(400, "say which voice to use: `voice`, `ref_audio` or `speaker_embedding`", param="voice")
 
-    def make_voice(role, engine, req: SpeechRequest):
+    def make_voice(role, engine, req: SpeechRequest, request_notices: list):
         if role == "voice_design":
             if not (req.instructions or "").strip():
                 raise APIError(400, "VoiceDesign needs `instructions` describing the voice", param="instructions")
@@ -157,8 +168,10 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             return req.voice
         if req.ref_audio:
             data = decode_ref_audio(req.ref_audio, limits)
+            ref, notices = prepare_reference(data, limits)
+            request_notices.extend(notices)
             xvec = bool(req.x_vector_only_mode) or not (req.ref_text or "").strip()
-            return engine.clone_voice(data, ref_text=req.ref_text, x_vector_only=xvec)
+            return engine.clone_voice(ref, ref_text=req.ref_text, x_vector_only=xvec)
         if req.speaker_embedding is not None:
             return engine.voice_from_embedding(req.speaker_embedding)
         if req.voice:
@@ -190,7 +203,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         try:
             role = pick_role(req)
             engine = registry.get(role)
-            voice = make_voice(role, engine, req)
+            notices: list[str] = []
+            voice = make_voice(role, engine, req, notices)
             max_new = min(req.max_new_tokens or limits.max_new_tokens, limits.max_new_tokens)
             stream = engine.stream(req.input, voice=voice, language=req.language or "auto",
                                    instruct=req.instructions if engine.supports_instruct else None,
@@ -205,8 +219,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             if not req.stream:
                 parts = [first] + list(stream)
                 body = audio_formats.encode(np.concatenate(parts), fmt)
-                return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt],
-                                headers={"X-Seed": str(stream.seed)})
+                return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=_headers(stream, notices))
 
             def chunks():
                 try:
@@ -223,7 +236,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
             released = True
             return StreamingResponse(chunks(), media_type=audio_formats.MEDIA_TYPES[fmt],
-                                     headers={"X-Seed": str(stream.seed)})
+                                     headers=_headers(stream, notices))
         except EngineBusyError as e:
             raise APIError(503, str(e), code="server_busy", type_="server_error", headers={"Retry-After": "2"})
         except TTSError as e:

@@ -10,30 +10,23 @@ from __future__ import annotations
 import gc
 import io
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 import soundfile as sf
-import uvicorn
 from fastapi import FastAPI
 
 from server.limits import Limits
+from tests.serving import serve
 from server.openai_api import install
 from server.registry import EngineRegistry
 from tts_engine.tiny import make_tiny
 
 FRAMES = 6
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +37,8 @@ def api(tmp_path_factory):
     limits = Limits(max_new_tokens=FRAMES + 1, max_per_client=64)
     app = FastAPI()
     install(app, registry, limits)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", registry
-    srv.should_exit = True
-    t.join(timeout=10)
+    with serve(app) as url:
+        yield url, registry
     registry.close()
 
 

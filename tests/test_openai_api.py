@@ -3,27 +3,20 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
-import threading
 import time
 
 import numpy as np
 import openai
 import pytest
 import soundfile as sf
-import uvicorn
 from fastapi import FastAPI
 
 from server.limits import Limits
+from tests.serving import serve
 from server.openai_api import install
 from server.registry import EngineRegistry
 from tts_engine.tiny import make_tiny
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +28,9 @@ def server(tmp_path_factory):
     limits = Limits(max_text_chars=300, max_new_tokens=12, max_per_client=8)
     app = FastAPI()
     install(app, registry, limits)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
-    yield client, registry, port
-    srv.should_exit = True
-    t.join(timeout=10)
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        yield client, registry, int(url.rsplit(":", 1)[1])
     registry.close()
 
 

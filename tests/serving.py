@@ -1,0 +1,34 @@
+"""Test helper: run a FastAPI app with uvicorn on a free loopback port in a background thread."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app, timeout: float = 30):
+    """Yields the base URL (http://127.0.0.1:PORT) while the app runs; stops it afterwards."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + timeout
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    if not srv.started:
+        raise RuntimeError("server did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
