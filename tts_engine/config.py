@@ -148,23 +148,3 @@ class ModelConfig:
     @property
     def supports_clone(self) -> bool:
         return self.tts_model_type == "base"
-
-
-@dataclass
-class GenerationDefaults:
-    """generation_config.json, with the official wrapper's hard-coded fallbacks."""
-
-    do_sample: bool = True
-    top_k: int = 50
-    top_p: float = 1.0
-    temperature: float = 0.9
-    repetition_penalty: float = 1.05
-    subtalker_dosample: bool = True
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    subtalker_temperature: float = 0.9
-    max_new_tokens: int = 2048
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "GenerationDefaults":
-        return cls(**_pick(cls, d or {}))

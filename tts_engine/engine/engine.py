@@ -10,9 +10,10 @@ Validation turns every bad input into a `TTSError` before any device work starts
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from typing import Iterator
+
 
 import numpy as np
 import torch
@@ -288,8 +289,7 @@ class TTSEngine:
         return emb.to(self.model.device, self.model.dtype)
 
     def _sampling(self, sampling, greedy, max_new_tokens) -> SamplingParams:
-        d = self.model.generation_defaults
-        params = SamplingParams(**{k: getattr(d, k) for k in d.__dataclass_fields__})
+        params = dataclasses.replace(self.model.generation_defaults)
         if isinstance(sampling, SamplingParams):
             params = SamplingParams(**sampling.__dict__)
         elif isinstance(sampling, dict):

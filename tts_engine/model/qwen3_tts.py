@@ -9,10 +9,11 @@ import torch
 
 from ..checkpoint import SafetensorsFile, build_on_meta, load_module, read_json, resolve_checkpoint
 from ..codec.speech_tokenizer import SpeechTokenizer
-from ..config import GenerationDefaults, ModelConfig
+from ..config import ModelConfig
 from ..errors import TTSError
 from ..text_tokenizer import TextTokenizer
 from .prompt import PromptBuilder
+from .sampling import SamplingParams
 from .talker import Talker
 
 
@@ -39,7 +40,7 @@ class Qwen3TTSModel:
         self.folder = folder
         self.device, self.dtype = device, dtype
         self.config = ModelConfig.from_dict(read_json(folder / "config.json"))
-        self.generation_defaults = GenerationDefaults.from_dict(read_json(folder / "generation_config.json"))
+        self.generation_defaults = SamplingParams.from_dict(read_json(folder / "generation_config.json"))
         self.tokenizer = TextTokenizer.from_pretrained(folder)
         self.weights = SafetensorsFile(folder / "model.safetensors")
         self.talker: Talker = load_module(build_on_meta(lambda: Talker(self.config.talker)), self.weights,

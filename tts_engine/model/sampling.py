@@ -36,6 +36,12 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False   # benchmarks: force a fixed output length
 
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        """generation_config.json (unknown keys ignored); missing keys keep the official wrapper's fallbacks."""
+        names = set(cls.__dataclass_fields__) - {"seed", "ignore_eos"}
+        return cls(**{k: v for k, v in (d or {}).items() if k in names})
+
 
 @dataclass
 class RowParams:
