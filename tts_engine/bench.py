@@ -44,11 +44,11 @@ def device_name(device: torch.device) -> str:
     return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def checkpoint_for(arch: str, dtype: torch.dtype) -> Path:
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "bench" / arch
+def checkpoint_for(arch: str, dtype: torch.dtype, kind: str = "custom_voice") -> Path:
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "bench" / f"{arch}-{kind}"
     if not (folder / "speech_tokenizer" / "model.safetensors").exists():
-        print(f"writing a random {arch} checkpoint to {folder} ...", file=sys.stderr)
-        make_tiny(folder, kind="custom_voice", size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,
+        print(f"writing a random {arch} {kind} checkpoint to {folder} ...", file=sys.stderr)
+        make_tiny(folder, kind=kind, size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,
                   dtype=torch.bfloat16 if arch in ("0.6b", "1.7b") else torch.float32)
     return folder
 
@@ -64,7 +64,8 @@ def run_concurrency(engine: TTSEngine, c: int, frames: int, first_chunk: int) ->
     def client(i):
         start.wait()
         t0 = time.perf_counter()
-        s = engine.stream("Ladies and gentlemen, please remain calm.", voice=engine.speakers[i % len(engine.speakers)],
+        voices = engine.speakers_for_bench
+        s = engine.stream("Ladies and gentlemen, please remain calm.", voice=voices[i % len(voices)],
                           seed=i, max_new_tokens=frames + 1, sampling={"ignore_eos": True},
                           first_chunk_frames=first_chunk)
         first, n = None, 0
@@ -92,9 +93,9 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
     """Per-frame time split at batch 1, measured around each part with device synchronisation."""
     runner, model = engine.runner, engine.model
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers[0], "auto", None, 0,
+    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
                                   {"ignore_eos": True}, False, frames + 1, None, 2, 12)
-    row = engine.scheduler.free_rows[-1]
+    row = 0  # the engine is idle: row 0 is free
     codec = model.speech_tokenizer.decoder
     acc = {"talker_ms": 0.0, "code_predictor_ms": 0.0, "codec_ms": 0.0, "frame_total_ms": 0.0}
     with torch.inference_mode():
@@ -102,7 +103,10 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
         state = codec.init_state(1)
         rows = [row]
         r = torch.tensor(rows, device=model.device)
-        rp = runner._row_params(rows)
+        from .model.sampling import RowParams
+
+        rp = RowParams(**{k: (v[:1] if k != "host" else runner._host_facts(1, general=False))
+                          for k, v in runner.rp.__dict__.items()})
         for _ in range(frames):
             sync()
             t0 = time.perf_counter()
@@ -147,6 +151,14 @@ def official_xrt(ckpt: Path, frames: int, device: str, dtype: str) -> float | No
     return r["frames"] * 0.08 / r["wall_s"]
 
 
+def resident_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB GPU"
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return f"{int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**30:.2f} GiB host RSS"
+
+
 def peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU (max allocated)"
@@ -174,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default=None, help="comma list; default 1,4,16,64 GPU / 1,4 CPU")
     p.add_argument("--first-chunk", type=int, default=2)
     p.add_argument("--no-official", action="store_true")
+    p.add_argument("--kind", choices=["custom_voice", "base"], default="custom_voice",
+                   help="random-weight checkpoint kind; base also reports memory after a first clone")
+    p.add_argument("--text-embedding-on-cpu", action="store_true")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -181,13 +196,26 @@ def main(argv=None) -> int:
     arch = a.arch or ("0.6b" if gpu else "small")
     frames = a.frames or (250 if gpu else 40)
     conc = [int(x) for x in (a.concurrency or ("1,4,16,64" if gpu else "1,4")).split(",")]
-    ckpt = Path(a.model) if a.model else checkpoint_for(arch, torch.bfloat16)
+    ckpt = Path(a.model) if a.model else checkpoint_for(arch, torch.bfloat16, a.kind)
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
-                                       max_seq_len=frames + 128)
+                                       max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu)
     load_s = time.perf_counter() - t0
+    if engine.kind == "base":  # the voice every request uses
+        t = np.arange(24000 * 3) / 24000
+        bench_voice = engine.clone_voice((0.3 * np.sin(2 * np.pi * 160 * t).astype(np.float32), 24000),
+                                         x_vector_only=True)
+        engine.speakers_for_bench = [bench_voice]
+    else:
+        engine.speakers_for_bench = engine.speakers
     dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[engine.model.dtype]
     run_concurrency(engine, 1, 4, a.first_chunk)                  # warm-up
+    mem_synth = resident_memory(device)                            # weights + caches, synthesis only
+    mem_clone = None
+    if engine.kind == "base":                                      # an ICL clone reads the codec encoder too
+        t = np.arange(24000 * 3) / 24000
+        engine.clone_voice((0.3 * np.sin(2 * np.pi * 160 * t).astype(np.float32), 24000), ref_text="A tone.")
+        mem_clone = resident_memory(device)
     rows = [run_concurrency(engine, c, frames, a.first_chunk) for c in conc]
     prof = profile_frame(engine, min(frames, 20))
     mem = peak_memory(device)
@@ -198,7 +226,9 @@ def main(argv=None) -> int:
     what = a.model or f"random-weight {arch} architecture"
     lines = [f"Device: **{dev}**. Model: {what}, {dtype_name}. {frames} frames ({frames * 0.08:.1f} s of audio) per "
              f"request, end-of-speech disabled, first chunk after {a.first_chunk} frames. Load {load_s:.1f} s. "
-             f"Peak memory: {mem}.",
+             f"Resident memory after load and a first synthesis: {mem_synth}"
+             + (f"; after a first ICL clone: {mem_clone}" if mem_clone else "")
+             + f". Peak: {mem}." + (" Text embedding kept on the CPU." if a.text_embedding_on_cpu else ""),
              "",
              f"Command: `python -m tts_engine.bench {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
              "",

@@ -114,8 +114,13 @@ class TTSEngine:
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
 
     @classmethod
-    def from_pretrained(cls, model, device=None, dtype=None, **engine_kw) -> "TTSEngine":
-        return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype), **engine_kw)
+    def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
+                        **engine_kw) -> "TTSEngine":
+        """model: hub id or checkpoint folder; device: default CUDA when present, else CPU; dtype: default bf16 on
+        GPU, fp32 on CPU; text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only
+        to build prompts); engine_kw: see `TTSEngine.__init__`."""
+        return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
+                                                 text_embedding_on_cpu=text_embedding_on_cpu), **engine_kw)
 
     def close(self) -> None:
         """Stop the worker thread; queued and running requests fail with a TTSError."""

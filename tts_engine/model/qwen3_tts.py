@@ -36,7 +36,7 @@ def parse_dtype(dtype) -> torch.dtype | None:
 
 
 class Qwen3TTSModel:
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, text_embedding_on_cpu: bool = False):
         self.folder = folder
         self.device, self.dtype = device, dtype
         self.config = ModelConfig.from_dict(read_json(folder / "config.json"))
@@ -46,18 +46,21 @@ class Qwen3TTSModel:
         self.talker: Talker = load_module(build_on_meta(lambda: Talker(self.config.talker)), self.weights,
                                           "talker.", device, dtype)
         self.talker.build_frame_table()
+        if text_embedding_on_cpu and device.type != "cpu":
+            # 151936 x 2048 (622 MB bf16) read only to build prompts: keep it in host memory
+            self.talker.model.text_embedding.to("cpu")
         self.prompts = PromptBuilder(self.config, self.talker)
         self._lock = threading.Lock()
         self._speaker_encoder = None
         self.speech_tokenizer = SpeechTokenizer.shared(folder / "speech_tokenizer", device, dtype)
 
     @classmethod
-    def from_pretrained(cls, model, device=None, dtype=None) -> "Qwen3TTSModel":
+    def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False) -> "Qwen3TTSModel":
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise TTSError("CUDA was requested but no GPU is available")
         dtype = parse_dtype(dtype) or default_dtype(device)
-        return cls(resolve_checkpoint(model), device, dtype)
+        return cls(resolve_checkpoint(model), device, dtype, text_embedding_on_cpu)
 
     @property
     def speaker_encoder(self):
