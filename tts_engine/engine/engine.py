@@ -96,7 +96,7 @@ class TTSEngine:
         self.config = model.config
         gpu = model.device.type == "cuda"
         self.max_batch = max_batch or (16 if gpu else 4)
-        self.max_seq_len = max_seq_len or (4096 if gpu else 2048)
+        self.max_seq_len = max_seq_len or 4096   # prompt + frames per row (4096 ~ 5 min of audio)
         self._lock = threading.Lock()   # serialises voice cloning (speaker/codec encoders)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
@@ -188,7 +188,6 @@ class TTSEngine:
         """The whole waveform (float32, 24 kHz). Same arguments as `stream`."""
         s = self.stream(text, **kw)
         parts = list(s)
-        self.last_stream = s
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
     def stream(self, text: str, *, voice: Voice | str | None = None, language: str = "auto",
