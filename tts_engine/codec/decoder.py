@@ -1,121 +1,151 @@
 """The 12 Hz speech-tokenizer decoder: codes [B, 16, T] -> waveform [B, T * 1920] at 24 kHz.
 
-Pipeline (names = official state-dict names below `decoder.`):
-  quantizer   split RVQ (1 + 15 books) -> [B, codebook_dim, T]
-  pre_conv    causal conv k=3 -> latent_dim
-  pre_transformer  8 layers, RoPE, sliding window 72, LayerScale -> latent_dim
-  upsample    2 x (causal ConvTranspose k=s=2, ConvNeXt block)          (x4)
-  decoder     conv k7, 4 x [SnakeBeta, causal ConvTranspose (k=2r, s=r, right-trim r), 3 residual units],
-              SnakeBeta, conv k7 -> 1 channel, clamp [-1, 1]        (x 8*5*4*3)
+A plain-PyTorch re-implementation of the official `Qwen3TTSTokenizerV2Decoder` (qwen-tts 0.1.1). Parameter
+names are the official state-dict names with the leading `decoder.` removed, so official tensors load with
+`load_state_dict(strict=True)`.
 
-Everything is causal with no look-ahead, so decoding is written once, as a *stateful step*: every causal
-conv keeps its last (k-1)*dilation input samples, every transposed conv its last input frame, the
-transformer a window of the last 71 keys/values per layer and each row's position. The one-shot decode is
-the step from an empty state, so streaming in any split equals the one-shot decode exactly (up to float
-rounding). State rows are independent: a scheduler can select, drop and concatenate them.
+Pipeline (C = channels, n = frames of this call; 1 frame = 1920 samples):
+  quantizer        split RVQ: book 0 and books 1..15, each group summed and projected   [B, codebook_dim, n]
+  pre_conv         causal conv k=3                                                      [B, latent_dim, n]
+  pre_transformer  input_proj, L x (RMSNorm, RoPE MHA with a sliding window of 72 keys, LayerScale;
+                   RMSNorm, SiLU-GLU, LayerScale), norm, output_proj                    [B, latent_dim, n]
+  upsample         2 x (ConvTranspose k=s=2, ConvNeXt block with causal depthwise k=7)  [B, latent_dim, 4n]
+  decoder          conv k7 -> decoder_dim; 4 x [SnakeBeta, ConvTranspose(k=2r, s=r, right-trim r),
+                   3 residual units (dilation 1, 3, 9)] for r = 8, 5, 4, 3; SnakeBeta, conv k7 -> 1 channel
+                   clamp to [-1, 1]                                                     [B, 1, 1920n]
+
+Everything is causal without look-ahead, so the decoder is written once, as a *stateful step*
+(`decode_step`): each causal conv keeps its last (k-1)*dilation input samples, each overlapping transposed
+conv its last input sample, the transformer the last `sliding_window - 1` keys/values of every layer (after
+RoPE) and each row's absolute frame position. `forward` is that step from an empty state, so decoding in any
+split of the frames equals the one-shot decode up to float rounding (not a windowed approximation).
+`chunked_decode` reproduces the official offline decode (chunks of 300 frames, 25 frames of left context,
+each chunk restarting at position 0), which is *not* equal to the one-shot decode beyond 300 frames.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
+
 
 @dataclass
 class CodecDecoderConfig:
+    """`decoder_config` of `speech_tokenizer/config.json`. Defaults are those of the official
+    `Qwen3TTSTokenizerV2DecoderConfig` (the released checkpoints set hidden_size 512, intermediate_size 1024,
+    codebook_dim 512, head_dim 64). `codebook_dim` has no official default; 512 is the released value."""
+
     codebook_size: int = 2048
     codebook_dim: int = 512
-    hidden_size: int = 512
+    hidden_size: int = 1024
     latent_dim: int = 1024
-    intermediate_size: int = 1024
-    num_hidden_layers: int = 8
+    max_position_embeddings: int = 8000      # unused (plain RoPE has no table)
+    rope_theta: float = 10000.0
     num_attention_heads: int = 16
     num_key_value_heads: int = 16
-    head_dim: int = 64
+    head_dim: int | None = None              # None: hidden_size // num_attention_heads (official fallback)
+    attention_bias: bool = False
     sliding_window: int = 72
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
+    intermediate_size: int = 3072
+    hidden_act: str = "silu"
     layer_scale_initial_scale: float = 0.01
+    rms_norm_eps: float = 1e-5
+    num_hidden_layers: int = 8
     num_quantizers: int = 16
     upsample_rates: tuple = (8, 5, 4, 3)
     upsampling_ratios: tuple = (2, 2)
     decoder_dim: int = 1536
+    attention_dropout: float = 0.0           # unused (inference)
+
+    def __post_init__(self):
+        self.upsample_rates = tuple(int(r) for r in self.upsample_rates)
+        self.upsampling_ratios = tuple(int(r) for r in self.upsampling_ratios)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_dict(cls, d: dict) -> "CodecDecoderConfig":
+        """Build from a config dict; unknown keys are ignored."""
         names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        for k in ("upsample_rates", "upsampling_ratios"):
-            if k in kw:
-                kw[k] = tuple(kw[k])
-        if "head_dim" not in d:
-            kw["head_dim"] = kw.get("hidden_size", 512) // kw.get("num_attention_heads", 16)
-        return cls(**kw)
+        return cls(**{k: v for k, v in (d or {}).items() if k in names})
 
     @property
     def total_upsample(self) -> int:
-        return int(np.prod(self.upsample_rates + self.upsampling_ratios))
+        """Waveform samples per code frame (1920 for the released codec)."""
+        return math.prod(self.upsample_rates) * math.prod(self.upsampling_ratios)
 
 
-# --- stateful building blocks -----------------------------------------------------------------------
-# Each `step(x, hist)` takes new input [B, C, t] and the history the module keeps, and returns
-# (output for exactly these t inputs, new history). `hist` of an empty state is all zeros, which is what
-# the official left zero-padding feeds the convolution.
+_ACT = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+# --- streaming building blocks ----------------------------------------------------------------------------
+# A stateful module has `ctx` (history length, static) and `step(x, hist) -> (y, new_hist)`:
+#   x [B, C_in, n] new input, hist [B, C_in, ctx] the inputs before it (zeros in an empty state, which is
+#   exactly the official left zero-padding), y the output for these n inputs, new_hist [B, C_in, ctx].
 
 class CausalConv(nn.Module):
-    """Causal Conv1d (stride 1): left zero padding of (k-1)*dilation. Param names: conv.{weight,bias}."""
+    """Official `Qwen3TTSTokenizerV2CausalConvNet` with stride 1: left zero padding of (k-1)*dilation and no
+    right padding (the official "extra padding" is 0 for stride 1). Params: conv.{weight,bias}."""
 
-    def __init__(self, c_in, c_out, k, dilation=1, groups=1):
+    def __init__(self, c_in: int, c_out: int, kernel_size: int, dilation: int = 1, groups: int = 1):
         super().__init__()
-        self.conv = nn.Conv1d(c_in, c_out, k, dilation=dilation, groups=groups)
-        self.ctx = (k - 1) * dilation
+        self.conv = nn.Conv1d(c_in, c_out, kernel_size, dilation=dilation, groups=groups)
         self.c_in = c_in
+        self.ctx = (kernel_size - 1) * dilation
 
-    def step(self, x, hist):
-        xx = torch.cat([hist, x], dim=-1) if self.ctx else x
-        return self.conv(xx), (xx[..., xx.shape[-1] - self.ctx:] if self.ctx else hist)
+    def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ctx == 0:
+            return self.conv(x), hist
+        xx = torch.cat([hist, x], dim=-1)                       # [B, C_in, ctx + n]
+        return self.conv(xx), xx[..., xx.shape[-1] - self.ctx:]  # [B, C_out, n], [B, C_in, ctx]
 
 
 class CausalTransConv(nn.Module):
-    """ConvTranspose1d(k, stride s) with the official right-only trim of k - s. With k <= 2s each output
-    block depends on the current and the previous input frame; the history is that previous frame."""
+    """Official `Qwen3TTSTokenizerV2CausalTransConvNet`: ConvTranspose1d(k, stride s), then the last k - s
+    outputs are trimmed (right only), so n inputs give n*s outputs. Output block j (samples [j*s, (j+1)*s))
+    depends on inputs j and, when k > s, j-1 (k <= 2s), so the history is the previous input sample: the
+    step convolves [prev, x] and keeps the middle n*s samples. Params: conv.{weight,bias}."""
 
-    def __init__(self, c_in, c_out, k, s):
+    def __init__(self, c_in: int, c_out: int, kernel_size: int, stride: int):
         super().__init__()
-        self.conv = nn.ConvTranspose1d(c_in, c_out, k, stride=s)
-        self.k, self.s = k, s
-        assert k <= 2 * s
-        self.ctx = 1 if k > s else 0
-        self.c_in = c_in
+        if not stride <= kernel_size <= 2 * stride:
+            raise ValueError("CausalTransConv supports stride <= kernel_size <= 2 * stride")
+        self.conv = nn.ConvTranspose1d(c_in, c_out, kernel_size, stride=stride)
+        self.c_in, self.k, self.s = c_in, kernel_size, stride
+        self.ctx = 1 if kernel_size > stride else 0
 
-    def step(self, x, hist):
-        t = x.shape[-1]
-        if self.ctx == 0:
-            return self.conv(x)[..., : t * self.s], hist
-        y = self.conv(torch.cat([hist, x], dim=-1))            # [B, C, (t+1)*s + (k-s)]
-        return y[..., self.s: self.s + t * self.s], x[..., -1:]
+    def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[-1]
+        if self.ctx == 0:                                       # k == s: no overlap, no trim
+            return self.conv(x), hist
+        y = self.conv(torch.cat([hist, x], dim=-1))             # [B, C_out, (n+1)*s + k-s]
+        return y[..., self.s: self.s + n * self.s], x[..., n - 1:]
 
 
 class SnakeBeta(nn.Module):
-    """x + 1/(exp(beta)+1e-9) * sin^2(x * exp(alpha)), per channel."""
+    """x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel; x [B, C, n]. Params: alpha, beta [C]."""
 
-    def __init__(self, c):
+    def __init__(self, channels: int):
         super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(c))
-        self.beta = nn.Parameter(torch.zeros(c))
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x):
-        a = torch.exp(self.alpha)[None, :, None]
-        b = torch.exp(self.beta)[None, :, None]
-        return x + (1.0 / (b + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = torch.exp(self.alpha[None, :, None])
+        beta = torch.exp(self.beta[None, :, None])
+        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
 
 
 class ConvNeXtBlock(nn.Module):
-    def __init__(self, dim):
+    """Causal depthwise conv k=7, LayerNorm, Linear 4x, GELU (erf), Linear, gamma, residual. x [B, C, n]."""
+
+    def __init__(self, dim: int):
         super().__init__()
         self.dwconv = CausalConv(dim, dim, 7, groups=dim)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
@@ -123,104 +153,135 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(1e-6 * torch.ones(dim))
 
-    def step(self, x, hist):
+    def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, hist = self.dwconv.step(x, hist)
-        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.transpose(1, 2)))))
-        return x + (self.gamma * h).transpose(1, 2), hist
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.permute(0, 2, 1)))))   # [B, n, C]
+        return x + (self.gamma * h).permute(0, 2, 1), hist
 
 
 class ResidualUnit(nn.Module):
-    def __init__(self, dim, dilation):
+    """x + conv2_k1(snake(conv1_k7_dilated(snake(x)))); the history is conv1's."""
+
+    def __init__(self, dim: int, dilation: int):
         super().__init__()
         self.act1 = SnakeBeta(dim)
         self.conv1 = CausalConv(dim, dim, 7, dilation=dilation)
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def step(self, x, hist):
+    def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, hist = self.conv1.step(self.act1(x), hist)
-        h, _ = self.conv2.step(self.act2(h), None)
-        return x + h, hist
+        return x + self.conv2.conv(self.act2(h)), hist
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, c_in, c_out, rate):
+    """block.0 SnakeBeta(c_in), block.1 CausalTransConv(c_in -> c_out, k=2r, s=r), block.2-4 residual units."""
+
+    def __init__(self, c_in: int, c_out: int, rate: int):
         super().__init__()
         self.block = nn.ModuleList([SnakeBeta(c_in), CausalTransConv(c_in, c_out, 2 * rate, rate),
                                     ResidualUnit(c_out, 1), ResidualUnit(c_out, 3), ResidualUnit(c_out, 9)])
 
 
-# --- quantizer ----------------------------------------------------------------------------------------
-class Codebook(nn.Module):
-    def __init__(self, dim, size):
+# --- quantizer ------------------------------------------------------------------------------------------
+class EuclideanCodebook(nn.Module):
+    """Codebook vectors are embedding_sum / clamp(cluster_usage, 1e-5). A fresh module has usage 1 and
+    N(0, 1) sums, so a randomly initialised decoder makes audible noise."""
+
+    def __init__(self, dim: int, size: int):
         super().__init__()
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.randn(size, dim))
 
 
-class VQ(nn.Module):
-    def __init__(self, dim, size):
+class VectorQuantization(nn.Module):
+    def __init__(self, dim: int, size: int):
         super().__init__()
-        self._codebook = Codebook(dim, size)
+        self._codebook = EuclideanCodebook(dim, size)
 
 
-class RVQLayers(nn.Module):
-    def __init__(self, n, dim, size):
+class ResidualVectorQuantization(nn.Module):
+    def __init__(self, n: int, dim: int, size: int):
         super().__init__()
-        self.layers = nn.ModuleList(VQ(dim, size) for _ in range(n))
+        self.layers = nn.ModuleList(VectorQuantization(dim, size) for _ in range(n))
 
 
-class RVQ(nn.Module):
-    """Residual VQ group: input_proj (encoder side, unused here), codebooks, output_proj (1x1, no bias)."""
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:          # inference tensors have no version counter
+        return -1
 
-    def __init__(self, n, dim, io_dim, size):
+
+class ResidualVectorQuantizer(nn.Module):
+    """One RVQ group: input_proj (encoder side, unused here), n codebooks, output_proj (1x1 conv, no bias)."""
+
+    def __init__(self, n: int, dim: int, io_dim: int, size: int):
         super().__init__()
         self.input_proj = nn.Conv1d(io_dim, dim, 1, bias=False)
         self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
-        self.vq = RVQLayers(n, dim, size)
-        self._cache = None
+        self.vq = ResidualVectorQuantization(n, dim, size)
+        self._books: tuple | None = None            # (key, [n, size, dim]); not a buffer, not in state_dict
+
+    def _key(self) -> tuple:
+        params = [p for layer in self.vq.layers for p in (layer._codebook.embedding_sum, layer._codebook.cluster_usage)]
+        return tuple((p.data_ptr(), _version(p), p.device, p.dtype) for p in params)
 
     def codebooks(self) -> torch.Tensor:
-        """[n, size, dim] codebook vectors (embedding_sum / clamp(cluster_usage, 1e-5)), cached; rebuilt when the
-        parameters are replaced (loading assigns new tensors). Call `clear_cache()` after in-place edits."""
-        ps = [layer._codebook for layer in self.vq.layers]
-        key = tuple((p.embedding_sum.data_ptr(), p.cluster_usage.data_ptr()) for p in ps)
-        if self._cache is None or self._cache[0] != key:
-            books = torch.stack([p.embedding_sum / p.cluster_usage.clamp(min=1e-5)[:, None] for p in ps])
-            self._cache = (key, books.detach())
-        return self._cache[1]
+        """[n, size, dim] codebook vectors, computed once in the parameters' dtype (as the official) and cached.
+        The cache is keyed on the parameters' storage, version counter, device and dtype, so loading, `.to()`
+        and in-place edits all invalidate it; `refresh()` forces a rebuild."""
+        key = self._key()
+        if self._books is None or self._books[0] != key:
+            with torch.no_grad():
+                books = torch.stack([layer._codebook.embedding_sum /
+                                     layer._codebook.cluster_usage.clamp(min=1e-5)[:, None]
+                                     for layer in self.vq.layers])
+            self._books = (key, books)
+        return self._books[1]
 
-    def clear_cache(self):
-        self._cache = None
+    def refresh(self) -> None:
+        self._books = None
+        self.codebooks()
 
-    def decode(self, codes):
-        """codes [B, n, T] -> [B, io_dim, T]; summed in book order like the official."""
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._books = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, n, T] -> [B, io_dim, T]; books summed in order (as the official), then output_proj."""
         books = self.codebooks()
-        q = 0
-        for i in range(codes.shape[1]):
-            q = q + F.embedding(codes[:, i], books[i]).transpose(1, 2)
-        return self.output_proj(q)
+        q = F.embedding(codes[:, 0], books[0])                   # [B, T, dim]
+        for i in range(1, codes.shape[1]):
+            q = q + F.embedding(codes[:, i], books[i])
+        return self.output_proj(q.transpose(1, 2))
 
 
-class SplitRVQ(nn.Module):
+class SplitResidualVectorQuantizer(nn.Module):
+    """rvq_first: book 0 (semantic); rvq_rest: books 1..num_quantizers-1. Both use `codebook_size` entries of
+    dim codebook_dim // 2 and project to codebook_dim; the two projections are added."""
+
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         dim = cfg.codebook_dim // 2
-        self.rvq_first = RVQ(1, dim, cfg.codebook_dim, cfg.codebook_size)
-        self.rvq_rest = RVQ(cfg.num_quantizers - 1, dim, cfg.codebook_dim, cfg.codebook_size)
+        self.rvq_first = ResidualVectorQuantizer(1, dim, cfg.codebook_dim, cfg.codebook_size)
+        self.rvq_rest = ResidualVectorQuantizer(cfg.num_quantizers - 1, dim, cfg.codebook_dim, cfg.codebook_size)
 
-    def decode(self, codes):
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, 16, T] -> [B, codebook_dim, T]."""
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
 
 
 # --- transformer ----------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    """Computed in fp32, cast back, then times the weight (official order)."""
+
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -228,44 +289,58 @@ class RMSNorm(nn.Module):
 
 
 class LayerScale(nn.Module):
-    def __init__(self, dim, init):
+    def __init__(self, dim: int, init: float):
         super().__init__()
         self.scale = nn.Parameter(torch.full((dim,), float(init)))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * x
 
 
-class SelfAttention(nn.Module):
+class Attention(nn.Module):
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         self.h, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=b)
+
+
+class Mlp(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = _ACT[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.mlp.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.self_attn = Attention(cfg)
+        self.mlp = Mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class PreTransformer(nn.Module):
+    """Sliding-window transformer. The official mask (transformers `sliding_window_overlay`) lets the query
+    at position p see keys at positions p-71 .. p: `sliding_window` = 72 keys *including itself*, so the
+    state keeps W1 = sliding_window - 1 past keys per layer."""
+
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         self.cfg = cfg
@@ -274,159 +349,201 @@ class PreTransformer(nn.Module):
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
 
-    def step(self, x, pos, k_hist, v_hist, valid):
-        """x [B, t, latent]; pos [B] position of x[:, 0]; k_hist/v_hist [L, B, Hkv, W-1, hd] past keys/values
-        (after RoPE) with `valid` [B, W-1] marking which exist. Returns (y [B, t, latent], new k/v/valid)."""
+    def _rope(self, qpos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """qpos [B, n] absolute positions -> cos, sin [B, 1, n, head_dim]; computed in fp32 (like the
+        official: inv_freq in fp32, positions as fp32), then cast to the activations' dtype."""
+        hd = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (
+            torch.arange(0, hd, 2, dtype=torch.int64, device=qpos.device).float() / hd))   # [hd/2]
+        freqs = qpos.float()[..., None] * inv_freq                                        # [B, n, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor):
+        """x [B, n, latent]; pos [B] (long) absolute position of x[:, 0] per row;
+        k_hist, v_hist [L, B, Hkv, W1, hd]: slot i of row b holds the key/value (after RoPE) of position
+        pos[b] - W1 + i (garbage, and masked, where that position is < 0).
+        Returns y [B, n, latent], new k_hist, new v_hist (same shapes as the inputs)."""
         cfg = self.cfg
-        B, t, _ = x.shape
+        B, n, _ = x.shape
         W1 = k_hist.shape[3]
-        h = self.input_proj(x)
-        qpos = pos[:, None] + torch.arange(t, device=x.device)[None]                 # [B, t]
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64,
-                                                       device=x.device).float() / cfg.head_dim))
-        freqs = qpos.float()[..., None] * inv
-        emb = torch.cat([freqs, freqs], -1)
-        cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]   # [B, 1, t, hd]
-        # key positions: the W-1 remembered ones then the t new ones
-        kpos = torch.cat([pos[:, None] - W1 + torch.arange(W1, device=x.device)[None], qpos], dim=1)
-        kvalid = torch.cat([valid, torch.ones(B, t, dtype=torch.bool, device=x.device)], dim=1)
-        mask = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] > qpos[:, :, None] - cfg.sliding_window)
-        mask = (mask & kvalid[:, None, :])[:, None]                                   # [B, 1, t, W-1+t]
+        dev = x.device
+        h = self.input_proj(x)                                                           # [B, n, hidden]
+        qpos = pos[:, None] + torch.arange(n, device=dev)                                # [B, n]
+        kpos = torch.cat([pos[:, None] - W1 + torch.arange(W1, device=dev), qpos], 1)   # [B, W1 + n]
+        d = qpos[:, :, None] - kpos[:, None, :]                                          # [B, n, W1 + n]
+        mask = ((d >= 0) & (d < cfg.sliding_window) & (kpos[:, None, :] >= 0))[:, None]  # [B, 1, n, W1 + n]
+        cos, sin = self._rope(qpos, h.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             r = layer.input_layernorm(h)
-            q = a.q_proj(r).view(B, t, a.h, a.hd).transpose(1, 2)
-            k = a.k_proj(r).view(B, t, a.hkv, a.hd).transpose(1, 2)
-            v = a.v_proj(r).view(B, t, a.hkv, a.hd).transpose(1, 2)
+            q = a.q_proj(r).view(B, n, a.h, a.hd).transpose(1, 2)                       # [B, H, n, hd]
+            k = a.k_proj(r).view(B, n, a.hkv, a.hd).transpose(1, 2)                     # [B, Hkv, n, hd]
+            v = a.v_proj(r).view(B, n, a.hkv, a.hd).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kk = torch.cat([k_hist[i], k], dim=2)
+            kk = torch.cat([k_hist[i], k], dim=2)                                       # [B, Hkv, W1 + n, hd]
             vv = torch.cat([v_hist[i], v], dim=2)
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=a.h != a.hkv)
-            h = h + layer.self_attn_layer_scale(a.o_proj(o.transpose(1, 2).reshape(B, t, a.h * a.hd)))
-            m = layer.mlp
-            r = layer.post_attention_layernorm(h)
-            h = h + layer.mlp_layer_scale(m.down_proj(F.silu(m.gate_proj(r)) * m.up_proj(r)))
-            new_k.append(kk[:, :, kk.shape[2] - W1:])
-            new_v.append(vv[:, :, vv.shape[2] - W1:])
-        valid = kvalid[:, kvalid.shape[1] - W1:]
-        return self.output_proj(self.norm(h)), torch.stack(new_k), torch.stack(new_v), valid
+            new_k.append(kk[:, :, n:])                                                   # last W1 positions
+            new_v.append(vv[:, :, n:])
+            if a.h != a.hkv:
+                kk = kk.repeat_interleave(a.h // a.hkv, dim=1)
+                vv = vv.repeat_interleave(a.h // a.hkv, dim=1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=a.hd ** -0.5)
+            o = a.o_proj(o.transpose(1, 2).reshape(B, n, a.h * a.hd))
+            h = h + layer.self_attn_layer_scale(o)
+            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
+        return self.output_proj(self.norm(h)), torch.stack(new_k), torch.stack(new_v)
 
 
-# --- state ------------------------------------------------------------------------------------------------
+# --- streaming state --------------------------------------------------------------------------------------
 @dataclass
 class CodecDecoderState:
-    """Per-row streaming state. Every tensor has the batch (row) dimension first, except the transformer
-    windows, which are [layers, B, ...]."""
+    """Streaming state of B independent rows (each row its own stream and position).
 
-    convs: list          # history tensors of each stateful conv, in module order, [B, C, ctx]
-    k: torch.Tensor      # [L, B, Hkv, W-1, hd]
+    convs  list of [B, C_in, ctx] input histories, one per stateful conv in `CodecDecoder.stateful_modules()`
+           order (causal convs: ctx = (k-1)*dilation; overlapping transposed convs: ctx = 1)
+    k, v   [L, B, Hkv, sliding_window - 1, head_dim] last keys/values per layer, after RoPE, oldest first
+    pos    [B] int64 frames decoded so far per row (the RoPE position of the row's next frame)
+
+    All shapes are fixed for a given batch size; `decode_step` replaces every field by a tensor of the same
+    shape. Rows can be dropped / reordered (`select`) and states of different streams joined (`concat`)."""
+
+    convs: list
+    k: torch.Tensor
     v: torch.Tensor
-    valid: torch.Tensor  # [B, W-1] bool
-    pos: torch.Tensor    # [B] frames decoded so far
+    pos: torch.Tensor
 
-    def select(self, rows: torch.Tensor) -> "CodecDecoderState":
-        return CodecDecoderState([c[rows] for c in self.convs], self.k[:, rows], self.v[:, rows],
-                                 self.valid[rows], self.pos[rows])
+    @property
+    def batch_size(self) -> int:
+        return self.pos.shape[0]
+
+    def select(self, rows) -> "CodecDecoderState":
+        """A new state with the given rows (LongTensor or list of indices, any order); copies."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.pos.device)
+        return CodecDecoderState([c.index_select(0, rows) for c in self.convs], self.k.index_select(1, rows),
+                                 self.v.index_select(1, rows), self.pos.index_select(0, rows))
 
     @staticmethod
     def concat(states: list["CodecDecoderState"]) -> "CodecDecoderState":
-        return CodecDecoderState([torch.cat(cs) for cs in zip(*[s.convs for s in states])],
+        """Rows of all states, in order (a new state; the inputs are not modified)."""
+        return CodecDecoderState([torch.cat(cs, 0) for cs in zip(*[s.convs for s in states])],
                                  torch.cat([s.k for s in states], 1), torch.cat([s.v for s in states], 1),
-                                 torch.cat([s.valid for s in states]), torch.cat([s.pos for s in states]))
+                                 torch.cat([s.pos for s in states], 0))
+
+    def clone(self) -> "CodecDecoderState":
+        return CodecDecoderState([c.clone() for c in self.convs], self.k.clone(), self.v.clone(), self.pos.clone())
 
 
+# --- the decoder ------------------------------------------------------------------------------------------
 class CodecDecoder(nn.Module):
+    """Official `Qwen3TTSTokenizerV2Decoder` (state-dict names without `decoder.`), with exact streaming."""
+
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         self.cfg = cfg
-        self.quantizer = SplitRVQ(cfg)
+        self.total_upsample = cfg.total_upsample
+        self.quantizer = SplitResidualVectorQuantizer(cfg)
         self.pre_conv = CausalConv(cfg.codebook_dim, cfg.latent_dim, 3)
         self.pre_transformer = PreTransformer(cfg)
         self.upsample = nn.ModuleList(
             nn.ModuleList([CausalTransConv(cfg.latent_dim, cfg.latent_dim, f, f), ConvNeXtBlock(cfg.latent_dim)])
             for f in cfg.upsampling_ratios)
-        dec = [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
+        dec: list[nn.Module] = [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
         for i, r in enumerate(cfg.upsample_rates):
             dec.append(DecoderBlock(cfg.decoder_dim // 2 ** i, cfg.decoder_dim // 2 ** (i + 1), r))
         out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
         dec += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(dec)
+        self._stateful = self.stateful_modules()
         self._init_random()
 
-    def _init_random(self):
-        # A freshly built decoder (make-tiny) should make finite, audible noise: small SnakeBeta and layer
-        # scales as trained models have, codebooks with positive usage.
+    def _init_random(self) -> None:
+        """A fresh decoder (saved by make-tiny) must make finite, audible audio: codebooks N(0,1) with usage 1
+        (set in EuclideanCodebook), SnakeBeta alpha/beta small random instead of 0, LayerScale at its
+        configured init, torch's default Linear/Conv init elsewhere."""
         with torch.no_grad():
             for m in self.modules():
-                if isinstance(m, SnakeBeta):
+                if isinstance(m, SnakeBeta) and not m.alpha.is_meta:
                     m.alpha.uniform_(-0.1, 0.1)
                     m.beta.uniform_(-0.1, 0.1)
 
-    def _stateful(self) -> list[nn.Module]:
-        """Modules with a conv history, in the order their states are stored."""
-        mods = [self.pre_conv]
+    def stateful_modules(self) -> list[nn.Module]:
+        """Modules with an input history, in the order of `CodecDecoderState.convs`."""
+        mods: list[nn.Module] = [self.pre_conv]
         for up in self.upsample:
-            mods += [up[0], up[1].dwconv]
+            mods += [m for m in (up[0], up[1].dwconv) if m.ctx > 0]
         mods.append(self.decoder[0])
         for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:
-            mods.append(blk.block[1])
-            mods += [ru.conv1 for ru in blk.block[2:]]
+            mods += [m for m in (blk.block[1], blk.block[2].conv1, blk.block[3].conv1, blk.block[4].conv1) if m.ctx > 0]
         mods.append(self.decoder[-1])
         return mods
 
+    def refresh_codebooks(self) -> None:
+        """Recompute the cached codebook vectors (automatic after load / .to() / in-place edits)."""
+        self.quantizer.rvq_first.refresh()
+        self.quantizer.rvq_rest.refresh()
+
     def init_state(self, batch_size: int, device=None, dtype=None) -> CodecDecoderState:
+        """Empty state (no frames decoded) for `batch_size` rows; device/dtype default to the weights'."""
         p = self.pre_conv.conv.weight
-        device, dtype = device or p.device, dtype or p.dtype
-        convs = [torch.zeros(batch_size, m.c_in, m.ctx, device=device, dtype=dtype) for m in self._stateful()]
+        device = p.device if device is None else torch.device(device)
+        dtype = p.dtype if dtype is None else dtype
         c = self.cfg
-        W1 = c.sliding_window - 1
-        kv = torch.zeros(c.num_hidden_layers, batch_size, c.num_key_value_heads, W1, c.head_dim,
-                         device=device, dtype=dtype)
-        return CodecDecoderState(convs, kv, kv.clone(), torch.zeros(batch_size, W1, dtype=torch.bool, device=device),
+        convs = [torch.zeros(batch_size, m.c_in, m.ctx, device=device, dtype=dtype) for m in self._stateful]
+        kv_shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
+        return CodecDecoderState(convs, torch.zeros(kv_shape, device=device, dtype=dtype),
+                                 torch.zeros(kv_shape, device=device, dtype=dtype),
                                  torch.zeros(batch_size, dtype=torch.long, device=device))
 
+    @torch.no_grad()
     def decode_step(self, codes: torch.Tensor, state: CodecDecoderState) -> torch.Tensor:
-        """codes [B, 16, t] -> [B, t * 1920]; advances `state` (its fields are replaced, rows independent)."""
-        convs, i = list(state.convs), 0
+        """codes [B, 16, n] (int64, 0 <= code < codebook_size, n >= 1) -> waveform [B, n * 1920], clamped to
+        [-1, 1]. Continues each row of `state` and advances it (its fields are replaced by new tensors of the
+        same shapes, only after the whole step succeeded)."""
+        if codes.shape[1] != self.cfg.num_quantizers:
+            raise ValueError(f"Expected {self.cfg.num_quantizers} layer of codes, got {codes.shape[1]}")
+        B, _, n = codes.shape
+        hists = state.convs
+        new_hists: list[torch.Tensor] = []
 
-        def run(mod, x):  # a stateful module: consume its history, store the new one
-            nonlocal i
-            y, convs[i] = mod.step(x, convs[i])
-            i += 1
+        def run(mod, x):  # a module with history number len(new_hists)
+            y, h = mod.step(x, hists[len(new_hists)])
+            new_hists.append(h)
             return y
 
-        t = codes.shape[-1]
-        h = run(self.pre_conv, self.quantizer.decode(codes))                         # [B, latent, t]
-        y, state.k, state.v, state.valid = self.pre_transformer.step(
-            h.transpose(1, 2), state.pos, state.k, state.v, state.valid)
-        h = y.transpose(1, 2)
-        for up in self.upsample:                                                       # x2, x2
-            h = run(up[0], h)
-            h = run(up[1], h)
-        h = run(self.decoder[0], h)
-        for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:                   # x8, x5, x4, x3
-            h = blk.block[0](h)
-            h = run(blk.block[1], h)
+        x = run(self.pre_conv, self.quantizer.decode(codes))                            # [B, latent, n]
+        y, k, v = self.pre_transformer.step(x.transpose(1, 2), state.pos, state.k, state.v)
+        x = y.transpose(1, 2)                                                            # [B, latent, n]
+        for up in self.upsample:                                                         # x2 each
+            x = run(up[0], x) if up[0].ctx else up[0].conv(x)
+            x = run(up[1], x)
+        x = run(self.decoder[0], x)                                                      # [B, decoder_dim, 4n]
+        for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:                     # x8, x5, x4, x3
+            x = blk.block[0](x)
+            x = run(blk.block[1], x) if blk.block[1].ctx else blk.block[1].conv(x)
             for ru in blk.block[2:]:
-                h = run(ru, h)
-        h = run(self.decoder[-1], self.decoder[-2](h))                                 # [B, 1, t*1920]
-        state.convs = convs
-        state.pos = state.pos + t
-        return h.clamp(min=-1, max=1)[:, 0]
+                x = run(ru, x)
+        wav = run(self.decoder[-1], self.decoder[-2](x))                                 # [B, 1, n * 1920]
+        assert len(new_hists) == len(hists)
+        state.convs, state.k, state.v, state.pos = new_hists, k, v, state.pos + n
+        return wav.clamp(min=-1, max=1)[:, 0]
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """One-shot decode: codes [B, 16, T] -> [B, T * 1920]."""
-        return self.decode_step(codes, self.init_state(codes.shape[0]))
+        """One-shot causal decode, no chunking: codes [B, 16, T] -> [B, T * 1920] (the official
+        `Qwen3TTSTokenizerV2Decoder.forward`, squeezed)."""
+        return self.decode_step(codes, self.init_state(codes.shape[0], codes.device))
 
+    @torch.no_grad()
     def chunked_decode(self, codes: torch.Tensor, chunk_size: int = 300, left_context_size: int = 25) -> torch.Tensor:
-        """The official offline decode: chunks of 300 frames, each with 25 frames of left context re-decoded."""
-        up = self.cfg.total_upsample
+        """The official offline decode: codes [B, 16, T] -> [B, T * 1920]. Chunks of `chunk_size` frames, each
+        decoded from scratch (positions from 0) with up to `left_context_size` preceding frames whose audio is
+        dropped. Equal to `forward` for T <= chunk_size."""
         wavs, start, T = [], 0, codes.shape[-1]
         while start < T:
             end = min(start + chunk_size, T)
             ctx = left_context_size if start - left_context_size > 0 else start
-            wavs.append(self(codes[..., start - ctx:end])[..., ctx * up:])
+            wavs.append(self(codes[..., start - ctx:end])[..., ctx * self.total_upsample:])
             start = end
         return torch.cat(wavs, dim=-1)
