@@ -130,12 +130,7 @@ def cv(official):
 
 
 def test_lazy_loading_and_shared_codec(cv, tmp_path):
-    # a private copy whose codec config differs (a nonce key), so no other test's codec instance is reused
-    mine = tmp_path / "mine"
-    shutil.copytree(cv, mine)
-    stc = mine / "speech_tokenizer" / "config.json"
-    stc.write_text(json.dumps({**json.loads(stc.read_text()), "_test_nonce": str(tmp_path)}))
-    cv = mine
+    cv = _private_copy(cv, tmp_path)
     eng = TTSEngine.from_pretrained(str(cv), device="cpu")
     st = eng.model.speech_tokenizer
     assert not st.decoder_loaded and not st.encoder_loaded and st.file.tensors_read == 0
@@ -266,8 +261,18 @@ def test_make_tiny_checkpoint_loads_and_speaks(tmp_path, kind, size):
     assert wav.dtype == np.float32 and np.isfinite(wav).all() and len(wav) % 1920 == 0 and np.abs(wav).max() > 0
 
 
-def test_base_loads_speaker_encoder_and_codec_encoder_only_when_needed(official):
-    ckpt, _, _ = official("base", "0b6")
+def _private_copy(ckpt, tmp_path):
+    """A copy of a checkpoint whose codec config differs by a nonce key, so no other test's shared codec
+    instance (with halves already loaded) is reused."""
+    mine = tmp_path / "mine"
+    shutil.copytree(ckpt, mine)
+    stc = mine / "speech_tokenizer" / "config.json"
+    stc.write_text(json.dumps({**json.loads(stc.read_text()), "_test_nonce": str(tmp_path)}))
+    return mine
+
+
+def test_base_loads_speaker_encoder_and_codec_encoder_only_when_needed(official, tmp_path):
+    ckpt = _private_copy(official("base", "0b6")[0], tmp_path)
     eng = TTSEngine.from_pretrained(str(ckpt), device="cpu")
     st, weights = eng.model.speech_tokenizer, eng.model.weights
     assert not eng.model.speaker_encoder_loaded and not st.encoder_loaded
