@@ -1,0 +1,30 @@
+# Qwen3-TTS Live: the Gradio app in a container (also usable as a Hugging Face Docker Space).
+#   docker build -t qwen3-tts-live .
+#   docker run --gpus all -p 7860:7860 -v hf-cache:/home/user/.cache qwen3-tts-live
+# Flags go after the image name, e.g. `... qwen3-tts-live python app.py --tiny`; every flag also has an
+# environment variable (TTS_DEVICE, TTS_BASE_MODEL, ...; see `python app.py --help`).
+FROM python:3.11-slim
+
+# ffmpeg: Gradio's streaming audio (AAC/HLS) and reading compressed reference clips
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ffmpeg \
+ && rm -rf /var/lib/apt/lists/*
+
+# Hugging Face Spaces run containers as uid 1000
+RUN useradd -m -u 1000 user
+USER user
+ENV HOME=/home/user \
+    PATH=/home/user/.local/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_SERVER_PORT=7860
+WORKDIR /home/user/app
+
+COPY --chown=user requirements.txt .
+RUN pip install --user -r requirements.txt
+
+COPY --chown=user . .
+
+EXPOSE 7860
+CMD ["python", "app.py", "--host", "0.0.0.0", "--port", "7860"]
