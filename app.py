@@ -1295,6 +1295,20 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
                      preload=a.preload)
 
 
+def create_server(app: TTSApp, demo: gr.Blocks):
+    """One FastAPI server: the OpenAI-compatible speech API (`/v1/audio/speech`, `/v1/audio/voices`) on the same
+    engines as the UI, and the Gradio app mounted at `/`. `demo.queue()` must have been called."""
+    from fastapi import FastAPI
+
+    from server.openai_api import install
+
+    api = FastAPI(title="Qwen3-TTS Live")
+    install(api, app.registry, app.limits)
+    kw = app.launch_kwargs()
+    return gr.mount_gradio_app(api, demo, path="/", theme=kw["theme"], css=kw["css"],
+                               max_file_size=kw["max_file_size"], allowed_paths=kw["allowed_paths"])
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
@@ -1311,8 +1325,17 @@ def main(argv=None) -> None:
         app.preload()
     demo = app.build()
     demo.queue(default_concurrency_limit=app.concurrency, max_size=app.limits.max_queue)
-    demo.launch(server_name=a.host, server_port=a.port, share=a.share, ssl_certfile=a.ssl_certfile,
-                ssl_keyfile=a.ssl_keyfile, ssl_verify=not a.ssl_certfile, **app.launch_kwargs())
+    if a.share:  # a public link needs Gradio's own launcher; the HTTP API is then not served
+        log.warning("--share: serving the UI through gradio.live; the /v1 speech API is not mounted")
+        demo.launch(server_name=a.host, server_port=a.port, share=True, ssl_certfile=a.ssl_certfile,
+                    ssl_keyfile=a.ssl_keyfile, ssl_verify=not a.ssl_certfile, **app.launch_kwargs())
+        return
+    import uvicorn
+
+    scheme = "https" if a.ssl_certfile else "http"
+    log.info("serving the app and the /v1/audio/speech API on %s://%s:%d", scheme, a.host, a.port)
+    uvicorn.run(create_server(app, demo), host=a.host, port=a.port, ssl_certfile=a.ssl_certfile,
+                ssl_keyfile=a.ssl_keyfile, log_level="warning")
 
 
 if __name__ == "__main__":
