@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
+
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
 
 
@@ -273,21 +275,6 @@ class SplitResidualVectorQuantizer(nn.Module):
 
 
 # --- transformer ----------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """Computed in fp32, cast back, then times the weight (official order)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, init: float):
         super().__init__()
@@ -329,11 +316,6 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class PreTransformer(nn.Module):
@@ -381,8 +363,8 @@ class PreTransformer(nn.Module):
             q = a.q_proj(r).view(B, n, a.h, a.hd).transpose(1, 2)                       # [B, H, n, hd]
             k = a.k_proj(r).view(B, n, a.hkv, a.hd).transpose(1, 2)                     # [B, Hkv, n, hd]
             v = a.v_proj(r).view(B, n, a.hkv, a.hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             kk = torch.cat([k_hist[i], k], dim=2)                                       # [B, Hkv, W1 + n, hd]
             vv = torch.cat([v_hist[i], v], dim=2)
             new_k.append(kk[:, :, n:])                                                   # last W1 positions
