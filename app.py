@@ -168,6 +168,7 @@ class AppConfig:
     concurrency: int | None = None     # generation events running at once (engine batch)
     preload: bool = False              # load the engines (and warm up) before serving
     limits: Limits = field(default_factory=Limits.from_env)
+    backend: str | None = None         # a remote OpenAI-compatible speech server instead of local engines
 
 
 @dataclass
@@ -275,6 +276,9 @@ class TTSApp:
         self.cfg = cfg = cfg or AppConfig()
         self.limits = cfg.limits
         self.roles: dict[str, RoleInfo] = {}
+        if cfg.backend:
+            self._init_remote(cfg)
+            return
         for role in ROLES:
             ck = "tiny" if cfg.tiny else (cfg.checkpoints.get(role) or "").strip()
             if ck:
@@ -297,6 +301,25 @@ class TTSApp:
             gpu = torch.cuda.is_available() and str(cfg.device or "cuda").startswith("cuda")
             self.concurrency = 16 if gpu else 4
         self.c = SimpleNamespace()   # UI components, filled by build()
+        self.examples = self._load_examples()
+
+    def _init_remote(self, cfg: AppConfig) -> None:
+        """--backend URL: every role is served by a remote OpenAI-compatible speech server."""
+        from server.remote_backend import RemoteRegistry
+
+        self.registry = RemoteRegistry(cfg.backend)
+        for role in ROLES:
+            if self.registry.configured(role):
+                eng = self.registry.get(role)
+                self.roles[role] = RoleInfo(role=role, checkpoint=self.registry.checkpoints[role], folder=Path("."),
+                                            random=False, kind=role, speakers=eng.speakers, languages=eng.languages,
+                                            supports_instruct=eng.supports_instruct, hidden_size=None, size="")
+        self.presets = PresetLibrary(cfg.presets_dir, _cache_root(cfg) / "presets")
+        self.files_dir = Path(tempfile.mkdtemp(prefix="qwen3-tts-live-"))
+        self._active: dict[str, set] = {}
+        self._active_lock = threading.Lock()
+        self.concurrency = int(cfg.concurrency or 8)
+        self.c = SimpleNamespace()
         self.examples = self._load_examples()
 
     # --- roles and engines ------------------------------------------------------------------------
@@ -325,6 +348,8 @@ class TTSApp:
 
     def preload(self) -> None:
         """Load every engine and run one short synthesis on each (first requests then start warm)."""
+        if self.cfg.backend:
+            return   # nothing to load here: a remote server serves every role
         for role in self.roles:
             t = time.perf_counter()
             eng = self.engine(role)
@@ -364,7 +389,8 @@ class TTSApp:
         if role not in self.roles:
             raise TTSError(f"this voice belongs to a {ROLE_LABEL[role]} model, which this server does not run")
         info = self.roles[role]
-        if voice.kind != "preset" and voice.hidden_size is not None and voice.hidden_size != info.hidden_size:
+        if (voice.kind != "preset" and voice.hidden_size is not None and info.hidden_size is not None
+                and voice.hidden_size != info.hidden_size):
             raise TTSError(f"this voice was made for a different model: its embedding has {voice.hidden_size} "
                            f"values, this server's {ROLE_LABEL[role]} model ({info.checkpoint}) needs "
                            f"{info.hidden_size}")
@@ -1267,6 +1293,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("voice_design", "--voice-design-model")):
         p.add_argument(flag, dest=role, default=env(ENV[role], DEFAULT_CHECKPOINTS[role]),
                        help=f"{ROLE_LABEL[role]} checkpoint: hub id or local folder; empty to disable [{ENV[role]}]")
+    p.add_argument("--backend", default=env("TTS_BACKEND"),
+                   help="URL of a remote OpenAI-compatible speech server (vLLM-Omni, or another instance of this "
+                        "app) to use instead of local models [TTS_BACKEND]")
     p.add_argument("--tiny", action="store_true", default=_env_bool("TTS_TINY"),
                    help="tiny random checkpoints for every role (no download; the audio is noise) [TTS_TINY]")
     p.add_argument("--no-offline-fallback", dest="offline_fallback", action="store_false",
@@ -1292,7 +1321,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
     return AppConfig(checkpoints={r: getattr(a, r) or "" for r in ROLES}, device=a.device, dtype=a.dtype,
                      tiny=a.tiny, offline_fallback=a.offline_fallback,
                      cache_dir=Path(a.cache_dir) if a.cache_dir else None, concurrency=a.concurrency,
-                     preload=a.preload)
+                     preload=a.preload, backend=a.backend)
 
 
 def create_server(app: TTSApp, demo: gr.Blocks):

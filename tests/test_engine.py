@@ -358,3 +358,18 @@ def test_cli_clone_with_reference_audio(official, tmp_path):
     assert r.returncode == 0, r.stderr
     c = np.load(codes)
     assert c.shape == (4, 16) and len(sf.read(out)[0]) == 4 * 1920   # generated frames only, not the reference
+
+
+def test_reference_voice_is_cloned_when_used(official, tmp_path):
+    """A `reference` voice (the clip itself) speaks like the clone made from the same clip."""
+    ckpt = official("base", "0b6")[0]
+    eng = TTSEngine.from_pretrained(str(ckpt), device="cpu")
+    t = np.arange(24000) / 24000
+    clip = (0.3 * np.sin(2 * np.pi * 170 * t)).astype(np.float32)
+    ref = Voice.from_clip(clip, 24000, "A tone.", x_vector_only=False)
+    ref = Voice.load(ref.save(tmp_path / "ref.safetensors"))
+    icl = eng.clone_voice((ref.clip()[0], 24000), ref_text="A tone.")
+    a = eng.stream("Same voice?", voice=ref, greedy=True, max_new_tokens=6)
+    b = eng.stream("Same voice?", voice=icl, greedy=True, max_new_tokens=6)
+    list(a), list(b)
+    assert torch.equal(a.codes, b.codes)

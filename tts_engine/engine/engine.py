@@ -249,6 +249,10 @@ class TTSEngine:
                 raise TTSError("a Base checkpoint needs a voice: a reference clip, a voice file or an embedding")
             if voice.kind == "preset":
                 raise TTSError("Base checkpoints have no preset speakers; clone a voice instead")
+            if voice.kind == "reference":   # a clip carried as the voice: clone it now
+                wav, sr = voice.clip()
+                voice = self.clone_voice((wav, sr), ref_text=voice.ref_text,
+                                         x_vector_only=bool(voice.meta.get("x_vector_only", not voice.ref_text)))
             speaker_vec = self._fit_embedding(voice)
             if voice.kind == "icl":
                 ref_codes, ref_text = voice.ref_codes, voice.ref_text
