@@ -20,7 +20,7 @@ from tts_engine import TTSError
 from tts_engine.tiny import make_tiny
 from tts_engine.voices.voice import Voice
 
-LIMITS = Limits(max_text_chars=200, max_new_tokens=4, max_upload_bytes=2 * 2**20, max_reference_seconds=8.0,
+LIMITS = Limits(max_text_chars=200, max_new_tokens=4, max_upload_bytes=4 * 2**20, max_reference_seconds=8.0,
                 max_per_client=16)
 
 
@@ -92,8 +92,13 @@ def test_long_reference_is_trimmed_with_notice(api):
     assert r.status_code == 200 and "only its first 8 s" in r.headers["x-notice"]
 
 
+def test_ten_minute_reference_is_trimmed_with_notice(api):
+    r = _clone(api, _clip(600.0, sr=8000, fmt="FLAC"))   # 10 minutes (FLAC keeps the upload small)
+    assert r.status_code == 200 and "600.0 s long; only its first 8 s" in r.headers["x-notice"]
+
+
 def test_oversized_upload_refused_before_reading(api):
-    big = base64.b64encode(b"\0" * (3 * 2**20)).decode()
+    big = base64.b64encode(b"\0" * (6 * 2**20)).decode()
     r = _post(api, task_type="Base", ref_audio=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 

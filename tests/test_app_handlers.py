@@ -1,7 +1,10 @@
 """The Gradio app's handlers, called directly on tiny random checkpoints (no server, no browser)."""
 from __future__ import annotations
 
+import os
 import pickle
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -410,3 +413,21 @@ def test_every_event_has_a_stable_api_name(app):
     stop_btn = app.c.stop_btn._id
     assert any(fn.is_cancel_function and gen <= set(fn.cancels) and stop_btn in [t[0] for t in fn.targets]
                for fn in demo.fns.values())
+
+
+def test_files_expire_and_sessions_do_not_see_each_other(app, tmp_path):
+    """Uploaded/generated files are pruned after file_ttl_seconds; a voice made in one browser session is
+    not offered to another."""
+    _needs_clone_modules()
+    old = app.files_dir / "old-entry"
+    old.mkdir()
+    (old / "x.wav").write_bytes(b"RIFF")
+    past = time.time() - app.limits.file_ttl_seconds - 10
+    os.utime(old, (past, past))
+    fresh = app._save_voice(Voice(kind="embedding", embedding=torch.ones(64), model_type="base"), "v", "json")
+    assert not old.exists() and Path(fresh).exists()
+    session_a = {"Mine": Voice(kind="embedding", embedding=torch.ones(64), model_type="base", name="Mine")}
+    assert "my:Mine" in [v for _, v in app.voice_choices(session_a)]
+    assert "my:Mine" not in [v for _, v in app.voice_choices({})]
+    with pytest.raises(TTSError, match="no voice named"):
+        app.resolve("my:Mine", {})
