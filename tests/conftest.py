@@ -7,10 +7,8 @@ the test then compares with tts_engine's output.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -32,3 +32,24 @@ def serve(app, timeout: float = 30):
     finally:
         srv.should_exit = True
         t.join(timeout=10)
+
+
+@contextlib.contextmanager
+def tiny_api(folder, roles, limits, engine_kw: dict | None = None):
+    """Our speech API on tiny random checkpoints of `roles`, on loopback. Yields (url, registry, checkpoints)."""
+    from fastapi import FastAPI
+
+    from server.openai_api import install
+    from server.registry import EngineRegistry
+    from tts_engine.tiny import make_tiny
+
+    ck = {role: str(make_tiny(folder / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
+          for role in roles}
+    registry = EngineRegistry(ck, device="cpu", offline_fallback=False, engine_kw=engine_kw)
+    app = FastAPI()
+    install(app, registry, limits)
+    try:
+        with serve(app) as url:
+            yield url, registry, ck
+    finally:
+        registry.close()

@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from fastapi import FastAPI
 
 from server.limits import Limits
-from server.openai_api import install
-from server.registry import EngineRegistry, check_name
-from tests.serving import serve
+from server.registry import check_name
+from tests.serving import tiny_api
 from tts_engine import TTSError
-from tts_engine.tiny import make_tiny
 from tts_engine.voices.voice import Voice
 
 LIMITS = Limits(max_text_chars=200, max_new_tokens=4, max_upload_bytes=4 * 2**20, max_reference_seconds=8.0,
@@ -26,15 +23,8 @@ LIMITS = Limits(max_text_chars=200, max_new_tokens=4, max_upload_bytes=4 * 2**20
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad")
-    registry = EngineRegistry({"custom_voice": str(make_tiny(d / "cv", kind="custom_voice")),
-                               "base": str(make_tiny(d / "base", kind="base"))}, device="cpu",
-                              offline_fallback=False)
-    app = FastAPI()
-    install(app, registry, LIMITS)
-    with serve(app) as url:
+    with tiny_api(tmp_path_factory.mktemp("bad"), ["custom_voice", "base"], LIMITS) as (url, _, _):
         yield url
-    registry.close()
 
 
 def _clip(seconds: float, sr: int = 24000, channels: int = 1, silent: bool = False, fmt="WAV") -> bytes:

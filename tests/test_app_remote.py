@@ -5,14 +5,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from fastapi import FastAPI
 
 from app import AppConfig, TTSApp, parse_args
 from server.limits import Limits
-from server.openai_api import install
-from server.registry import EngineRegistry
-from tests.serving import serve
-from tts_engine.tiny import make_tiny
+from tests.serving import tiny_api
 from tts_engine.voices.voice import Voice
 
 
@@ -23,17 +19,11 @@ def drain(gen):
 @pytest.fixture(scope="module")
 def remote_app(tmp_path_factory):
     d = tmp_path_factory.mktemp("remote_app")
-    ck = {role: str(make_tiny(d / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
-          for role in ("custom_voice", "base", "voice_design")}
-    registry = EngineRegistry(ck, device="cpu", offline_fallback=False)
-    server = FastAPI()
-    install(server, registry, Limits(max_new_tokens=8, max_per_client=8))
-    with serve(server) as url:
+    with tiny_api(d, ("custom_voice", "base", "voice_design"), Limits(max_new_tokens=8, max_per_client=8)) as (url, registry, _):
         app = TTSApp(AppConfig(backend=url, cache_dir=d / "cache"))
         app.build()
         yield app, registry, d
         app.close()
-    registry.close()
 
 
 def _final(app, outs):

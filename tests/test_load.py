@@ -17,13 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import soundfile as sf
-from fastapi import FastAPI
 
 from server.limits import Limits
-from tests.serving import serve
-from server.openai_api import install
-from server.registry import EngineRegistry
-from tts_engine.tiny import make_tiny
+from tests.serving import tiny_api
 
 FRAMES = 6
 
@@ -31,15 +27,10 @@ FRAMES = 6
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    d = tmp_path_factory.mktemp("load")
-    registry = EngineRegistry({"custom_voice": str(make_tiny(d / "cv", kind="custom_voice"))}, device="cpu",
-                              offline_fallback=False, engine_kw=dict(max_batch=4, max_waiting=8))
     limits = Limits(max_new_tokens=FRAMES + 1, max_per_client=64)
-    app = FastAPI()
-    install(app, registry, limits)
-    with serve(app) as url:
+    with tiny_api(tmp_path_factory.mktemp("load"), ["custom_voice"], limits,
+                  engine_kw=dict(max_batch=4, max_waiting=8)) as (url, registry, _):
         yield url, registry
-    registry.close()
 
 
 def _request(url: str, i: int, client: httpx.Client):

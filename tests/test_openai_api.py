@@ -9,29 +9,18 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-from fastapi import FastAPI
 
 from server.limits import Limits
-from tests.serving import serve
-from server.openai_api import install
-from server.registry import EngineRegistry
-from tts_engine.tiny import make_tiny
+from tests.serving import tiny_api
 
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("api")
-    ck = {role: str(make_tiny(d / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
-          for role in ("custom_voice", "base", "voice_design")}
-    registry = EngineRegistry(ck, device="cpu", offline_fallback=False)
     limits = Limits(max_text_chars=300, max_new_tokens=12, max_per_client=8)
-    app = FastAPI()
-    install(app, registry, limits)
-    with serve(app) as url:
+    with tiny_api(tmp_path_factory.mktemp("api"), ("custom_voice", "base", "voice_design"), limits) as (url, registry, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         yield client, registry, int(url.rsplit(":", 1)[1])
-    registry.close()
 
 
 def _wav(data: bytes):

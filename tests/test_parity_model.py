@@ -8,12 +8,9 @@ waveforms (fp32 tolerance); in bf16 at the looser tolerances stated below.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from tts_engine import TTSEngine
 from tts_engine.voices.voice import Voice

@@ -3,27 +3,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fastapi import FastAPI
 
 from server.limits import Limits
-from server.openai_api import install
-from server.registry import EngineRegistry
 from server.remote_backend import RemoteSpeech, wav_bytes
-from tests.serving import serve
+from tests.serving import tiny_api
 from tts_engine import TTSEngine, TTSError
-from tts_engine.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory):
-    d = tmp_path_factory.mktemp("remote")
-    ck = {"custom_voice": str(make_tiny(d / "cv", kind="custom_voice")), "base": str(make_tiny(d / "b", kind="base"))}
-    registry = EngineRegistry(ck, device="cpu", offline_fallback=False)
-    app = FastAPI()
-    install(app, registry, Limits(max_new_tokens=10, max_per_client=8))
-    with serve(app) as url:
+    with tiny_api(tmp_path_factory.mktemp("remote"), ["custom_voice", "base"],
+                  Limits(max_new_tokens=10, max_per_client=8)) as (url, _, ck):
         yield RemoteSpeech(url), ck
-    registry.close()
 
 
 def test_remote_stream_equals_local_engine(remote):

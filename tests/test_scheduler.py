@@ -191,8 +191,6 @@ def test_static_frame_equals_eager_frame(ckpt):
     """The captured (GPU) path runs `frame(b, L, general=True)`: the same computation for a batch bucket b >= B
     (padding rows), a length bucket L >= the longest row, and the general sampler (top-k candidates, top-p
     always on). On the CPU it runs eagerly; it must give the codes of the exact path, greedy and sampled."""
-    from tts_engine.model.sampling import SamplingParams
-
     results = {}
     for general in (False, True):
         eng = TTSEngine.from_pretrained(str(ckpt), device="cpu", max_batch=4, use_cuda_graphs=False)

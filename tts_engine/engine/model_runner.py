@@ -22,10 +22,12 @@ import torch
 
 from ..errors import TTSError
 from ..model.prompt import Prompt
-from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual
+from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from ..model.talker import Talker
 
 GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; larger top_k runs eagerly
+_GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
+GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
 
 
 class ModelRunner:
@@ -59,18 +61,10 @@ class ModelRunner:
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
-        """What the sampler may skip for rows 0..b-1 (host knowledge, no device read)."""
+        """The sampler's host facts for rows 0..b-1; `general` gives the captured superset."""
         if general:
-            f = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
-            return {"c0": f, "sub": f}
-        ps = [p for p in self.params[:b] if p is not None] or [SamplingParams(do_sample=False, subtalker_dosample=False)]
-
-        def facts(sample, k, p):
-            return {"any_sample": any(sample), "k_max": 0 if any(x <= 0 for x in k) else max(k),
-                    "any_top_p": any(x < 1.0 for x in p)}
-        return {"c0": facts([p.do_sample for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]),
-                "sub": facts([p.subtalker_dosample for p in ps], [p.subtalker_top_k for p in ps],
-                             [p.subtalker_top_p for p in ps])}
+            return GENERAL_FACTS
+        return host_facts([p for p in self.params[:b] if p is not None])
 
     def graph_compatible(self, b: int) -> bool:
         """Rows 0..b-1 can use the captured frame (their top-k fits the captured candidate count)."""
@@ -133,18 +127,10 @@ class ModelRunner:
         self.step[row] = 0
         self.seen[row] = False
         self.max_new[row] = min(params.max_new_tokens, self.max_len - L + 1)
-        rp = RowParams(**{k: (v[row:row + 1] if k != "host" else self._host_facts_for([params]))
+        rp = RowParams(**{k: (v[row:row + 1] if k != "host" else host_facts([params]))
                           for k, v in self.rp.__dict__.items()})
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
-
-    def _host_facts_for(self, ps: list[SamplingParams]) -> dict:
-        saved = self.params
-        self.params = ps
-        try:
-            return self._host_facts(len(ps), general=False)
-        finally:
-            self.params = saved
 
     def _after_c0(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
         self.seen[r, c0] = True
@@ -185,7 +171,7 @@ class ModelRunner:
 
     def _frame_rows(self, rows: list[int], read_len: int):
         r = torch.tensor(rows, device=self.device)
-        rp = RowParams(**{k: (v[r] if k != "host" else self._host_facts_for([self.params[i] for i in rows]))
+        rp = RowParams(**{k: (v[r] if k != "host" else host_facts([self.params[i] for i in rows]))
                           for k, v in self.rp.__dict__.items()})
         B = len(rows)
         contiguous = rows == list(range(rows[0], rows[0] + B))

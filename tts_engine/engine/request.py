@@ -17,7 +17,6 @@ class Request:
     max_chunk_frames: int = 12
     ref_codes: torch.Tensor | None = None      # ICL: primes the codec decoder, not part of the output
     codes: list[torch.Tensor] = field(default_factory=list)   # generated frames [16] each (CPU, int64)
-    cancelled: bool = False
 
     def chunk_sizes(self):
         """Frames per emitted chunk: first_chunk_frames, then doubling up to max_chunk_frames."""

@@ -66,12 +66,7 @@ class RowParams:
         def t(vals, dtype):
             return torch.tensor(vals, dtype=dtype, device=device)
 
-        def facts(sample, k, p):
-            return {"any_sample": any(sample), "k_max": 0 if any(x <= 0 for x in k) else max(k),
-                    "any_top_p": any(x < 1.0 for x in p)}
-        host = {"c0": facts([p.do_sample for p in params], [p.top_k for p in params], [p.top_p for p in params]),
-                "sub": facts([p.subtalker_dosample for p in params], [p.subtalker_top_k for p in params],
-                             [p.subtalker_top_p for p in params])}
+        host = host_facts(params)
         return cls(
             do_sample=t([p.do_sample for p in params], torch.bool),
             top_k=t([p.top_k for p in params], torch.long),
@@ -86,6 +81,19 @@ class RowParams:
             ignore_eos=t([p.ignore_eos for p in params], torch.bool),
             host=host,
         )
+
+
+def host_facts(params: list[SamplingParams]) -> dict:
+    """What the sampler may skip for a batch, known on the host: whether any row samples, the largest top-k
+    (0 = some row uses the whole vocabulary), whether any row uses top-p; for codebook 0 and the predictor."""
+    ps = params or [SamplingParams(do_sample=False, subtalker_dosample=False)]
+
+    def facts(sample, k, p):
+        return {"any_sample": any(sample), "k_max": 0 if any(x <= 0 for x in k) else max(k),
+                "any_top_p": any(x < 1.0 for x in p)}
+    return {"c0": facts([p.do_sample for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]),
+            "sub": facts([p.subtalker_dosample for p in ps], [p.subtalker_top_k for p in ps],
+                         [p.subtalker_top_p for p in ps])}
 
 
 # --- counter-based uniforms ---------------------------------------------------------------------
