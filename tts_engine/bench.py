@@ -189,17 +189,27 @@ def main(argv=None) -> int:
     p.add_argument("--kind", choices=["custom_voice", "base"], default="custom_voice",
                    help="random-weight checkpoint kind; base also reports memory after a first clone")
     p.add_argument("--text-embedding-on-cpu", action="store_true")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager per-frame step)")
+    p.add_argument("--check", action="store_true", help="does the fast path work here? graphs vs eager greedy "
+                   "codes at batch 1 and 4 (identical), then the one-stream speed; exit status 1 on a mismatch")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
+    if a.check:
+        from .graph_check import run_check
+
+        arch = a.arch or ("0.6b" if gpu else "tiny")
+        ckpt = a.model or str(checkpoint_for(arch, torch.bfloat16, a.kind))
+        return run_check(ckpt, device, a.dtype, a.frames or (64 if gpu else 12))
     arch = a.arch or ("0.6b" if gpu else "small")
     frames = a.frames or (250 if gpu else 40)
     conc = [int(x) for x in (a.concurrency or ("1,4,16,64" if gpu else "1,4")).split(",")]
     ckpt = Path(a.model) if a.model else checkpoint_for(arch, torch.bfloat16, a.kind)
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
-                                       max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu)
+                                       max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu,
+                                       use_cuda_graphs=False if a.eager else None)
     load_s = time.perf_counter() - t0
     if engine.kind == "base":  # the voice every request uses
         t = np.arange(24000 * 3) / 24000
@@ -217,6 +227,7 @@ def main(argv=None) -> int:
         engine.clone_voice((0.3 * np.sin(2 * np.pi * 160 * t).astype(np.float32), 24000), ref_text="A tone.")
         mem_clone = resident_memory(device)
     rows = [run_concurrency(engine, c, frames, a.first_chunk) for c in conc]
+    graphs = engine.graph_status
     prof = profile_frame(engine, min(frames, 20))
     mem = peak_memory(device)
     off = None if a.no_official else official_xrt(ckpt, min(frames, 40 if not gpu else frames), str(device), dtype_name)
@@ -228,7 +239,8 @@ def main(argv=None) -> int:
              f"request, end-of-speech disabled, first chunk after {a.first_chunk} frames. Load {load_s:.1f} s. "
              f"Resident memory after load and a first synthesis: {mem_synth}"
              + (f"; after a first ICL clone: {mem_clone}" if mem_clone else "")
-             + f". Peak: {mem}." + (" Text embedding kept on the CPU." if a.text_embedding_on_cpu else ""),
+             + f". Peak: {mem}." + (" Text embedding kept on the CPU." if a.text_embedding_on_cpu else "")
+             + (f" CUDA graphs: {graphs}." if gpu else ""),
              "",
              f"Command: `python -m tts_engine.bench {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
              "",

@@ -15,7 +15,8 @@ def _synth(a) -> int:
     from .voices.voice import Voice
 
     t0 = time.perf_counter()
-    engine = TTSEngine.from_pretrained(a.model, device=a.device, dtype=a.dtype)
+    engine = TTSEngine.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+                                       use_cuda_graphs=False if a.eager else None)
     voice = None
     if a.speaker:
         voice = a.speaker
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-new-tokens", type=int)
     s.add_argument("--device")
     s.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
+    s.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (the eager per-frame step)")
     s.add_argument("--out", required=True)
     s.add_argument("--codes-out", help="also save the generated codes, int64 (frames, 16), as .npy")
     s.set_defaults(fn=_synth)

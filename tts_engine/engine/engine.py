@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 
 import numpy as np
@@ -87,11 +88,13 @@ class TTSStream:
 
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
-                 max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = False):
+                 max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
-        use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA);
-        capture_graphs_at_start: capture every (batch, length) bucket now instead of on first use."""
+        use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
+        the eager path, `--eager` on the command lines); capture_graphs_at_start: capture every (batch, length)
+        bucket now, as the engine's warm-up, instead of on first use inside a request. A capture or replay that
+        raises turns graphs off for good with one log line (`graph_status` says why); the engine keeps serving."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -104,12 +107,12 @@ class TTSEngine:
             use_cuda_graphs = gpu
         if use_cuda_graphs:
             if not gpu:
-                raise TTSError("CUDA graphs need a CUDA device")
+                raise TTSError("CUDA graphs need a CUDA device (use_cuda_graphs=False, or --eager, on a CPU)")
             from .cuda_graphs import GraphedFrames
 
-            self.runner.graphs = GraphedFrames(self.runner)
-            if capture_graphs_at_start:
-                self.runner.graphs.capture_all()
+            self.start_graphs(GraphedFrames(self.runner), capture_now=capture_graphs_at_start)
+        else:
+            self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
 
@@ -121,6 +124,31 @@ class TTSEngine:
         to build prompts); engine_kw: see `TTSEngine.__init__`."""
         return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
                                                  text_embedding_on_cpu=text_embedding_on_cpu), **engine_kw)
+
+    def start_graphs(self, graphs, capture_now: bool = True) -> None:
+        """Serve the per-frame step through `graphs` (a `cuda_graphs.GraphedFrames`), capturing every bucket now
+        when `capture_now` (start-up warm-up, before any request). A capture that raises is logged in one line
+        and the engine serves eagerly for good."""
+        self.runner.graphs = graphs
+        if not capture_now:
+            self.runner.graph_status = "on (buckets captured on first use)"
+            return
+        t0 = time.perf_counter()
+        try:
+            graphs.capture_all()
+        except Exception as e:
+            self.runner.disable_graphs(f"capture failed: {type(e).__name__}: {e}".splitlines()[0][:300])
+            return
+        self.runner.graph_status = f"on ({len(graphs.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s)"
+
+    @property
+    def graph_status(self) -> str:
+        """Whether the per-frame step replays CUDA graphs ("on (...)") or runs eagerly ("off (why)")."""
+        return self.runner.graph_status
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.runner.graphs is not None
 
     def close(self) -> None:
         """Stop the worker thread; queued and running requests fail with a TTSError."""

@@ -18,6 +18,8 @@ no host-dependent control flow; on a GPU it is captured as a CUDA graph per (bat
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..errors import TTSError
@@ -28,6 +30,7 @@ from ..model.talker import Talker
 GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; larger top_k runs eagerly
 _GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
 GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
+log = logging.getLogger("tts_engine")
 
 
 class ModelRunner:
@@ -58,6 +61,14 @@ class ModelRunner:
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
+        self.graph_status = "off"
+
+    def disable_graphs(self, reason: str) -> None:
+        """Serve eagerly from now on (a capture or a replay raised): one log line, never an outage."""
+        if self.graphs is not None:
+            log.warning("CUDA graphs turned off, serving on the eager path from now on: %s", reason)
+        self.graphs = None
+        self.graph_status = f"off ({reason})"
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
@@ -151,9 +162,13 @@ class ModelRunner:
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
         if rows == list(range(B)):
+            codes = None
             if self.graphs is not None and self.graph_compatible(B):
-                codes, done = self.graphs.run(B, read_len)
-            else:
+                try:
+                    codes, done = self.graphs.run(B, read_len)
+                except Exception as e:  # a capture or replay that fails must not fail the request
+                    self.disable_graphs(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            if codes is None:
                 codes, done = self.frame(B, read_len, general=False)
         else:
             codes, done = self._frame_rows(rows, read_len)
