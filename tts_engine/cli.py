@@ -15,8 +15,10 @@ def _synth(a) -> int:
     from .voices.voice import Voice
 
     t0 = time.perf_counter()
-    engine = TTSEngine.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+    engine = TTSEngine.from_pretrained(a.model, device=a.device, dtype=a.dtype, quantize=a.quantize,
                                        use_cuda_graphs=False if a.eager else None)
+    if engine.lossy:
+        print(f"lossy mode: {engine.precision} (an approximation of the checkpoint's weights)", file=sys.stderr)
     voice = None
     if a.speaker:
         voice = a.speaker
@@ -40,7 +42,8 @@ def _synth(a) -> int:
     wall = time.perf_counter() - t1
     print(f"wrote {a.out}: {dur:.2f} s of audio, {stream.codes.shape[0]} frames, seed {stream.seed}; "
           f"load {t1 - t0:.1f} s, first audio {1000 * (first or 0):.0f} ms, "
-          f"{dur / wall if wall > 0 else 0:.2f}x real time", file=sys.stderr)
+          f"{dur / wall if wall > 0 else 0:.2f}x real time; precision {engine.precision}"
+          + (" (lossy)" if engine.lossy else ""), file=sys.stderr)
     return 0
 
 
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
     s.add_argument("--device")
     s.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (the eager per-frame step)")
+    s.add_argument("--quantize", choices=["int8", "int4"],
+                   help="weight-only quantised talker and code predictor (CPU; lossy, faster)")
     s.add_argument("--out", required=True)
     s.add_argument("--codes-out", help="also save the generated codes, int64 (frames, 16), as .npy")
     s.set_defaults(fn=_synth)

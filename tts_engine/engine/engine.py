@@ -118,12 +118,15 @@ class TTSEngine:
 
     @classmethod
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
-                        **engine_kw) -> "TTSEngine":
+                        quantize: str | None = None, **engine_kw) -> "TTSEngine":
         """model: hub id or checkpoint folder; device: default CUDA when present, else CPU; dtype: default bf16 on
         GPU, fp32 on CPU; text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only
-        to build prompts); engine_kw: see `TTSEngine.__init__`."""
+        to build prompts); quantize: None (the checkpoint's weights), "int8" or "int4" (weight-only quantised
+        talker and code predictor, CPU only, lossy: see `precision` and `lossy`); engine_kw: see
+        `TTSEngine.__init__`."""
         return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
-                                                 text_embedding_on_cpu=text_embedding_on_cpu), **engine_kw)
+                                                 text_embedding_on_cpu=text_embedding_on_cpu, quantize=quantize),
+                   **engine_kw)
 
     def start_graphs(self, graphs, capture_now: bool = True) -> None:
         """Serve the per-frame step through `graphs` (a `cuda_graphs.GraphedFrames`), capturing every bucket now
@@ -155,6 +158,16 @@ class TTSEngine:
         self.worker.close()
 
     # --- what this checkpoint offers ------------------------------------------------------------
+    @property
+    def precision(self) -> str:
+        """Short label of the talker's numerics for UIs and APIs: "fp32", "bf16", "int8 weights (bf16 ...)"."""
+        return self.model.precision
+
+    @property
+    def lossy(self) -> bool:
+        """True in a quantised mode (weights are an approximation of the checkpoint's): label it where shown."""
+        return self.model.lossy
+
     @property
     def kind(self) -> str:
         return self.config.tts_model_type

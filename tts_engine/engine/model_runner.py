@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_len: int, eos_id: int,
                  trailing_cap: int = 1024):
         self.talker = talker
-        w = talker.codec_head.weight
+        w = talker.model.norm.weight   # device and activation dtype (linear layers may be quantised)
         self.device, self.dtype = w.device, w.dtype
         self.rows, self.max_len = rows, max_len
         D, V = talker.cfg.hidden_size, talker.cfg.vocab_size

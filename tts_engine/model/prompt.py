@@ -32,7 +32,7 @@ class PromptBuilder:
     def __init__(self, cfg: ModelConfig, talker: Talker):
         self.cfg = cfg
         self.talker = talker
-        dev = talker.codec_head.weight.device
+        dev = talker.model.norm.weight.device
         ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id], device=dev)
         with torch.inference_mode():
             self.tts_bos, self.tts_eos, self.tts_pad = talker.text_embed(ids).unbind(0)  # each [D]

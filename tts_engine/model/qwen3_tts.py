@@ -13,6 +13,7 @@ from ..config import ModelConfig
 from ..errors import TTSError
 from ..text_tokenizer import TextTokenizer
 from .prompt import PromptBuilder
+from .quant import parse_quantize, precision_label, quantize_talker
 from .sampling import SamplingParams
 from .talker import Talker
 
@@ -36,8 +37,10 @@ def parse_dtype(dtype) -> torch.dtype | None:
 
 
 class Qwen3TTSModel:
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, text_embedding_on_cpu: bool = False):
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, text_embedding_on_cpu: bool = False,
+                 quantize: str | None = None):
         self.folder = folder
+        self.quantize = parse_quantize(quantize)
         self.device, self.dtype = device, dtype
         self.config = ModelConfig.from_dict(read_json(folder / "config.json"))
         self.generation_defaults = SamplingParams.from_dict(read_json(folder / "generation_config.json"))
@@ -49,18 +52,35 @@ class Qwen3TTSModel:
         if text_embedding_on_cpu and device.type != "cpu":
             # 151936 x 2048 (622 MB bf16) read only to build prompts: keep it in host memory
             self.talker.model.text_embedding.to("cpu")
+        # last rewrite of the talker's layers: int8/int4 weights are born here, the dense ones dropped
+        self.quantized_layers = quantize_talker(self.talker, self.quantize)
         self.prompts = PromptBuilder(self.config, self.talker)
         self._lock = threading.Lock()
         self._speaker_encoder = None
         self.speech_tokenizer = SpeechTokenizer.shared(folder / "speech_tokenizer", device, dtype)
 
     @classmethod
-    def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False) -> "Qwen3TTSModel":
+    def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
+                        quantize: str | None = None) -> "Qwen3TTSModel":
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise TTSError("CUDA was requested but no GPU is available")
         dtype = parse_dtype(dtype) or default_dtype(device)
-        return cls(resolve_checkpoint(model), device, dtype, text_embedding_on_cpu)
+        quantize = parse_quantize(quantize)
+        if quantize is not None and device.type != "cpu":
+            raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
+                           "on a GPU run bf16 without quantize")
+        return cls(resolve_checkpoint(model), device, dtype, text_embedding_on_cpu, quantize)
+
+    @property
+    def precision(self) -> str:
+        """What the talker computes with: "fp32", "bf16", "int8 weights (bf16 matmuls, fp32 elsewhere)", ..."""
+        return precision_label(self.dtype, self.quantize)
+
+    @property
+    def lossy(self) -> bool:
+        """True when the talker's weights are not the checkpoint's (quantised): its output is an approximation."""
+        return self.quantize is not None
 
     @property
     def speaker_encoder(self):

@@ -87,8 +87,8 @@ class Talker(nn.Module):
     def text_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """T(id): text ids [...] -> projected text-track vectors [..., D]."""
         emb = self.model.text_embedding(ids.to(self.model.text_embedding.weight.device))
-        dev = self.codec_head.weight.device
-        return self.text_projection(emb.to(dev, self.codec_head.weight.dtype))
+        w = self.model.norm.weight   # device and activation dtype (codec_head may be quantised)
+        return self.text_projection(emb.to(w.device, w.dtype))
 
     def codec_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """C(id): codec-track vectors of talker vocab ids [...] -> [..., D]."""

@@ -1,0 +1,177 @@
+"""Weight-only quantisation of the talker's and the code predictor's linear layers (CPU).
+
+At one stream the talker (~440 M weights read once per frame) and the code predictor (~80 M weights read 15
+times per frame) are bound by the bytes of weight they read. Storing those weights in int8 or int4 cuts the
+bytes 4x or 8x against fp32. Embedding tables stay gathers (a frame reads 16 rows, not the table) and the
+text projection stays dense (it runs only while building a prompt).
+
+Modes:
+  "int8"  per-output-channel symmetric: w[n, :] ~= q[n, :] * scale[n], q in [-127, 127].
+          Matmul: `torch.ops.aten._weight_int8pack_mm(x, q, scale)`.
+  "int4"  group-wise asymmetric (groups of INT4_GROUP input columns, 16 levels from the group's min to its
+          max): w[n, g*G:(g+1)*G] ~= (q - 8) * scale[g, n] + zero[g, n], zero = min + 8 * scale.
+          Matmul: `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scale_and_zero)`, weights packed
+          once by `torch.ops.aten._convert_weight_to_int4pack_for_cpu`.
+
+Both kernels are vectorised for bf16 activations only (measured on a 2-core Zen 4 with one input row: fp32
+activations read 1.5-2 GB/s of weight, bf16 activations 13-35 GB/s), so the quantised matmuls take bf16
+inputs (MATMUL_DTYPE) whatever the engine's activation dtype, and give back that dtype: the rest of the
+model (norms, attention, residual stream, KV caches) keeps the engine's dtype.
+
+Where the quantised weights are born: `quantize_talker`, called once by `Qwen3TTSModel` after the checkpoint
+is loaded (and after any load-time rewrite of the layers, such as fused projections: every `nn.Linear` found
+under the quantised roots is swapped, whatever its shape). The dense weights they replace are dropped.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import TTSError
+
+QUANT_MODES = ("int8", "int4")
+INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
+INT4_INNER_K_TILES = 8   # packing layout of the CPU int4 kernel
+MATMUL_DTYPE = torch.bfloat16
+
+
+def parse_quantize(quantize) -> str | None:
+    """None / "none" / "" / "fp" -> None; "int8" / "int4" -> the mode; anything else -> TTSError."""
+    if quantize is None:
+        return None
+    q = str(quantize).strip().lower()
+    if q in ("", "none", "off", "no"):
+        return None
+    if q not in QUANT_MODES:
+        raise TTSError(f"unknown quantize mode {quantize!r}; use one of: {', '.join(QUANT_MODES)} "
+                       "(or leave it unset for the checkpoint's own weights)")
+    return q
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear: y = (x @ q.T) * scale (+ bias). q [N, K] int8, scale [N] (bf16)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                        # [N]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)          # [N, K]
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.to(MATMUL_DTYPE))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by [N, K] (fp32), for tests and error bounds."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(MATMUL_DTYPE).contiguous()         # [M, K]
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)         # [M, N]
+        y = y.to(dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 linear, group-wise asymmetric. packed: the CPU kernel's layout of q [N, K] (0..15);
+    scale_zero [K/G, N, 2] (bf16): per group and output channel, (scale, zero)."""
+
+    def __init__(self, linear: nn.Linear, group: int | None = None):
+        super().__init__()
+        group = group or INT4_GROUP
+        w = linear.weight.detach().float()
+        N, K = w.shape
+        self.in_features, self.out_features, self.group = K, N, group
+        wg = w.reshape(N, K // group, group)
+        lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12)                                  # [N, K/G, 1]
+        q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(N, K)
+        zero = lo + 8.0 * scale
+        sz = torch.stack([scale.reshape(N, K // group), zero.reshape(N, K // group)], dim=-1)  # [N, K/G, 2]
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES))
+        self.register_buffer("scale_zero", sz.transpose(0, 1).contiguous().to(MATMUL_DTYPE))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    @staticmethod
+    def supports(linear: nn.Linear, group: int | None = None) -> bool:
+        """The CPU kernel needs N % 16 == 0 and K % group == 0; other layers stay dense."""
+        return linear.out_features % 16 == 0 and linear.in_features % (group or INT4_GROUP) == 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by [N, K] (fp32), read back through the kernel itself."""
+        eye = torch.eye(self.in_features, dtype=MATMUL_DTYPE)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero).float().T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(MATMUL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zero)
+        y = y.to(dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {self.group}")
+
+
+def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> nn.Module:
+    """One nn.Linear -> its quantised replacement (or the layer itself where the kernel cannot take its shape).
+    group: int4 group size (default INT4_GROUP)."""
+    if mode == "int8":
+        return Int8Linear(linear)
+    if mode == "int4":
+        return Int4Linear(linear, group) if Int4Linear.supports(linear, group) else linear
+    raise TTSError(f"unknown quantize mode {mode!r}")
+
+
+def quantize_module(root: nn.Module, mode: str, group: int | None = None) -> int:
+    """Swap every nn.Linear below `root` (or `root` itself is left alone) for its quantised form, in place.
+    Returns the number of layers swapped."""
+    n = 0
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                new = quantize_linear(child, mode, group)
+                if new is not child:
+                    setattr(parent, name, new)
+                    n += 1
+    return n
+
+
+def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = None) -> int:
+    """Quantise, in place, the per-frame linear layers of a loaded `Talker`: its decoder stack and codec_head,
+    the code predictor's decoder stack, lm_heads and small_to_mtp_projection. Returns the number of layers
+    swapped (0 for mode None). group: int4 group size (default INT4_GROUP)."""
+    mode = parse_quantize(mode)
+    if mode is None:
+        return 0
+    if talker.codec_head.weight.device.type != "cpu":
+        raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
+                       "on a GPU run bf16 without quantize")
+    cp = talker.code_predictor
+    n = quantize_module(talker.model.layers, mode, group) + quantize_module(cp.model.layers, mode, group)
+    n += quantize_module(cp.lm_head, mode, group)
+    for parent, name in ((talker, "codec_head"), (cp, "small_to_mtp_projection")):
+        child = getattr(parent, name)
+        if isinstance(child, nn.Linear):
+            new = quantize_linear(child, mode, group)
+            if new is not child:
+                setattr(parent, name, new)
+                n += 1
+    return n
+
+
+def precision_label(dtype: torch.dtype, quantize: str | None) -> str:
+    """A short label for the app, the API and the CLI: "fp32", "bf16", "int8 weights (bf16 activations)",
+    "int4 weights (bf16 matmuls, fp32 elsewhere)"."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    if quantize is None:
+        return name
+    mm = {torch.bfloat16: "bf16"}[MATMUL_DTYPE]
+    if name == mm:
+        return f"{quantize} weights ({mm} activations)"
+    return f"{quantize} weights ({mm} matmuls, {name} elsewhere)"
