@@ -151,6 +151,21 @@ def official_xrt(ckpt: Path, frames: int, device: str, dtype: str) -> float | No
     return r["frames"] * 0.08 / r["wall_s"]
 
 
+def quality_vs_fp32(engine: TTSEngine, ckpt: Path, device: torch.device, frames: int) -> str:
+    """Teacher-forced deviation of the engine's talker from an fp32 copy of the same weights (tts_engine.quality)."""
+    from . import quality
+    from .model.qwen3_tts import Qwen3TTSModel
+
+    rows = 4
+    ref_model = Qwen3TTSModel.from_pretrained(str(ckpt), device=device, dtype="fp32")
+    ref = quality.reference_run(ref_model, rows=rows, frames=max(1, frames // rows))
+    report = quality.measure(ref, engine.model.talker, ref_model.prompts.tts_pad, engine.precision)
+    del ref_model
+    return ("Quality vs fp32 (teacher forcing on the fp32 model's greedy codes, "
+            f"{rows} prompts x {frames // rows} frames; cosine similarity and top-1 agreement per frame):\n\n"
+            + quality.QualityReport.table([report]))
+
+
 def resident_memory(device: torch.device) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -192,6 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager per-frame step)")
     p.add_argument("--check", action="store_true", help="does the fast path work here? graphs vs eager greedy "
                    "codes at batch 1 and 4 (identical), then the one-stream speed; exit status 1 on a mismatch")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantised talker and code predictor")
+    p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
+                   "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -209,7 +227,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
                                        max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu,
-                                       use_cuda_graphs=False if a.eager else None)
+                                       quantize=a.quantize, use_cuda_graphs=False if a.eager else None)
     load_s = time.perf_counter() - t0
     if engine.kind == "base":  # the voice every request uses
         t = np.arange(24000 * 3) / 24000
@@ -232,10 +250,14 @@ def main(argv=None) -> int:
     mem = peak_memory(device)
     off = None if a.no_official else official_xrt(ckpt, min(frames, 40 if not gpu else frames), str(device), dtype_name)
     engine.close()
+    quality_md = None
+    if engine.precision != "fp32" and a.quality_frames > 0:
+        quality_md = quality_vs_fp32(engine, ckpt, device, a.quality_frames)
 
     dev = device_name(device)
     what = a.model or f"random-weight {arch} architecture"
-    lines = [f"Device: **{dev}**. Model: {what}, {dtype_name}. {frames} frames ({frames * 0.08:.1f} s of audio) per "
+    precision = engine.precision + (" (lossy)" if engine.lossy else "")
+    lines = [f"Device: **{dev}**. Model: {what}, {precision}. {frames} frames ({frames * 0.08:.1f} s of audio) per "
              f"request, end-of-speech disabled, first chunk after {a.first_chunk} frames. Load {load_s:.1f} s. "
              f"Resident memory after load and a first synthesis: {mem_synth}"
              + (f"; after a first ICL clone: {mem_clone}" if mem_clone else "")
@@ -258,9 +280,11 @@ def main(argv=None) -> int:
                      f"**{ours / off:.1f}x the official speed**.")
     else:
         lines.append("\nOfficial implementation: not measured in this run (oracle venv not installed or --no-official).")
+    if quality_md:
+        lines += ["", quality_md]
     body = "\n".join(lines)
     print(body)
-    write_markdown(Path(a.out), f"## {dev} — {what}, {dtype_name}", body)
+    write_markdown(Path(a.out), f"## {dev} — {what}, {engine.precision}", body)
     return 0
 
 

@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(MATMUL_DTYPE).contiguous()         # [M, K]
         y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)         # [M, N]
         y = y.to(dtype).reshape(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -111,7 +111,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(MATMUL_DTYPE).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zero)
         y = y.to(dtype).reshape(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
