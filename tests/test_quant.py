@@ -168,6 +168,14 @@ def _quantised_copy(model, mode):
     return talker
 
 
+def test_teacher_forcing_lines_up_with_generation(fp32_reference):
+    """The fp32 trace's predictor argmax reproduces the greedy residual codes the fp32 engine generated (an
+    off-by-one in the teacher-forced positions would give ~0%; batched vs step-wise numerics may flip a tie)."""
+    model, ref = fp32_reference
+    agree = (ref.trace["cp_logits"].argmax(-1) == ref.codes.reshape(-1, 16)[:, 1:]).float().mean().item()
+    assert agree > 0.97, agree
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantised_talker_stays_close_to_fp32(fp32_reference, mode):
     from tts_engine import quality
