@@ -149,7 +149,7 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     mode = parse_quantize(mode)
     if mode is None:
         return 0
-    if talker.codec_head.weight.device.type != "cpu":
+    if talker.model.norm.weight.device.type != "cpu":
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
     cp = talker.code_predictor
