@@ -64,6 +64,14 @@ def test_quantised_linear_matches_fp32_within_bounds(mode, cls, out_tol, dtype, 
     # a single row, non-contiguous (the heads read h[:, -1])
     xr = x[:, -1]
     assert _rel(q(xr), torch.nn.functional.linear(xr.float(), wq, lin.bias)) < 0.01
+    # many rows (prompt prefill: int8 takes a bf16 GEMM on q there), and the same rows forced through the kernel
+    xp = torch.randn(quant.INT8_DENSE_ROWS + 8, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.inference_mode():
+        yp = q(xp)
+        with quant.decode_kernels_only():
+            yk = q(xp)
+    assert _rel(yp, torch.nn.functional.linear(xp.float(), wq, lin.bias)) < 0.01
+    assert _rel(yp, yk) < 0.01
 
 
 def test_int4_leaves_layers_the_kernel_cannot_take_dense():

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .model.prompt import Prompt
+from .model.quant import decode_kernels_only
 from .model.sampling import SamplingParams
 
 TEXTS = ("Ladies and gentlemen, please remain calm.", "The quick brown fox jumps over the lazy dog.",
@@ -156,5 +157,8 @@ def compare(ref: dict, other: dict, label: str) -> QualityReport:
 
 
 def measure(ref: Reference, talker, tts_pad: torch.Tensor, label: str) -> QualityReport:
-    """Teacher-force `talker` (a lossy variant of the reference's) on the reference codes and compare."""
-    return compare(ref.trace, teacher_forced(talker, tts_pad, ref.prompts, ref.codes), label)
+    """Teacher-force `talker` (a lossy variant of the reference's) on the reference codes and compare. Quantised
+    matmuls take their decode kernels (the path every generated frame takes), not the prefill path."""
+    with decode_kernels_only():
+        trace = teacher_forced(talker, tts_pad, ref.prompts, ref.codes)
+    return compare(ref.trace, trace, label)

@@ -24,6 +24,8 @@ under the quantised roots is swapped, whatever its shape). The dense weights the
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -33,6 +35,20 @@ QUANT_MODES = ("int8", "int4")
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
 INT4_INNER_K_TILES = 8   # packing layout of the CPU int4 kernel
 MATMUL_DTYPE = torch.bfloat16
+INT8_DENSE_ROWS = 32     # from this many input rows (prompt prefill) int8 runs as a bf16 GEMM on q (see Int8Linear)
+_dense_rows = [INT8_DENSE_ROWS]
+
+
+@contextmanager
+def decode_kernels_only():
+    """Within this block every int8 matmul takes the decode kernel whatever its row count, so that a batched
+    measurement (tts_engine.quality) sees the numerics of frame-by-frame decoding. Not for a running engine."""
+    saved = _dense_rows[0]
+    _dense_rows[0] = 1 << 62
+    try:
+        yield
+    finally:
+        _dense_rows[0] = saved
 
 
 def parse_quantize(quantize) -> str | None:
@@ -68,7 +84,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, lead = x.dtype, x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(MATMUL_DTYPE).contiguous()         # [M, K]
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)         # [M, N]
+        if x2.shape[0] < _dense_rows[0]:   # decode: weight-bound, the int8 kernel reads 1 byte per weight
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)     # [M, N]
+        else:   # prefill: the int8 kernel is no GEMM (~2x slower than bf16 at 150 rows); q is exact in bf16
+            y = torch.nn.functional.linear(x2, self.qweight.to(MATMUL_DTYPE)) * self.scale
         y = y.to(dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias.to(dtype)
 
