@@ -14,7 +14,12 @@ import soundfile as sf
 import torch
 
 import app as app_mod
-from app import SR, AppConfig, TTSApp, _guard, chunk_text, split_sentences, to_int16
+from ui import layout
+from ui import speak as speak_mod
+from ui.app import TTSApp
+from ui.config import ROOT, SR, AppConfig
+from ui.handlers import guard
+from ui.text import chunk_text, split_sentences, to_int16
 from server.limits import Limits
 from tts_engine import TTSError
 from tts_engine.tiny import make_tiny
@@ -22,7 +27,6 @@ from tts_engine.voices import blend as B
 from tts_engine.voices.presets import PresetLibrary, load_presets
 from tts_engine.voices.voice import Voice
 
-ROOT = app_mod.ROOT
 OLIVER = ROOT / "presets" / "oliver.flac"
 OLIVER_TEXT = "Good morning. I hope you slept well, because today we have a great deal of work to do."
 
@@ -42,8 +46,10 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(tiny_dirs, tmp_path_factory):
+    # live_audio=True: the handlers also yield every chunk to the `live` output (Gradio's streaming player, used
+    # where ffmpeg is installed); called directly here, nothing is encoded, so this runs without ffmpeg
     cfg = AppConfig(checkpoints=dict(tiny_dirs), device="cpu", cache_dir=tmp_path_factory.mktemp("app_cache"),
-                    limits=Limits(max_text_chars=800, max_new_tokens=40, max_queue=16))
+                    limits=Limits(max_text_chars=800, max_new_tokens=40, max_queue=16), live_audio=True)
     a = TTSApp(cfg)
     a.build()
     yield a
@@ -173,7 +179,7 @@ def test_queue_position_is_shown_while_waiting(app, monkeypatch):
     fake = FakeStream()
     eng = app.engine("custom_voice")
     monkeypatch.setattr(eng, "stream", lambda text, **kw: fake)
-    monkeypatch.setattr(app_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(speak_mod.time, "sleep", lambda s: None)
     outs = drain(app.preset("Hi.", "ryan", "auto", "", {}, seed=1, randomize=False))
     statuses = [d[app.c.status] for d in outs if app.c.status in d]
     assert any("position in queue: 3 (2 ahead)" in s for s in statuses)
@@ -193,12 +199,12 @@ def test_stop_cancels_the_engine_request(app):
         if app.c.live in d:
             got.append(d[app.c.live][1])
             break
-    assert app._active.get("stopper"), "the running stream is tracked for its session"
+    assert app.active.by_session.get("stopper"), "the running stream is tracked for its session"
     assert "cancelled" in app.stop(r)
     rest = drain(gen)
     frames = (sum(len(x) for x in got) + sum(len(d[app.c.live][1]) for d in rest if app.c.live in d)) / 1920
     assert frames < 39, "generation ended early"
-    assert "stopper" not in app._active
+    assert "stopper" not in app.active.by_session
     import time
     deadline = time.time() + 10
     while not eng.scheduler.idle() and time.time() < deadline:
@@ -207,7 +213,7 @@ def test_stop_cancels_the_engine_request(app):
 
 
 def test_instruct_only_where_supported(app):
-    assert app.supports_instruct("ryan") is False            # tiny CustomVoice is 0.6B: no instructions
+    assert app.voices.supports_instruct("ryan") is False            # tiny CustomVoice is 0.6B: no instructions
     outs = drain(app.preset("Hi.", "ryan", "auto", "Speak happily.", {}, seed=1, randomize=False, max_new_tokens=4))
     assert "instruction ignored" in outs[-1][app.c.status]
     assert app.roles["voice_design"].supports_instruct
@@ -247,7 +253,7 @@ def test_bad_input_gives_clear_messages_not_tracebacks(app, tmp_path):
 
     def err(fn, *a, **k):
         with pytest.raises(gr.Error) as e:
-            res = _guard(fn)(*a, **k)
+            res = guard(fn)(*a, **k)
             if hasattr(res, "__next__"):
                 drain(res)
         msg = str(e.value.message if hasattr(e.value, "message") else e.value)
@@ -300,7 +306,7 @@ def test_blend_uses_slerp_for_two_and_nlerp_for_more(app, monkeypatch):
                     max_new_tokens=4))
     want = B.nlerp([eng.preset_embedding(s) for s in ("ryan", "vivian", "aiden")], [1, 3, 6])
     assert np.allclose(rec.calls[-1]["voice"].embedding.numpy(), want, atol=1e-6)
-    assert app.shares(3, 10, 30, 60, 0, 30) == ("10 %", "30 %", "60 %", "", "A 70 % · B 30 %")
+    assert layout.shares(3, 10, 30, 60, 0, 30) == ("10 %", "30 %", "60 %", "", "A 70 % · B 30 %")
 
 
 def test_blend_export_round_trips_and_is_reusable(app):
@@ -343,11 +349,11 @@ def test_base_presets_are_listed_cloned_on_first_use_and_cached(app, tmp_path, m
     assert {p.id for p in presets} >= {"emma", "oliver"}
     for p in presets:
         assert p.transcript and p.source and p.licence and p.clip.is_file() and p.clip.stat().st_size < 400_000
-    assert any(v == "preset:emma" for _, v in app.voice_choices(None))
+    assert any(v == "preset:emma" for _, v in app.voices.choices(None))
     eng = app.engine("base")
     outs = drain(app.preset("Hallo.", "preset:greta", "german", "", {}, seed=1, randomize=False, max_new_tokens=4))
     assert final_of(app, outs)[app.c.final][1].size > 0
-    assert app.presets.cache_path(eng, app.presets.get("greta")).exists()
+    assert app.voices.presets.cache_path(eng, app.voices.presets.get("greta")).exists()
     lib = PresetLibrary(ROOT / "presets", tmp_path / "cache")
     v = lib.voice(eng, "emma")
     assert v.kind == "icl" and lib.cache_path(eng, lib.get("emma")).exists()
@@ -362,13 +368,13 @@ def test_offline_fallback_uses_random_tiny_weights_with_a_banner(tmp_path):
     a = TTSApp(cfg)
     try:
         assert a.random_roles == ["custom_voice"]
-        text = a.banner_text()
+        text = a.models.banner_text()
         for part in ("random weights", "noise", "hf download", "--custom-voice-model"):
             assert part.lower() in text.lower()
-        assert "random weights" in a._status("Done", role="custom_voice")
+        assert "random weights" in a.status("Done", role="custom_voice")
         demo = a.build()
         assert a.c.banner.visible and demo is not None
-        assert a.has("custom_voice") and not a.has("base")
+        assert a.models.has("custom_voice") and not a.models.has("base")
     finally:
         a.close()
     cfg.offline_fallback = False
@@ -419,15 +425,15 @@ def test_files_expire_and_sessions_do_not_see_each_other(app, tmp_path):
     """Uploaded/generated files are pruned after file_ttl_seconds; a voice made in one browser session is
     not offered to another."""
     _needs_clone_modules()
-    old = app.files_dir / "old-entry"
+    old = app.files.dir / "old-entry"
     old.mkdir()
     (old / "x.wav").write_bytes(b"RIFF")
     past = time.time() - app.limits.file_ttl_seconds - 10
     os.utime(old, (past, past))
-    fresh = app._save_voice(Voice(kind="embedding", embedding=torch.ones(64), model_type="base"), "v", "json")
+    fresh = app.files.save_voice(Voice(kind="embedding", embedding=torch.ones(64), model_type="base"), "v", "json")
     assert not old.exists() and Path(fresh).exists()
     session_a = {"Mine": Voice(kind="embedding", embedding=torch.ones(64), model_type="base", name="Mine")}
-    assert "my:Mine" in [v for _, v in app.voice_choices(session_a)]
-    assert "my:Mine" not in [v for _, v in app.voice_choices({})]
+    assert "my:Mine" in [v for _, v in app.voices.choices(session_a)]
+    assert "my:Mine" not in [v for _, v in app.voices.choices({})]
     with pytest.raises(TTSError, match="no voice named"):
-        app.resolve("my:Mine", {})
+        app.voices.resolve("my:Mine", {})
