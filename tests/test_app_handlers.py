@@ -17,7 +17,7 @@ import app as app_mod
 from ui import layout
 from ui import speak as speak_mod
 from ui.app import TTSApp
-from ui.config import ROOT, SR, AppConfig
+from ui.config import ROOT, SENTENCE_PAUSE_S, SR, AppConfig
 from ui.handlers import guard
 from ui.text import chunk_text, split_sentences, to_int16
 from server.limits import Limits
@@ -155,6 +155,119 @@ def test_long_text_is_split_and_streamed_in_order_with_one_voice_and_seed(app, m
     assert len(pieces) > 1 and [c["text"] for c in rec.calls] == pieces
     assert {c["seed"] for c in rec.calls} == {3} and {c["voice"] for c in rec.calls} == {"aiden"}
     assert f"part {len(pieces)}/{len(pieces)}" in outs[-1][app.c.status]
+
+
+class Logged:
+    """Wraps engine.stream: logs ("submit", k) when group k is submitted and ("end", k) when its stream is
+    exhausted, and keeps every chunk each group produced."""
+
+    def __init__(self, engine):
+        self.orig, self.log, self.chunks, self.streams = engine.stream, [], [], []
+
+    def __call__(self, text, **kw):
+        k = len(self.chunks)
+        self.log.append(("submit", k))
+        self.chunks.append([])
+        stream = self.orig(text, **kw)
+        self.streams.append(stream)
+        return self._wrap(k, stream)
+
+    def _wrap(self, k, stream):
+        log, chunks = self.log, self.chunks[k]
+
+        class Handle:
+            position = property(lambda _: stream.position)
+            cancel = stream.cancel
+
+            def __iter__(_):
+                for x in stream:
+                    chunks.append(x)
+                    yield x
+                log.append(("end", k))
+        return Handle()
+
+
+def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams(app, monkeypatch):
+    """Group k+1 is submitted while group k still streams (so it is ready when k ends); the listener gets
+    exactly the groups' audio with the chosen pause between them, through the one emit point."""
+    eng = app.engine("custom_voice")
+    logged = Logged(eng)
+    monkeypatch.setattr(eng, "stream", logged)
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
+    pieces = chunk_text(text)
+    assert len(pieces) >= 3
+    sink = RecordingSink()
+    outs = drain(app.speaker.speak("custom_voice", eng, speak_mod.SpeechJob(
+        text=text, voice="aiden", language="english", instruct=None, seed=3, sampling={}, max_new_tokens=6),
+        req("gapless"), sink=sink))
+    log = logged.log
+    assert [k for ev, k in log if ev == "submit"] == list(range(len(pieces)))
+    for k in range(len(pieces) - 1):
+        assert log.index(("submit", k + 1)) < log.index(("end", k)), f"group {k + 1} was not queued ahead"
+    pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
+    groups = [np.concatenate([to_int16(x) for x in ch]) for ch in logged.chunks]
+    want = np.concatenate([x for g in groups for x in (pause, g)][1:])
+    final = final_of(app, outs)[app.c.final][1]
+    assert np.array_equal(final, want), "the WAV is the groups' audio with one pause between groups, nothing else"
+    live = np.concatenate([pcm for _, pcm in live_chunks(app, outs)])
+    assert np.array_equal(live, want) and np.array_equal(np.concatenate(sink.pcm), want)
+    assert sink.closed and "gapless" not in app.active.by_session
+
+
+def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
+    eng = app.engine("custom_voice")
+    logged = Logged(eng)
+    monkeypatch.setattr(eng, "stream", logged)
+    r = req("stop-ahead")
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
+    gen = app.preset(text, "ryan", "auto", "", {}, seed=1, randomize=False, max_new_tokens=40, request=r)
+    for d in gen:
+        if app.c.live in d:
+            break
+    assert len(logged.streams) == 2, "the second group is queued ahead once the first one streams"
+    assert len(app.active.by_session["stop-ahead"]) == 2
+    assert "2 request(s) cancelled" in app.stop(r)
+    assert all(s.seq.cancelled.is_set() or s._finished for s in logged.streams)
+    drain(gen)
+    assert len(logged.streams) <= 3 and "stop-ahead" not in app.active.by_session
+    deadline = time.time() + 10
+    while not eng.scheduler.idle() and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.scheduler.idle(), "no request is left running or queued"
+
+
+class RecordingSink:
+    """A live player as speak.Sink: records what it is given; `cancelled` turns True after `stop_after` writes."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.pcm, self.closed, self.stop_after = [], False, stop_after
+
+    def write(self, pcm):
+        assert pcm.dtype == np.int16
+        self.pcm.append(pcm.copy())
+
+    def close(self):
+        self.closed = True
+
+    @property
+    def cancelled(self):
+        return self.stop_after is not None and len(self.pcm) >= self.stop_after
+
+
+def test_a_cancelled_sink_ends_the_generation(app):
+    eng = app.engine("custom_voice")
+    sink = RecordingSink(stop_after=2)
+    outs = drain(app.speaker.speak("custom_voice", eng, speak_mod.SpeechJob(
+        text="A long sentence that would take a while to speak in full.", voice="ryan", language="auto",
+        instruct=None, seed=1, sampling={}, max_new_tokens=40), req("sink-stop"), sink=sink))
+    final = final_of(app, outs)
+    assert len(sink.pcm) == 2 and sink.closed
+    assert np.array_equal(final[app.c.final][1], np.concatenate(sink.pcm))
+    assert "stopped by the listener" in final[app.c.status] and "sink-stop" not in app.active.by_session
+    deadline = time.time() + 10
+    while not eng.scheduler.idle() and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.scheduler.idle()
 
 
 def test_queue_position_is_shown_while_waiting(app, monkeypatch):
