@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -381,6 +382,10 @@ def test_bad_input_gives_clear_messages_not_tracebacks(app, tmp_path):
     notaudio = tmp_path / "notes.wav"
     notaudio.write_text("this is not audio")
     assert "audio" in err(app.clone, str(notaudio), "", True, "x", "json", "Hi.")
+    m4a = tmp_path / "phone.m4a"                     # a compressed clip only ffmpeg reads
+    m4a.write_bytes(b"\x00\x00\x00\x20ftypM4A \x00\x00\x02\x00M4A isomiso2" + bytes(200))
+    if shutil.which("ffmpeg") is None:
+        assert "`ffmpeg`, which is not installed" in err(app.clone, str(m4a), "", True, "x", "json", "Hi.")
     silent = tmp_path / "silent.wav"
     sf.write(silent, np.zeros(24000 * 2, np.float32), 24000)
     assert "silent" in err(app.clone, str(silent), "", True, "x", "json", "Hi.")
