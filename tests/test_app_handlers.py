@@ -237,6 +237,25 @@ def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
     assert eng.scheduler.idle(), "no request is left running or queued"
 
 
+def test_a_full_queue_delays_the_next_group_instead_of_failing(app, monkeypatch):
+    from tts_engine import EngineBusyError
+
+    eng = app.engine("custom_voice")
+    orig, calls = eng.stream, []
+
+    def stream(text, **kw):
+        calls.append(text)
+        if len(calls) == 2:                     # the first try to queue group 2 ahead finds the queue full
+            raise EngineBusyError("too many requests are waiting")
+        return orig(text, **kw)
+    monkeypatch.setattr(eng, "stream", stream)
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(8))
+    pieces = chunk_text(text)
+    outs = drain(app.preset(text, "ryan", "auto", "", {}, seed=2, randomize=False, max_new_tokens=4))
+    assert calls[:3] == [pieces[0], pieces[1], pieces[1]] and calls[2:] == pieces[1:]
+    assert f"part {len(pieces)}/{len(pieces)}" in final_of(app, outs)[app.c.status]
+
+
 class RecordingSink:
     """A live player as speak.Sink: records what it is given; `cancelled` turns True after `stop_after` writes."""
 

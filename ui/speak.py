@@ -18,6 +18,8 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from tts_engine import EngineBusyError
+
 from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
 from .text import chunk_text, to_int16
 
@@ -137,7 +139,7 @@ class Speaker:
         try:
             ahead = submit(0)
             for k in range(len(pieces)):
-                stream, ahead = ahead, None
+                stream, ahead, busy = ahead, None, False
                 yield from self._wait_in_queue(stream, job, role)
                 t_run = time.perf_counter()
                 if k > 0:
@@ -145,8 +147,11 @@ class Speaker:
                     if update:
                         yield update
                 for chunk in stream:
-                    if ahead is None and k + 1 < len(pieces):
-                        ahead = submit(k + 1)     # gapless: the next group generates while this one plays
+                    if ahead is None and k + 1 < len(pieces) and not busy:
+                        try:                      # gapless: the next group generates while this one plays
+                            ahead = submit(k + 1)
+                        except EngineBusyError:   # the queue is full: submit it after this group instead
+                            busy = True
                     if len(chunk) == 0:
                         continue
                     pcm = to_int16(chunk)
