@@ -161,7 +161,7 @@ class Handlers:
             repetition_penalty: repetition penalty on the first codebook
             max_new_tokens: maximum frames (80 ms each) per sentence group
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
@@ -199,7 +199,7 @@ class Handlers:
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used, the voice file
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used, the voice file
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
@@ -336,7 +336,7 @@ class Handlers:
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
@@ -472,7 +472,7 @@ class Handlers:
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
