@@ -574,3 +574,27 @@ def test_files_expire_and_sessions_do_not_see_each_other(app, tmp_path):
     assert "my:Mine" not in [v for _, v in app.voices.choices({})]
     with pytest.raises(TTSError, match="no voice named"):
         app.voices.resolve("my:Mine", {})
+
+
+def test_without_ffmpeg_the_live_output_is_a_plain_empty_audio(tiny_dirs, tmp_path, monkeypatch):
+    """Gradio's streaming gr.Audio needs ffmpeg: without it the `live` output is a normal (hidden) gr.Audio that is
+    never sent audio; status updates still stream and the lossless WAV comes at the end."""
+    from ui import config as config_mod
+
+    monkeypatch.setattr(config_mod.shutil, "which", lambda name: None)
+    cfg = AppConfig(checkpoints={"custom_voice": tiny_dirs["custom_voice"], "base": "", "voice_design": ""},
+                    device="cpu", cache_dir=tmp_path, limits=Limits(max_new_tokens=20))
+    assert cfg.gradio_live_audio is False
+    a = TTSApp(cfg)
+    try:
+        a.build()
+        assert a.c.live.streaming is False and a.c.final.streaming is False
+        outs = drain(a.preset("Hello there. How are you?", "ryan", "english", "", {}, seed=7, randomize=False))
+        assert not any(a.c.live in d for d in outs)
+        assert sum(1 for d in outs if str(d.get(a.c.status, "")).startswith("**Streaming**")) >= 2
+        sr, wav = final_of(a, outs)[a.c.final]
+        assert sr == SR and wav.dtype == np.int16 and wav.size > 0
+    finally:
+        a.close()
+    monkeypatch.setattr(config_mod.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert AppConfig().gradio_live_audio is True and AppConfig(live_audio=False).gradio_live_audio is False
