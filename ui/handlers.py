@@ -135,11 +135,13 @@ class Handlers:
         return out
 
     def _speak(self, role, engine, text, voice, language, instruct, seed, sampling, max_new, request,
-               note: str = "", extra_final: dict | None = None):
-        """Stream one job through the shared generation loop (speak.Speaker.speak)."""
+               note: str = "", extra_final: dict | None = None, sink=None):
+        """Stream one job through the shared generation loop (speak.Speaker.speak). `sink`: a live player that
+        takes the audio as it is generated (speak.Sink); a streaming handler can find it from one more trailing
+        input (e.g. a hidden token, default "") without changing what gradio_client callers send."""
         job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
                         sampling=sampling, max_new_tokens=max_new)
-        yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final)
+        yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink)
 
     def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,
                seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
