@@ -257,10 +257,10 @@ class LiveStreams:
         except asyncio.TimeoutError:
             pass
 
-    async def read(self, s: _Slot, disconnected=None):
+    async def read(self, s: _Slot):
         """Yields the slot's bytes as they come; ends when the handler closed it and all was read. Leaving
-        early (the client went away: the server cancels this generator or `disconnected()` says so) cancels
-        the slot."""
+        early (the client went away: the server cancels this generator, or the next send fails) cancels the
+        slot."""
         _, ev = s._wake
         finished = False
         try:
@@ -281,8 +281,6 @@ class LiveStreams:
                     finished = True
                     return
                 await self._wait(ev)
-                if disconnected is not None and await disconnected():
-                    return
         finally:
             with self._lock:
                 if finished:
@@ -355,7 +353,9 @@ def install(app, streams: LiveStreams, prefix: str = "/live") -> LiveStreams:
         except LiveRefused as e:
             return JSONResponse({"error": str(e)}, status_code=e.status if e.status != 499 else 400,
                                 headers={"Cache-Control": "no-store"})
-        return StreamingResponse(streams.read(slot, disconnected), media_type="application/octet-stream",
+        # once streaming, Starlette notices a client that went away and cancels `read` (its finally cancels the
+        # slot); polling `request.is_disconnected()` there as well would compete with it for `receive`
+        return StreamingResponse(streams.read(slot), media_type="application/octet-stream",
                                  headers=streams.headers(slot))
 
     app.add_api_route(prefix + "/{token}", live, methods=["GET"], include_in_schema=False)
