@@ -229,13 +229,25 @@
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
-        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0};
+        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: []};
       this.stop('stopped');
       this.run = run;
       this.handoff = tok;
       this.publish();
       this.fetchRun(run);
       return tok;
+    }
+
+    // What the output carries right now (tests: after Stop it must be silence): an AnalyserNode window's RMS and
+    // the samples the backend has played in its current run.
+    probe() {
+      if (!this.analyser) return null;
+      const buf = new Float32Array(this.analyser.fftSize);
+      this.analyser.getFloatTimeDomainData(buf);
+      let ss = 0;
+      for (let i = 0; i < buf.length; i++) ss += buf[i] * buf[i];
+      return {outputRms: Math.sqrt(ss / buf.length), backendPlayed: this.backend ? this.backend.played() : 0,
+        backendBuffered: this.backend ? this.backend.buffered() : 0, contextTime: this.ctx.currentTime};
     }
 
     // Gradio's js= hook: the token of the click that triggered this event (once).
@@ -262,7 +274,7 @@
       try {
         resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
       } catch (err) {
-        if (this.run === run && run.state !== 'stopped') this.finish(run, 'error', String(err));
+        if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
       }
       run.headersAt = performance.now();
@@ -278,7 +290,7 @@
           this.onBytes(run, value);
         }
       } catch (err) {
-        if (this.run === run && run.state !== 'stopped') this.finish(run, 'error', String(err));
+        if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
       }
       run.streamDone = true;
@@ -301,6 +313,7 @@
       for (let i = 0; i < n; i++) f[i] = dv.getInt16(2 * i, true) / 32768;
       if (run.chunks === 0) run.firstChunkSamples = n;
       run.chunks += 1;
+      run.maxChunk = Math.max(run.maxChunk || 0, n);
       run.received += n;
       run.lastByteAt = performance.now();
       this.backend.push(f);
@@ -311,11 +324,14 @@
     // server's recent rate, else unknown (null).
     rate(run) {
       const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
-      if (run.chunks >= 3 && wall >= 0.3) {
+      if (run.chunks >= 2 && wall >= 0.15) {
         const measured = (run.received - run.firstChunkSamples) / SR / wall;
         if (run.rateHint == null || wall >= 1.5) return measured;
         const w = wall / 1.5;
         return w * measured + (1 - w) * run.rateHint;
+      }
+      if (run.rateHint == null && run.underruns > 0) {   // it ran dry before a second chunk: judge from the click
+        return run.received / SR / ((performance.now() - run.clickTime) / 1000);
       }
       return run.rateHint;
     }
@@ -326,7 +342,8 @@
       if (r == null || r >= 1.02) return 0;
       const got = run.received / SR;
       const rest = run.expected != null ? Math.max(run.expected - got, 0.5) : Math.max(got, 2.0);
-      return rest * (1 / Math.max(r, 0.05) - 1) * 1.15 + 0.2;
+      // + one chunk's wait: audio comes in chunks, so the next one may land up to a chunk interval late
+      return rest * (1 / Math.max(r, 0.05) - 1) * 1.15 + 0.2 + (run.maxChunk || 0) / SR / Math.max(r, 0.05);
     }
 
     decide(run) {
@@ -334,6 +351,7 @@
       const b = this.backend.buffered() / SR;
       run.need = this.needed(run);
       if (b > 0 && (run.streamDone || b >= run.need)) {
+        run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
         run.state = 'playing';
         this.backend.play();
         this.watchRms(run);
@@ -346,7 +364,9 @@
       if (!run) return;
       if (ev === 'first') this.firstSound(run);
       else if (ev === 'underrun' && run.state === 'playing') {
-        run.underruns += 1; run.state = 'buffering'; this.decide(run);
+        run.underruns += 1; run.state = 'buffering';
+        run.log.push([Math.round(performance.now() - run.clickTime), 'underrun', run.received / SR]);
+        this.decide(run);
       } else if (ev === 'ended' && run.state === 'playing') this.finish(run, 'ended');
       this.publish();
     }
@@ -388,6 +408,7 @@
 
     finish(run, state, error) {
       run.state = state;
+      if (state !== 'ended') run.controller.abort();   // (a no-op once the response is complete)
       if (error) run.error = error;
       if (run.rmsTimer) setTimeout(() => clearInterval(run.rmsTimer), state === 'ended' ? 200 : 0);
       this.publish();
@@ -423,6 +444,7 @@
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone, error: run.error || null,
+        log: run.log,
       };
       this.metrics = m;
       const i = this.runs.findIndex((x) => x.token === m.token);

@@ -34,6 +34,8 @@ class FakeGenerator:
                "sink": False}
         with self.lock:
             self.runs.append(run)
+        if not text.strip():
+            raise gr.Error("Enter some text")     # before the slot: the page must not wait for it forever
         sink = self.streams.open(token, session, expected_seconds=self.seconds)
         run["sink"] = sink is not None
         yield "Starting"
@@ -88,7 +90,7 @@ def build_app(streams: lp.LiveStreams | None = None):
 
         ev = gen.click(fake.generate, [text, token], [status], js=lp.TOKEN_JS, api_name="generate",
                        trigger_mode="once")
-        ev.then(None, js=lp.DONE_JS)
+        lp.after_event(ev)
         stop.click(stopped, None, [status], cancels=[ev], queue=False)
     demo.queue(default_concurrency_limit=4)
     api = FastAPI()

@@ -371,6 +371,15 @@ TOKEN_JS = "(...args) => { if (args.length) args[args.length - 1] = window.liveT
 # `js=` of a JS-only `.then()` after a generating event: tells the player that the server side is over (a run
 # that never got its stream, e.g. the handler refused the input, stops waiting).
 DONE_JS = "() => { if (window.liveTTS) window.liveTTS.serverDone(); }"
+
+
+def after_event(event) -> None:
+    """Tell the page's player when a generating event is over, whether it succeeded or failed (Gradio 6.31 runs a
+    `.then()` only after a success; `.failure()` after an error)."""
+    event.then(None, js=DONE_JS)
+    event.failure(None, js=DONE_JS)
+
+
 # Classes that the player's click listener looks for.
 GENERATE_CLASS = "live-generate"
 STOP_CLASS = "live-stop"
