@@ -34,7 +34,8 @@
   const FORCE_SCHEDULED = params.get('live_player') === 'scheduled';
   const GEN_SEL = 'button.live-generate, .live-generate button';
   const STOP_SEL = 'button.live-stop, .live-stop button';
-  const RING_SECONDS = 30;
+  // the worklet's ring holds this much; more waits on the page's side (`?live_ring_s=` for tests)
+  const RING_SECONDS = Math.max(0.5, parseFloat(params.get('live_ring_s')) || 30);
 
   function token() {
     const b = new Uint8Array(16);
@@ -72,13 +73,19 @@
       }
     }
     flush() {
-      while (this.overflow.length && this.sent + this.overflow[0].length - this.stats.read <= RING_SECONDS * SR) {
+      while (this.overflow.length
+             && this.sent + this.overflow[0].length - this.stats.read <= Math.floor(RING_SECONDS * SR)) {
         const s = this.overflow.shift();
         this.sent += s.length;
         this.node.port.postMessage({type: 'push', samples: s}, [s.buffer]);
       }
     }
-    push(f32) { this.overflow.push(f32); this.flush(); }
+    push(f32) {
+      const max = Math.floor(RING_SECONDS * SR / 4);   // pieces that always fit once the ring has drained a bit
+      if (f32.length <= max) this.overflow.push(f32);
+      else for (let i = 0; i < f32.length; i += max) this.overflow.push(f32.slice(i, i + max));
+      this.flush();
+    }
     play() { this.node.port.postMessage({type: 'play'}); }
     end() { this.node.port.postMessage({type: 'end'}); }
     clear() { this.overflow = []; this.reset(); }
@@ -173,6 +180,11 @@
       this.metrics = {state: 'idle'};
       this.handoff = null;   // the token waiting for Gradio's js= hook
       document.addEventListener('click', (e) => this.onClick(e), true);
+      // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
+      // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
+      const warm = () => { if (this.ctx && this.ctx.state === 'suspended') this.ctx.resume().catch(() => {}); };
+      document.addEventListener('pointerdown', warm, true);
+      document.addEventListener('keydown', warm, true);
       addEventListener('pagehide', () => this.stop('stopped'));
       this.prepare();
     }
@@ -225,7 +237,7 @@
     // Called inside the click: resume the context, start the fetch, leave the token for Gradio's js= hook.
     start(clickTime, source) {
       this.prepare();
-      if (this.ctx && this.ctx.state !== 'running') this.ctx.resume();
+      if (this.ctx && this.ctx.state !== 'running') this.ctx.resume().catch(() => {});
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,

@@ -6,7 +6,7 @@
 class LivePcmPlayer extends AudioWorkletProcessor {
   constructor(options) {
     super();
-    const cap = (options.processorOptions && options.processorOptions.capacity) || 24000 * 30;
+    const cap = Math.floor((options.processorOptions && options.processorOptions.capacity) || 24000 * 30);
     this.ring = new Float32Array(cap);
     this.cap = cap;
     this.written = 0;          // samples written into the ring (all time, this run)

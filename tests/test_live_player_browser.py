@@ -48,9 +48,21 @@ def test_plays_at_once_when_generation_is_fast(harness, drv):
         assert m["samplesPlayed"] == m["samplesReceived"] == int(2.0 * 24000), m
         assert abs(m["rms"] - 0.3 / 2 ** 0.5) < 0.01, m          # the sine's RMS: what was written was played
         times.append(m["clickToSoundMs"])
+        print(f"\n  first byte {m['clickToFirstByteMs']:.0f} ms, first sample rendered {m['clickToRenderedMs']:.0f} ms, "
+              f"audible {m['clickToSoundMs']:.0f} ms ({m['soundVia']}, output latency {m['outputLatencyMs']:.0f} ms)")
         assert fake.runs[-1]["sink"] and fake.runs[-1]["done"] and not fake.runs[-1]["cancelled"]
     print(f"\n[live player, harness, worklet] click -> sound (ms): {', '.join(f'{t:.0f}' for t in times)}; "
           f"median {statistics.median(times):.0f}")
+
+
+def test_more_than_the_ring_holds_waits_on_the_page_and_plays_whole(harness, drv):
+    url, fake = harness
+    fake.rate, fake.first_chunk_s, fake.chunk_s, fake.seconds = 20.0, 0.07, 1.6, 3.0   # chunks bigger than the ring
+    B.open_page(drv, url + "/?live_ring_s=1")
+    m = B.play_once(drv)
+    assert m["backend"] == "worklet" and m["underruns"] == 0, m
+    assert m["samplesPlayed"] == m["samplesReceived"] == int(3.0 * 24000), m
+    assert abs(m["rms"] - 0.3 / 2 ** 0.5) < 0.01, m
 
 
 @pytest.mark.parametrize("prior", ["server rate known", "no prior"])
@@ -103,6 +115,19 @@ def test_stop_silences_at_once_and_cancels_the_generation(harness, drv):
     # the aborted fetch cancelled the slot, so the generator stopped early
     B.wait(lambda: run["done"], 5, "the generation to stop")
     assert run["cancelled"] and run["written_s"] < 10, run
+
+
+def test_reload_cancels_the_generation(harness, drv):
+    url, fake = harness
+    fake.rate, fake.first_chunk_s, fake.chunk_s, fake.seconds = 1.5, 0.07, 0.16, 20.0
+    B.open_page(drv, url + "/")
+    B.click(drv, "#preset-generate")
+    B.wait(lambda: B.metrics(drv).get("secondsPlayed", 0) > 0.3, 10, "playback")
+    run = fake.runs[-1]
+    B.open_page(drv, url + "/")                    # a reload: the page's fetch goes away with it
+    B.wait(lambda: run["done"], 5, "the generation to stop")
+    assert run["cancelled"] and run["written_s"] < 10, run
+    assert B.wait(lambda: len(fake.streams) == 0, 3, "no slot left")
 
 
 def test_double_click_makes_one_run(harness, drv):
