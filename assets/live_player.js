@@ -326,6 +326,7 @@
       if (run.chunks === 0) run.firstChunkSamples = n;
       run.chunks += 1;
       run.maxChunk = Math.max(run.maxChunk || 0, n);
+      run.lastChunk = n;
       run.received += n;
       run.lastByteAt = performance.now();
       this.backend.push(f);
@@ -363,12 +364,29 @@
       const b = this.backend.buffered() / SR;
       run.need = this.needed(run);
       if (b > 0 && (run.streamDone || b >= run.need)) {
-        run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
-        run.state = 'playing';
-        this.backend.play();
-        this.watchRms(run);
+        const wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        if (wait > 0) {                       // the next chunk would come too late for what is buffered now
+          clearTimeout(run.waitTimer);
+          run.waitTimer = setTimeout(() => this.decide(run), wait);
+        } else {
+          run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
+          run.state = 'playing';
+          this.backend.play();
+          this.watchRms(run);
+        }
       }
       this.publish();
+    }
+
+    // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives. Chunks tend to
+    // grow (the engine doubles them: 2, 4, 8, 12 frames), so the next one is guessed twice the last; at rate r
+    // it lands (size / r) after the last one, give or take some jitter. 0: start now.
+    waitForNextChunk(run, buffered) {
+      const r = this.rate(run);
+      if (r == null) return 0;
+      const next = Math.min(2 * run.lastChunk, SR) / SR;
+      const arrives = run.lastByteAt + (next / Math.max(r, 0.05)) * 1000 * 1.1 + 25;
+      return Math.min(arrives - performance.now() - buffered * 1000, 1000);
     }
 
     onBackendEvent(ev) {

@@ -81,13 +81,24 @@ def click(drv, css: str) -> None:
     drv.find_element(By.CSS_SELECTOR, css).click()
 
 
-def play_once(drv, button: str = "#preset-generate", timeout: float = 60) -> dict:
-    """Click Generate, wait for the run to end; -> its metrics. Asserts that it played sound."""
+def start(drv, button: str = "#preset-generate") -> str:
+    """Click Generate; -> the new run's token (as in metrics()["token"]) once the player has started it."""
     n = len(runs(drv))
     click(drv, button)
-    wait(lambda: len(runs(drv)) > n, 5, "the click to start a run")
-    m = wait(lambda: (lambda m: m if m.get("state") in ("ended", "stopped", "error", "idle") else None)(metrics(drv)),
-             timeout, "the live stream to play to its end")
+    return wait(lambda: (runs(drv)[n:] or [None])[0], 5, "the click to start a run")["token"]
+
+
+def current(drv, token: str) -> dict:
+    """Metrics of run `token` ({} while another run is current)."""
+    m = metrics(drv)
+    return m if m.get("token") == token else {}
+
+
+def play_once(drv, button: str = "#preset-generate", timeout: float = 60) -> dict:
+    """Click Generate, wait for the run to end; -> its metrics. Asserts that it played sound."""
+    tok = start(drv, button)
+    m = wait(lambda: (lambda m: m if m.get("state") in ("ended", "stopped", "error", "idle") else None)(
+        current(drv, tok)), timeout, "the live stream to play to its end")
     assert m["state"] == "ended", m
     assert_sound(m)
     return m

@@ -329,8 +329,8 @@ class LiveStreams:
         wall = s.last_write - s.first_write
         audio = s.written / BYTES_PER_SAMPLE / SR
         if wall > 0.2 and audio > 0.5:
-            r = audio / wall
-            self.rate = r if self.rate is None else 0.7 * self.rate + 0.3 * r
+            r = audio / wall        # quick to believe a slower stream, slow to believe a faster one
+            self.rate = r if self.rate is None or r < self.rate else 0.7 * self.rate + 0.3 * r
 
 
 def install(app, streams: LiveStreams, prefix: str = "/live") -> LiveStreams:
