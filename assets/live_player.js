@@ -473,7 +473,8 @@
         underruns: run.underruns, samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
-        soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone, error: run.error || null,
+        soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
+        error: run.error || null,
         log: run.log,
       };
       this.metrics = m;

@@ -48,7 +48,8 @@ def test_plays_at_once_when_generation_is_fast(harness, drv):
         assert m["samplesPlayed"] == m["samplesReceived"] == int(2.0 * 24000), m
         assert abs(m["rms"] - 0.3 / 2 ** 0.5) < 0.01, m          # the sine's RMS: what was written was played
         times.append(m["clickToSoundMs"])
-        print(f"\n  first byte {m['clickToFirstByteMs']:.0f} ms, first sample rendered {m['clickToRenderedMs']:.0f} ms, "
+        print(f"\n  first byte {m['clickToFirstByteMs']:.0f} ms, first sample rendered {m['clickToRenderedMs']:.0f} ms,"
+              f" "
               f"audible {m['clickToSoundMs']:.0f} ms ({m['soundVia']}, output latency {m['outputLatencyMs']:.0f} ms)")
         assert fake.runs[-1]["sink"] and fake.runs[-1]["done"] and not fake.runs[-1]["cancelled"]
     print(f"\n[live player, harness, worklet] click -> sound (ms): {', '.join(f'{t:.0f}' for t in times)}; "

@@ -367,7 +367,8 @@ def install(app, streams: LiveStreams, prefix: str = "/live") -> LiveStreams:
 HEAD = '<script src="live/player.js"></script>'
 # `js=` of a generating event: the token made by this click replaces the event's last input (a hidden Textbox).
 # Without the player (a script blocker, gradio_client) the input stays "" and the handler streams nowhere.
-TOKEN_JS = "(...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? window.liveTTS.takeToken() : ''; return args; }"
+TOKEN_JS = ("(...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? window.liveTTS.takeToken() : '';"
+            " return args; }")
 # `js=` of a JS-only `.then()` after a generating event: tells the player that the server side is over (a run
 # that never got its stream, e.g. the handler refused the input, stops waiting).
 DONE_JS = "() => { if (window.liveTTS) window.liveTTS.serverDone(); }"
