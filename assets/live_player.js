@@ -323,12 +323,19 @@
       const dv = new DataView(b.buffer, b.byteOffset, b.length);
       const f = new Float32Array(n);
       for (let i = 0; i < n; i++) f[i] = dv.getInt16(2 * i, true) / 32768;
-      if (run.chunks === 0) run.firstChunkSamples = n;
-      run.chunks += 1;
-      run.maxChunk = Math.max(run.maxChunk || 0, n);
-      run.lastChunk = n;
+      // one engine chunk may come in several network reads: reads a few ms apart count as one chunk
+      const now = performance.now();
+      if (run.chunks > 0 && now - run.lastByteAt < 8) {
+        run.lastChunk += n;
+        if (run.chunks === 1) run.firstChunkSamples += n;
+      } else {
+        run.chunks += 1;
+        run.lastChunk = n;
+        if (run.chunks === 1) run.firstChunkSamples = n;
+      }
+      run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
-      run.lastByteAt = performance.now();
+      run.lastByteAt = now;
       this.backend.push(f);
       this.decide(run);
     }
@@ -362,6 +369,7 @@
     decide(run) {
       if (this.run !== run || run.state !== 'buffering') return;
       const b = this.backend.buffered() / SR;
+      if (run.streamDone && b <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
       run.need = this.needed(run);
       if (b > 0 && (run.streamDone || b >= run.need)) {
         const wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
