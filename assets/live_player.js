@@ -243,6 +243,7 @@
         received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
         streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: []};
       this.stop('stopped');
+      if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
       this.run = run;
       this.handoff = tok;
       this.publish();
