@@ -5,7 +5,9 @@
 # environment variable (TTS_DEVICE, TTS_BASE_MODEL, ...; see `python app.py --help`).
 FROM python:3.11-slim
 
-# ffmpeg: Gradio's streaming audio (AAC/HLS) and reading compressed reference clips
+# ffmpeg is optional (the app, its streaming and its tests run without it); it is kept because it reads
+# compressed reference clips that libsndfile cannot (m4a, aac, webm, ...) and lets the Gradio endpoints also
+# stream live audio chunks to gradio_client. mp3 export does not use it (libsndfile encodes mp3).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ffmpeg \
  && rm -rf /var/lib/apt/lists/*

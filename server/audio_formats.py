@@ -1,4 +1,5 @@
-"""Float32 PCM -> the response formats of the speech API (wav, pcm, flac, mp3)."""
+"""Float32 PCM -> the response formats of the speech API (wav, pcm, flac, mp3). Every format is encoded by
+libsndfile (through soundfile; MP3 needs libsndfile >= 1.1, which the soundfile wheels bundle): no ffmpeg."""
 from __future__ import annotations
 
 import io

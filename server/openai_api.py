@@ -184,6 +184,10 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
     @app.post("/v1/audio/speech")
     def speech(req: SpeechRequest, request: Request):
         fmt = (req.response_format or "wav").lower()
+        if fmt == "mp3" and fmt not in audio_formats.available_formats():
+            raise APIError(400, "response_format mp3 is not available on this server: its libsndfile has no MP3 "
+                           "encoder (libsndfile 1.1 or newer, as in the soundfile wheels, has one; ffmpeg is not "
+                           "used). Use wav, pcm or flac.", param="response_format")
         if fmt not in audio_formats.available_formats():
             raise APIError(400, f"response_format must be one of {', '.join(audio_formats.available_formats())}",
                            param="response_format")

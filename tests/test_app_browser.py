@@ -12,8 +12,7 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-_missing = [n for n, p in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER), ("ffmpeg", shutil.which("ffmpeg")))
-            if not p or not os.path.exists(p)]
+_missing = [n for n, p in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)) if not p or not os.path.exists(p)]
 try:
     import selenium  # noqa: F401
 except ImportError:
@@ -22,6 +21,12 @@ if _missing:
     if os.environ.get("CI"):
         pytest.fail(f"missing for the browser test: {', '.join(_missing)} (.ci/run installs them)", pytrace=False)
     pytest.skip(f"missing for the browser test: {', '.join(_missing)}", allow_module_level=True)
+# This test watches Gradio's own streaming player (AAC/HLS), which exists only where ffmpeg is installed; the app
+# no longer needs ffmpeg and CI runs without it. NOTE (issue 8): the page's own live player (Web Audio, raw PCM)
+# gets its own browser test, which replaces this one.
+if shutil.which("ffmpeg") is None:
+    pytest.skip("Gradio's streaming player (HLS) needs ffmpeg, which is not installed; the app plays without it "
+                "(the live-player browser test covers that)", allow_module_level=True)
 
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -72,7 +77,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from app import AppConfig, TTSApp
+    from ui import AppConfig, TTSApp
     from server.limits import Limits
 
     d = tmp_path_factory.mktemp("browser")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,12 @@ import soundfile as sf
 import torch
 
 import app as app_mod
-from app import SR, AppConfig, TTSApp, _guard, chunk_text, split_sentences, to_int16
+from ui import layout
+from ui import speak as speak_mod
+from ui.app import TTSApp
+from ui.config import ROOT, SENTENCE_PAUSE_S, SR, AppConfig
+from ui.handlers import guard
+from ui.text import chunk_text, split_sentences, to_int16
 from server.limits import Limits
 from tts_engine import TTSError
 from tts_engine.tiny import make_tiny
@@ -22,7 +28,6 @@ from tts_engine.voices import blend as B
 from tts_engine.voices.presets import PresetLibrary, load_presets
 from tts_engine.voices.voice import Voice
 
-ROOT = app_mod.ROOT
 OLIVER = ROOT / "presets" / "oliver.flac"
 OLIVER_TEXT = "Good morning. I hope you slept well, because today we have a great deal of work to do."
 
@@ -42,8 +47,10 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(tiny_dirs, tmp_path_factory):
+    # live_audio=True: the handlers also yield every chunk to the `live` output (Gradio's streaming player, used
+    # where ffmpeg is installed); called directly here, nothing is encoded, so this runs without ffmpeg
     cfg = AppConfig(checkpoints=dict(tiny_dirs), device="cpu", cache_dir=tmp_path_factory.mktemp("app_cache"),
-                    limits=Limits(max_text_chars=800, max_new_tokens=40, max_queue=16))
+                    limits=Limits(max_text_chars=800, max_new_tokens=40, max_queue=16), live_audio=True)
     a = TTSApp(cfg)
     a.build()
     yield a
@@ -151,6 +158,138 @@ def test_long_text_is_split_and_streamed_in_order_with_one_voice_and_seed(app, m
     assert f"part {len(pieces)}/{len(pieces)}" in outs[-1][app.c.status]
 
 
+class Logged:
+    """Wraps engine.stream: logs ("submit", k) when group k is submitted and ("end", k) when its stream is
+    exhausted, and keeps every chunk each group produced."""
+
+    def __init__(self, engine):
+        self.orig, self.log, self.chunks, self.streams = engine.stream, [], [], []
+
+    def __call__(self, text, **kw):
+        k = len(self.chunks)
+        self.log.append(("submit", k))
+        self.chunks.append([])
+        stream = self.orig(text, **kw)
+        self.streams.append(stream)
+        return self._wrap(k, stream)
+
+    def _wrap(self, k, stream):
+        log, chunks = self.log, self.chunks[k]
+
+        class Handle:
+            position = property(lambda _: stream.position)
+            cancel = stream.cancel
+
+            def __iter__(_):
+                for x in stream:
+                    chunks.append(x)
+                    yield x
+                log.append(("end", k))
+        return Handle()
+
+
+def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams(app, monkeypatch):
+    """Group k+1 is submitted while group k still streams (so it is ready when k ends); the listener gets
+    exactly the groups' audio with the chosen pause between them, through the one emit point."""
+    eng = app.engine("custom_voice")
+    logged = Logged(eng)
+    monkeypatch.setattr(eng, "stream", logged)
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
+    pieces = chunk_text(text)
+    assert len(pieces) >= 3
+    sink = RecordingSink()
+    outs = drain(app.speaker.speak("custom_voice", eng, speak_mod.SpeechJob(
+        text=text, voice="aiden", language="english", instruct=None, seed=3, sampling={}, max_new_tokens=6),
+        req("gapless"), sink=sink))
+    log = logged.log
+    assert [k for ev, k in log if ev == "submit"] == list(range(len(pieces)))
+    for k in range(len(pieces) - 1):
+        assert log.index(("submit", k + 1)) < log.index(("end", k)), f"group {k + 1} was not queued ahead"
+    pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
+    groups = [np.concatenate([to_int16(x) for x in ch]) for ch in logged.chunks]
+    want = np.concatenate([x for g in groups for x in (pause, g)][1:])
+    final = final_of(app, outs)[app.c.final][1]
+    assert np.array_equal(final, want), "the WAV is the groups' audio with one pause between groups, nothing else"
+    live = np.concatenate([pcm for _, pcm in live_chunks(app, outs)])
+    assert np.array_equal(live, want) and np.array_equal(np.concatenate(sink.pcm), want)
+    assert sink.closed and "gapless" not in app.active.by_session
+
+
+def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
+    eng = app.engine("custom_voice")
+    logged = Logged(eng)
+    monkeypatch.setattr(eng, "stream", logged)
+    r = req("stop-ahead")
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
+    gen = app.preset(text, "ryan", "auto", "", {}, seed=1, randomize=False, max_new_tokens=40, request=r)
+    for d in gen:
+        if app.c.live in d:
+            break
+    assert len(logged.streams) == 2, "the second group is queued ahead once the first one streams"
+    assert len(app.active.by_session["stop-ahead"]) == 2
+    assert "2 request(s) cancelled" in app.stop(r)
+    assert all(s.seq.cancelled.is_set() or s._finished for s in logged.streams)
+    drain(gen)
+    assert len(logged.streams) <= 3 and "stop-ahead" not in app.active.by_session
+    deadline = time.time() + 10
+    while not eng.scheduler.idle() and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.scheduler.idle(), "no request is left running or queued"
+
+
+def test_a_full_queue_delays_the_next_group_instead_of_failing(app, monkeypatch):
+    from tts_engine import EngineBusyError
+
+    eng = app.engine("custom_voice")
+    orig, calls = eng.stream, []
+
+    def stream(text, **kw):
+        calls.append(text)
+        if len(calls) == 2:                     # the first try to queue group 2 ahead finds the queue full
+            raise EngineBusyError("too many requests are waiting")
+        return orig(text, **kw)
+    monkeypatch.setattr(eng, "stream", stream)
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(8))
+    pieces = chunk_text(text)
+    outs = drain(app.preset(text, "ryan", "auto", "", {}, seed=2, randomize=False, max_new_tokens=4))
+    assert calls[:3] == [pieces[0], pieces[1], pieces[1]] and calls[2:] == pieces[1:]
+    assert f"part {len(pieces)}/{len(pieces)}" in final_of(app, outs)[app.c.status]
+
+
+class RecordingSink:
+    """A live player as speak.Sink: records what it is given; `cancelled` turns True after `stop_after` writes."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.pcm, self.closed, self.stop_after = [], False, stop_after
+
+    def write(self, pcm):
+        assert pcm.dtype == np.int16
+        self.pcm.append(pcm.copy())
+
+    def close(self):
+        self.closed = True
+
+    @property
+    def cancelled(self):
+        return self.stop_after is not None and len(self.pcm) >= self.stop_after
+
+
+def test_a_cancelled_sink_ends_the_generation(app):
+    eng = app.engine("custom_voice")
+    sink = RecordingSink(stop_after=2)
+    outs = drain(app.speaker.speak("custom_voice", eng, speak_mod.SpeechJob(
+        text="A long sentence that would take a while to speak in full.", voice="ryan", language="auto",
+        instruct=None, seed=1, sampling={}, max_new_tokens=40), req("sink-stop"), sink=sink))
+    final = final_of(app, outs)
+    assert len(sink.pcm) == 2 and sink.closed
+    assert np.array_equal(final[app.c.final][1], np.concatenate(sink.pcm))
+    assert "stopped by the listener" in final[app.c.status] and "sink-stop" not in app.active.by_session
+    deadline = time.time() + 10
+    while not eng.scheduler.idle() and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.scheduler.idle()
+
+
 def test_queue_position_is_shown_while_waiting(app, monkeypatch):
     class FakeStream:
         seed = 1
@@ -173,7 +312,7 @@ def test_queue_position_is_shown_while_waiting(app, monkeypatch):
     fake = FakeStream()
     eng = app.engine("custom_voice")
     monkeypatch.setattr(eng, "stream", lambda text, **kw: fake)
-    monkeypatch.setattr(app_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(speak_mod.time, "sleep", lambda s: None)
     outs = drain(app.preset("Hi.", "ryan", "auto", "", {}, seed=1, randomize=False))
     statuses = [d[app.c.status] for d in outs if app.c.status in d]
     assert any("position in queue: 3 (2 ahead)" in s for s in statuses)
@@ -193,12 +332,12 @@ def test_stop_cancels_the_engine_request(app):
         if app.c.live in d:
             got.append(d[app.c.live][1])
             break
-    assert app._active.get("stopper"), "the running stream is tracked for its session"
+    assert app.active.by_session.get("stopper"), "the running stream is tracked for its session"
     assert "cancelled" in app.stop(r)
     rest = drain(gen)
     frames = (sum(len(x) for x in got) + sum(len(d[app.c.live][1]) for d in rest if app.c.live in d)) / 1920
     assert frames < 39, "generation ended early"
-    assert "stopper" not in app._active
+    assert "stopper" not in app.active.by_session
     import time
     deadline = time.time() + 10
     while not eng.scheduler.idle() and time.time() < deadline:
@@ -207,7 +346,7 @@ def test_stop_cancels_the_engine_request(app):
 
 
 def test_instruct_only_where_supported(app):
-    assert app.supports_instruct("ryan") is False            # tiny CustomVoice is 0.6B: no instructions
+    assert app.voices.supports_instruct("ryan") is False            # tiny CustomVoice is 0.6B: no instructions
     outs = drain(app.preset("Hi.", "ryan", "auto", "Speak happily.", {}, seed=1, randomize=False, max_new_tokens=4))
     assert "instruction ignored" in outs[-1][app.c.status]
     assert app.roles["voice_design"].supports_instruct
@@ -247,7 +386,7 @@ def test_bad_input_gives_clear_messages_not_tracebacks(app, tmp_path):
 
     def err(fn, *a, **k):
         with pytest.raises(gr.Error) as e:
-            res = _guard(fn)(*a, **k)
+            res = guard(fn)(*a, **k)
             if hasattr(res, "__next__"):
                 drain(res)
         msg = str(e.value.message if hasattr(e.value, "message") else e.value)
@@ -262,6 +401,10 @@ def test_bad_input_gives_clear_messages_not_tracebacks(app, tmp_path):
     notaudio = tmp_path / "notes.wav"
     notaudio.write_text("this is not audio")
     assert "audio" in err(app.clone, str(notaudio), "", True, "x", "json", "Hi.")
+    m4a = tmp_path / "phone.m4a"                     # a compressed clip only ffmpeg reads
+    m4a.write_bytes(b"\x00\x00\x00\x20ftypM4A \x00\x00\x02\x00M4A isomiso2" + bytes(200))
+    if shutil.which("ffmpeg") is None:
+        assert "`ffmpeg`, which is not installed" in err(app.clone, str(m4a), "", True, "x", "json", "Hi.")
     silent = tmp_path / "silent.wav"
     sf.write(silent, np.zeros(24000 * 2, np.float32), 24000)
     assert "silent" in err(app.clone, str(silent), "", True, "x", "json", "Hi.")
@@ -300,7 +443,7 @@ def test_blend_uses_slerp_for_two_and_nlerp_for_more(app, monkeypatch):
                     max_new_tokens=4))
     want = B.nlerp([eng.preset_embedding(s) for s in ("ryan", "vivian", "aiden")], [1, 3, 6])
     assert np.allclose(rec.calls[-1]["voice"].embedding.numpy(), want, atol=1e-6)
-    assert app.shares(3, 10, 30, 60, 0, 30) == ("10 %", "30 %", "60 %", "", "A 70 % · B 30 %")
+    assert layout.shares(3, 10, 30, 60, 0, 30) == ("10 %", "30 %", "60 %", "", "A 70 % · B 30 %")
 
 
 def test_blend_export_round_trips_and_is_reusable(app):
@@ -343,11 +486,11 @@ def test_base_presets_are_listed_cloned_on_first_use_and_cached(app, tmp_path, m
     assert {p.id for p in presets} >= {"emma", "oliver"}
     for p in presets:
         assert p.transcript and p.source and p.licence and p.clip.is_file() and p.clip.stat().st_size < 400_000
-    assert any(v == "preset:emma" for _, v in app.voice_choices(None))
+    assert any(v == "preset:emma" for _, v in app.voices.choices(None))
     eng = app.engine("base")
     outs = drain(app.preset("Hallo.", "preset:greta", "german", "", {}, seed=1, randomize=False, max_new_tokens=4))
     assert final_of(app, outs)[app.c.final][1].size > 0
-    assert app.presets.cache_path(eng, app.presets.get("greta")).exists()
+    assert app.voices.presets.cache_path(eng, app.voices.presets.get("greta")).exists()
     lib = PresetLibrary(ROOT / "presets", tmp_path / "cache")
     v = lib.voice(eng, "emma")
     assert v.kind == "icl" and lib.cache_path(eng, lib.get("emma")).exists()
@@ -362,13 +505,13 @@ def test_offline_fallback_uses_random_tiny_weights_with_a_banner(tmp_path):
     a = TTSApp(cfg)
     try:
         assert a.random_roles == ["custom_voice"]
-        text = a.banner_text()
+        text = a.models.banner_text()
         for part in ("random weights", "noise", "hf download", "--custom-voice-model"):
             assert part.lower() in text.lower()
-        assert "random weights" in a._status("Done", role="custom_voice")
+        assert "random weights" in a.status("Done", role="custom_voice")
         demo = a.build()
         assert a.c.banner.visible and demo is not None
-        assert a.has("custom_voice") and not a.has("base")
+        assert a.models.has("custom_voice") and not a.models.has("base")
     finally:
         a.close()
     cfg.offline_fallback = False
@@ -419,15 +562,15 @@ def test_files_expire_and_sessions_do_not_see_each_other(app, tmp_path):
     """Uploaded/generated files are pruned after file_ttl_seconds; a voice made in one browser session is
     not offered to another."""
     _needs_clone_modules()
-    old = app.files_dir / "old-entry"
+    old = app.files.dir / "old-entry"
     old.mkdir()
     (old / "x.wav").write_bytes(b"RIFF")
     past = time.time() - app.limits.file_ttl_seconds - 10
     os.utime(old, (past, past))
-    fresh = app._save_voice(Voice(kind="embedding", embedding=torch.ones(64), model_type="base"), "v", "json")
+    fresh = app.files.save_voice(Voice(kind="embedding", embedding=torch.ones(64), model_type="base"), "v", "json")
     assert not old.exists() and Path(fresh).exists()
     session_a = {"Mine": Voice(kind="embedding", embedding=torch.ones(64), model_type="base", name="Mine")}
-    assert "my:Mine" in [v for _, v in app.voice_choices(session_a)]
-    assert "my:Mine" not in [v for _, v in app.voice_choices({})]
+    assert "my:Mine" in [v for _, v in app.voices.choices(session_a)]
+    assert "my:Mine" not in [v for _, v in app.voices.choices({})]
     with pytest.raises(TTSError, match="no voice named"):
-        app.resolve("my:Mine", {})
+        app.voices.resolve("my:Mine", {})

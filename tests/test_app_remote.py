@@ -20,7 +20,7 @@ def drain(gen):
 def remote_app(tmp_path_factory):
     d = tmp_path_factory.mktemp("remote_app")
     with tiny_api(d, ("custom_voice", "base", "voice_design"), Limits(max_new_tokens=8, max_per_client=8)) as (url, registry, _):
-        app = TTSApp(AppConfig(backend=url, cache_dir=d / "cache"))
+        app = TTSApp(AppConfig(backend=url, cache_dir=d / "cache", live_audio=True))
         app.build()
         yield app, registry, d
         app.close()

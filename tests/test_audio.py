@@ -131,6 +131,24 @@ def test_librosa_fallback_when_soundfile_cannot_read(tmp_path, monkeypatch):
         load_audio(b"still not audio")
 
 
+# the first bytes of an AAC .m4a file (an MP4 'ftyp' box): neither libsndfile nor audioread without ffmpeg reads it
+M4A_HEAD = b"\x00\x00\x00\x20ftypM4A \x00\x00\x02\x00M4A isomiso2\x00\x00\x00\x08free" + bytes(200)
+
+
+def test_m4a_without_ffmpeg_names_the_missing_program(tmp_path, monkeypatch):
+    p = tmp_path / "clip.m4a"
+    p.write_bytes(M4A_HEAD)
+    monkeypatch.setattr(audio.shutil, "which", lambda name: None)          # as on a machine without ffmpeg
+    for src in (str(p), p.read_bytes()):
+        with pytest.raises(TTSError, match="not a readable audio") as e:
+            load_audio(src)
+        assert "`ffmpeg`" in str(e.value) and "not installed" in str(e.value)
+    monkeypatch.setattr(audio.shutil, "which", lambda name: "/usr/bin/" + name)   # ffmpeg there: plain message
+    with pytest.raises(TTSError, match="not a readable audio") as e:
+        load_audio(b"still not audio" * 20)
+    assert "not installed" not in str(e.value)
+
+
 @pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="ffmpeg not installed")
 def test_m4a_through_ffmpeg(tmp_path):
     src, dst = tmp_path / "a.wav", tmp_path / "a.m4a"

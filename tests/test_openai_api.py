@@ -39,6 +39,16 @@ def test_preset_voice_wav_flac_pcm_mp3(server):
     assert len(r.content) % 2 == 0 and len(r.content) % (1920 * 2) == 0 and len(r.content) > 0
 
 
+def test_mp3_without_an_mp3_encoder_is_a_clear_400(server, monkeypatch):
+    from server import audio_formats
+
+    client, _, _ = server
+    monkeypatch.setattr(audio_formats, "available_formats", lambda: ["wav", "pcm", "flac"])
+    with pytest.raises(openai.BadRequestError, match="mp3 is not available") as e:
+        client.audio.speech.create(model="tts", voice="ryan", input="Hi.", response_format="mp3")
+    assert "wav, pcm or flac" in str(e.value)
+
+
 def test_streaming_sends_audio_as_generated(server):
     client, _, _ = server
     with client.audio.speech.with_streaming_response.create(

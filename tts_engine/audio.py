@@ -3,7 +3,8 @@
 Accepted: a file path (str / Path), the raw bytes of an audio file (or a binary file object), or an array with
 its rate as (np.ndarray, sr) or Gradio's (sr, np.ndarray). Multi-channel audio is averaged to mono (as the
 official wrapper does); integer PCM is scaled to [-1, 1]. Files are read with soundfile (wav, flac, ogg, mp3,
-...) and, failing that, with librosa/audioread (m4a, aac, ... when ffmpeg is installed).
+...) and, failing that, with librosa/audioread (m4a, aac, ... when the program ffmpeg is installed;
+without it the message says so).
 
 Every failure is a `TTSError` with a message a person can act on.
 """
@@ -13,6 +14,7 @@ import functools
 import io
 import math
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -137,8 +139,12 @@ def _librosa(path: Path, name: str) -> tuple[np.ndarray, int]:
             warnings.simplefilter("ignore")
             a, sr = librosa.load(str(path), sr=None, mono=True)
     except Exception:
-        raise TTSError(f"{name} is not a readable audio file (supported: wav, flac, ogg, mp3; other formats "
-                       "need ffmpeg)") from None
+        if shutil.which("ffmpeg") is None:
+            raise TTSError(f"{name} is not a readable audio file: wav, flac, ogg and mp3 are read directly; other "
+                           "formats (m4a, aac, webm, ...) need the program `ffmpeg`, which is not installed on "
+                           "this server. Convert the clip to wav or flac, or install ffmpeg.") from None
+        raise TTSError(f"{name} is not a readable audio file (supported: wav, flac, ogg, mp3, and what ffmpeg "
+                       "reads)") from None
     return _to_float_mono(np.asarray(a), layout="frames_channels"), int(sr)
 
 

@@ -1,0 +1,17 @@
+"""The Gradio app of Qwen3-TTS Live, room by room (app.py at the repository root is only the entry point):
+
+    config.py    AppConfig and the defaults (checkpoints per role, labels, pauses, sampling)
+    roles.py     which checkpoint serves which role; tiny/offline fallback; the random-weights banner
+    text.py      sentences, sentence groups, float -> int16 (pure functions)
+    session.py   a session's voices (gr.State) and the files offered for download
+    status.py    the status line (first audio, RTF, audio length, queue position, seed, part k/n)
+    speak.py     the one generation loop: text -> engine.stream -> chunks -> WAV + status (gapless groups)
+    handlers.py  the function behind each api_name (/preset, /clone, /blend, ... /stop)
+    layout.py    the gr.Blocks page and its event wiring
+    server.py    one FastAPI server: the page at / and the OpenAI-compatible speech API at /v1
+    app.py       TTSApp, which ties them together
+"""
+from .app import TTSApp
+from .config import AppConfig
+
+__all__ = ["TTSApp", "AppConfig"]

@@ -1,0 +1,61 @@
+"""`TTSApp`: one per server. Ties the rooms of the UI together: the models and their engines (roles.py), the
+session voices and download files (session.py), the generation loop (speak.py), the handlers behind each
+`api_name` (handlers.py, which it inherits: `app.preset(...)` is the /preset endpoint) and the page
+(layout.py, `app.build()`)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+
+from tts_engine.voices.presets import PresetLibrary
+
+from . import layout, server
+from .config import AppConfig
+from .handlers import Handlers
+from .roles import Models, cache_root
+from .session import Files, Voices
+from .speak import ActiveStreams, Speaker
+
+
+class TTSApp(Handlers):
+    def __init__(self, cfg: AppConfig | None = None):
+        self.cfg = cfg = cfg or AppConfig()
+        models = Models(cfg)
+        c = SimpleNamespace()   # the page's components, filled by build()
+        active = ActiveStreams()
+        super().__init__(models=models, voices=Voices(models, PresetLibrary(cfg.presets_dir,
+                                                                            cache_root(cfg) / "presets")),
+                         files=Files(cfg.limits.file_ttl_seconds), active=active,
+                         speaker=Speaker(c, self.status, models.loaded, active, live_audio=cfg.gradio_live_audio),
+                         limits=cfg.limits, c=c)
+        self.concurrency = models.default_concurrency()
+
+    # the parts tests and scripts reach for most
+    @property
+    def roles(self):
+        return self.models.roles
+
+    @property
+    def registry(self):
+        return self.models.registry
+
+    @property
+    def random_roles(self) -> list[str]:
+        return self.models.random_roles
+
+    def engine(self, role: str):
+        return self.models.engine(role)
+
+    def build(self) -> gr.Blocks:
+        return layout.build(self)
+
+    def launch_kwargs(self) -> dict:
+        return server.launch_kwargs(self)
+
+    def preload(self) -> None:
+        self.models.preload()
+
+    def close(self) -> None:
+        self.models.close()
+        self.files.close()

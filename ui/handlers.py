@@ -1,0 +1,492 @@
+"""The functions behind each `api_name` of the page: /preset, /clone, /load_voice, /blend, /blend_sweep,
+/blend_export, /design, /stop.
+
+Each reads top to bottom: validate the input, resolve the voice, stream from the engine (through
+`speak.Speaker`), report. Their signatures (argument names, order, defaults) and the outputs they fill are the
+Gradio API that `gradio_client` users call; their docstrings are the "Use via API" page. Generation handlers
+are generators of {component: value} updates; the components live in `self.c` (filled by `layout.build`).
+Every failure becomes a readable message in the page (`guard`), never a traceback."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import random
+import time
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+
+from server.limits import Limits
+from server.registry import check_name
+from tts_engine import EngineBusyError, TTSError
+from tts_engine.voices import blend as blendlib
+
+from .config import DEFAULT_SAMPLING, ROLE_LABEL, SR
+from .roles import Models
+from .session import Files, Voices, remember
+from .speak import ActiveStreams, Speaker, SpeechJob, session_key
+from .status import status_line
+from .text import chunk_text
+
+log = logging.getLogger("qwen3_tts_live")
+
+
+# --- input checks ------------------------------------------------------------------------------------------
+
+def check_seed(seed, randomize) -> int:
+    """The seed to use: a new random one when asked for (or none given), else the given whole number."""
+    if randomize or seed is None or (isinstance(seed, str) and not seed.strip()):
+        return random.randrange(2**31)
+    try:
+        s = int(float(seed))
+    except (TypeError, ValueError):
+        raise TTSError("the seed must be a whole number") from None
+    if s < 0 or s >= 2**63:
+        raise TTSError("the seed must be a non-negative whole number")
+    return s
+
+
+def check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, limits: Limits) -> tuple[dict, int]:
+    """-> (sampling dict for engine.stream, max frames per sentence group, capped by the server's limit)."""
+    def num(v, default, cast=float):
+        return default if v is None or v == "" else cast(v)
+    sampling = {"temperature": num(temperature, DEFAULT_SAMPLING["temperature"]),
+                "top_k": num(top_k, DEFAULT_SAMPLING["top_k"], lambda x: int(float(x))),
+                "top_p": num(top_p, DEFAULT_SAMPLING["top_p"]),
+                "repetition_penalty": num(repetition_penalty, DEFAULT_SAMPLING["repetition_penalty"])}
+    max_new = num(max_new_tokens, limits.max_new_tokens, lambda x: int(float(x)))
+    if max_new < 1:
+        raise TTSError("the maximum length must be at least 1 frame")
+    return sampling, min(max_new, limits.max_new_tokens)
+
+
+def check_text(text, limits: Limits) -> str:
+    text = (text or "").strip() if isinstance(text, str) else ""
+    if not text:
+        raise TTSError("enter some text to speak")
+    if len(text) > limits.max_text_chars:
+        raise TTSError(f"the text is too long: {len(text)} characters; the limit is "
+                       f"{limits.max_text_chars}. Split it or shorten it.")
+    return text
+
+
+def guard(fn):
+    """Turn every failure of a handler into a message in the page (gr.Error), never a traceback."""
+    def convert(e: BaseException):
+        if isinstance(e, gr.Error):
+            return e
+        if isinstance(e, EngineBusyError):
+            return gr.Error(f"The server is busy: {e}")
+        if isinstance(e, TTSError):
+            return gr.Error(str(e)[:1].upper() + str(e)[1:])
+        log.exception("handler %s failed", fn.__name__)
+        return gr.Error(f"Something went wrong on the server ({type(e).__name__}). The app keeps running; "
+                        "please try again.")
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except Exception as e:
+                raise convert(e) from None
+        return gen
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise convert(e) from None
+    return call
+
+
+def api_doc(fn) -> str:
+    """The handler's docstring (description, parameters, returns) for the "Use via API" page."""
+    return inspect.getdoc(fn) or ""
+
+
+def _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3, weight_3, voice_4, file_4,
+           weight_4):
+    return [(voice_1, file_1, weight_1), (voice_2, file_2, weight_2), (voice_3, file_3, weight_3),
+            (voice_4, file_4, weight_4)]
+
+
+# --- the handlers ------------------------------------------------------------------------------------------
+
+class Handlers:
+    def __init__(self, models: Models, voices: Voices, files: Files, active: ActiveStreams, speaker: Speaker,
+                 limits: Limits, c):
+        self.models, self.voices, self.files, self.active = models, voices, files, active
+        self.speaker, self.limits, self.c = speaker, limits, c
+
+    def status(self, stage: str, role: str | None = None, **kw) -> str:
+        return status_line(stage, random_weights=self.models.is_random(role), **kw)
+
+    def _dropdowns(self, session: dict) -> dict:
+        """Updates that offer the session's voices in every voice dropdown."""
+        out = {}
+        if hasattr(self.c, "p_voice"):
+            out[self.c.p_voice] = gr.update(choices=self.voices.choices(session))
+        for dd in getattr(self.c, "slot_voice", []):
+            out[dd] = gr.update(choices=self.voices.choices(session, blend=True))
+        return out
+
+    def _speak(self, role, engine, text, voice, language, instruct, seed, sampling, max_new, request,
+               note: str = "", extra_final: dict | None = None):
+        """Stream one job through the shared generation loop (speak.Speaker.speak)."""
+        job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
+                        sampling=sampling, max_new_tokens=max_new)
+        yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final)
+
+    def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,
+               seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
+               top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
+               request: gr.Request = None):
+        """Speak text with a preset voice: a CustomVoice speaker, one of our preset clips (Base model) or a voice
+        you cloned or loaded in this session. Streams the audio while it is generated.
+
+        Parameters:
+            text: what to say (long text is spoken sentence group by sentence group, same voice and seed)
+            voice: a CustomVoice speaker name (e.g. "ryan", "vivian"), "preset:<id>" for our Base preset clips (e.g. "preset:emma"), or "my:<name>" for a voice of this session
+            language: "auto" or a language name the model knows (e.g. "english", "chinese")
+            instruct: speaking-style instruction (only for checkpoints that follow instructions, e.g. 1.7B CustomVoice; otherwise ignored)
+            seed: random seed (used when randomize is false)
+            randomize: draw a new seed for this request (the seed used is returned)
+            temperature: sampling temperature of the talker
+            top_k: top-k of the talker (0 = off)
+            top_p: top-p of the talker
+            repetition_penalty: repetition penalty on the first codebook
+            max_new_tokens: maximum frames (80 ms each) per sentence group
+        Returns:
+            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
+        """
+        seed = check_seed(seed, randomize)
+        text = check_text(text, self.limits)
+        sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
+        role, v = self.voices.resolve(voice, session)
+        yield self.speaker.start(role, seed)
+        engine = self.models.engine(role)
+        note = ""
+        inst = (instruct or "").strip() or None
+        if inst and not self.models.roles[role].supports_instruct:
+            inst, note = None, "instruction ignored: this checkpoint does not follow instructions"
+        yield from self._speak(role, engine, text, v, language, inst, seed, sampling, max_new, request, note=note)
+
+    def clone(self, ref_audio, ref_text: str = "", x_vector_only: bool = False, voice_name: str = "My voice",
+              file_format: str = "safetensors", text: str = "", language: str = "auto",
+              session: dict | None = None, seed: float | None = None, randomize: bool = True,
+              temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.05,
+              max_new_tokens: int | None = None, request: gr.Request = None):
+        """Clone a voice from a short reference clip (Base model), keep it in this session under a name, offer
+        it as a voice file, and speak the text with it (streamed).
+
+        Parameters:
+            ref_audio: the reference clip (3-10 s of clean speech; wav, flac, mp3, ogg...)
+            ref_text: exact transcript of the clip (in-context cloning, best similarity); leave empty for x-vector-only cloning
+            x_vector_only: use only the speaker embedding (no transcript needed; needed for blending)
+            voice_name: name to keep the voice under in this session (letters, digits, spaces, . - _ ( ))
+            file_format: "safetensors" or "json" for the voice file
+            text: what to say with the cloned voice
+            language: "auto" or a language name
+            seed: random seed (used when randomize is false)
+            randomize: draw a new seed for this request
+            temperature: sampling temperature
+            top_k: top-k (0 = off)
+            top_p: top-p
+            repetition_penalty: repetition penalty
+            max_new_tokens: maximum frames (80 ms each) per sentence group
+        Returns:
+            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used, the voice file
+        """
+        from tts_engine.audio import load_audio, trim_reference
+
+        seed = check_seed(seed, randomize)
+        text = check_text(text, self.limits)
+        sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
+        name = check_name(voice_name or "My voice")
+        if not ref_audio:
+            raise TTSError("upload or record a reference clip first")
+        yield self.speaker.start("base", seed)
+        engine = self.models.engine("base")
+        wav, sr = load_audio(ref_audio)
+        dur = len(wav) / sr
+        if dur < self.limits.min_reference_seconds:
+            raise TTSError(f"the reference clip is too short ({dur:.2f} s); record at least "
+                           f"{self.limits.min_reference_seconds:g} s (3-10 s works best)")
+        if not np.any(np.abs(wav) > 1e-4):
+            raise TTSError("the reference clip is silent")
+        wav, trimmed = trim_reference(wav, sr, self.limits.max_reference_seconds)
+        notes = []
+        if trimmed:
+            notes.append(f"reference trimmed to {self.limits.max_reference_seconds:g} s")
+        xvec = bool(x_vector_only) or not (ref_text or "").strip()
+        if xvec and not x_vector_only:
+            notes.append("no transcript: x-vector-only clone")
+        yield {self.c.status: self.status("Cloning the voice…", seed=seed, role="base")}
+        voice = engine.clone_voice((wav, sr), ref_text=None if xvec else ref_text, x_vector_only=xvec, name=name)
+        voice.meta.update({"checkpoint": self.models.roles["base"].checkpoint})
+        session = remember(session, name, voice)
+        path = self.files.save_voice(voice, name, file_format)
+        extra = {self.c.voice_file: path, self.c.session: session, **self._dropdowns(session)}
+        notes.append(f"saved as “{name}”")
+        # the voice is kept (and its file offered) even if the speech that follows is stopped
+        yield {**extra, self.c.status: self.status(f"Cloned “{name}”", seed=seed, role="base")}
+        yield from self._speak("base", engine, text, voice, language, None, seed, sampling, max_new, request,
+                               note=" · ".join(notes), extra_final=extra)
+
+    def load_voice(self, voice_file, voice_name: str = "", session: dict | None = None):
+        """Load a voice file (.safetensors or .json, made by this app or the engine) into this session, so the
+        other tabs can use it.
+
+        Parameters:
+            voice_file: the voice file
+            voice_name: name to keep it under (default: the name stored in the file, or the file name)
+        Returns:
+            status line
+        """
+        voice = self.voices.load_file(voice_file)
+        name = check_name(voice_name or voice.name or Path(str(voice_file)).stem)
+        session = remember(session, name, voice)
+        role = self.models.role_of(voice)
+        msg = (f"**Loaded “{name}”** · {ROLE_LABEL[role]} voice ({voice.kind}) · "
+               f"choose it as “my:{name}” in any tab")
+        return {self.c.session: session, self.c.status: msg, **self._dropdowns(session)}
+
+    def _blend_inputs(self, n_voices, slots, a_to_b, session):
+        """-> role, vectors, weights, labels for the used slots."""
+        try:
+            n = int(float(n_voices))
+        except (TypeError, ValueError):
+            raise TTSError("the number of voices must be 2, 3 or 4") from None
+        if n not in (2, 3, 4):
+            raise TTSError("the number of voices must be 2, 3 or 4")
+        used = slots[:n]
+        roles, vecs, labels = [], [], []
+        for i, (key, file, _w) in enumerate(used):
+            letter = "ABCD"[i]
+            try:
+                role, vec, label = self.voices.embedding_of(key, session, file)
+            except TTSError as e:
+                raise TTSError(f"voice {letter}: {e}") from None
+            roles.append(role)
+            vecs.append(vec)
+            labels.append(label)
+        if len(set(roles)) > 1:
+            desc = ", ".join(f"{'ABCD'[i]} = {labels[i]} ({ROLE_LABEL[r]})" for i, r in enumerate(roles))
+            raise TTSError("voices from different checkpoints cannot be mixed: " + desc + ". CustomVoice speakers "
+                           "blend with CustomVoice speakers, cloned (Base) voices with cloned voices.")
+        if n == 2:
+            t = float(a_to_b if a_to_b is not None else 50) / 100.0
+            if not 0 <= t <= 1:
+                raise TTSError("the A-to-B position must lie between 0 and 100 %")
+            weights = [1 - t, t]
+        else:
+            weights = [float(w if w is not None else 0) for _k, _f, w in used]
+        return roles[0], vecs, weights, labels
+
+    def _blend_voice(self, n_voices, slots, a_to_b, session, name="Blend"):
+        role, vecs, weights, labels = self._blend_inputs(n_voices, slots, a_to_b, session)
+        vec = blendlib.blend(vecs, weights)
+        shares = blendlib.shares_percent(weights)
+        recipe = [{"voice": lab, "share": s} for lab, s in zip(labels, shares)]
+        method = "slerp" if len(vecs) == 2 else "nlerp"
+        engine = self.models.engine(role)
+        voice = engine.voice_from_embedding(vec, name=name, meta={"blend": recipe, "method": method,
+                                                                  "checkpoint": self.models.roles[role].checkpoint})
+        desc = " + ".join(f"{s} % {lab}" for lab, s in zip(labels, shares) if s > 0)
+        return role, engine, voice, desc
+
+    def blend(self, text: str, n_voices: int = 2, voice_1: str = "", file_1=None, weight_1: float = 50,
+              voice_2: str = "", file_2=None, weight_2: float = 50, voice_3: str = "", file_3=None,
+              weight_3: float = 50, voice_4: str = "", file_4=None, weight_4: float = 50, a_to_b: float = 50,
+              language: str = "auto", session: dict | None = None, seed: float | None = None,
+              randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
+              repetition_penalty: float = 1.05, max_new_tokens: int | None = None, request: gr.Request = None):
+        """Blend 2-4 voices of one checkpoint and speak with the blend (streamed). Two voices: spherical
+        interpolation at the A-to-B position; 3-4 voices: normalised-direction interpolation with norm restore,
+        weighted by the sliders (shares are normalised to 100 %). Blends use speaker embeddings (x-vector mode).
+
+        Parameters:
+            text: what to say
+            n_voices: how many voice slots are used (2, 3 or 4)
+            voice_1: voice A: a CustomVoice speaker name, "preset:<id>", "my:<name>", or "file" to use file_1
+            file_1: voice file for slot A when voice_1 is "file"
+            weight_1: weight of voice A (3-4 voices)
+            voice_2: voice B (same forms as voice_1)
+            file_2: voice file for slot B
+            weight_2: weight of voice B (3-4 voices)
+            voice_3: voice C (3-4 voices)
+            file_3: voice file for slot C
+            weight_3: weight of voice C
+            voice_4: voice D (4 voices)
+            file_4: voice file for slot D
+            weight_4: weight of voice D
+            a_to_b: with two voices, the position from A (0) to B (100), in percent
+            language: "auto" or a language name
+            seed: random seed (used when randomize is false)
+            randomize: draw a new seed for this request
+            temperature: sampling temperature
+            top_k: top-k (0 = off)
+            top_p: top-p
+            repetition_penalty: repetition penalty
+            max_new_tokens: maximum frames (80 ms each) per sentence group
+        Returns:
+            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+        """
+        seed = check_seed(seed, randomize)
+        text = check_text(text, self.limits)
+        sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
+        slots = _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3, weight_3,
+                            voice_4, file_4, weight_4)
+        role, engine, voice, desc = self._blend_voice(n_voices, slots, a_to_b, session)
+        yield self.speaker.start(role, seed)
+        yield from self._speak(role, engine, text, voice, language, None, seed, sampling, max_new, request,
+                               note=f"blend: {desc}")
+
+    def blend_sweep(self, text: str, n_voices: int = 2, voice_1: str = "", file_1=None, weight_1: float = 50,
+                    voice_2: str = "", file_2=None, weight_2: float = 50, voice_3: str = "", file_3=None,
+                    weight_3: float = 50, voice_4: str = "", file_4=None, weight_4: float = 50,
+                    a_to_b: float = 50, language: str = "auto", session: dict | None = None,
+                    seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
+                    top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
+                    request: gr.Request = None):
+        """Render the same sentence with the same seed at 0, 25, 50, 75 and 100 % from voice A to voice B
+        (spherical interpolation), for A/B listening. Uses the first sentence group of the text and voices A and B.
+
+        Parameters:
+            text: the sentence (only its first sentence group is used)
+            n_voices: must be 2
+            voice_1: voice A (see /blend)
+            file_1: voice file for slot A
+            weight_1: unused
+            voice_2: voice B
+            file_2: voice file for slot B
+            weight_2: unused
+            voice_3: unused
+            file_3: unused
+            weight_3: unused
+            voice_4: unused
+            file_4: unused
+            weight_4: unused
+            a_to_b: unused
+            language: "auto" or a language name
+            seed: random seed (used when randomize is false); the same seed renders all five points
+            randomize: draw one new seed for the sweep
+            temperature: sampling temperature
+            top_k: top-k (0 = off)
+            top_p: top-p
+            repetition_penalty: repetition penalty
+            max_new_tokens: maximum frames (80 ms each)
+        Returns:
+            five WAVs (0, 25, 50, 75, 100 %), the status line, the seed used
+        """
+        c = self.c
+        seed = check_seed(seed, randomize)
+        text = chunk_text(check_text(text, self.limits))[0]
+        sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
+        try:
+            n = int(float(n_voices))
+        except (TypeError, ValueError):
+            n = 0
+        if n != 2:
+            raise TTSError("the sweep goes from voice A to voice B: set the number of voices to 2")
+        slots = _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3, weight_3,
+                            voice_4, file_4, weight_4)
+        role, vecs, _w, labels = self._blend_inputs(2, slots, 50, session)
+        out = {p: None for p in c.sweep}
+        out.update(self.speaker.start(role, seed))
+        yield out
+        engine = self.models.engine(role)
+        points = blendlib.sweep(vecs[0], vecs[1])
+        jobs = [SpeechJob(text=text, voice=engine.voice_from_embedding(vec, name=f"{int(t * 100)} %"),
+                          language=language, instruct=None, seed=seed, sampling=sampling, max_new_tokens=max_new)
+                for t, vec in zip(blendlib.SWEEP, points)]
+        t0 = time.perf_counter()
+        done = {}
+        for i, audio in enumerate(self.speaker.render_all(engine, jobs, request)):
+            done[c.sweep[i]] = (SR, audio) if audio is not None else None
+            yield {c.sweep[i]: done[c.sweep[i]],
+                   c.status: self.status(f"Sweep {i + 1}/5 rendered", seed=seed, role=role,
+                                         note=f"{labels[0]} → {labels[1]}")}
+        yield {**done, c.seed: seed,
+               c.status: self.status(f"Sweep done in {time.perf_counter() - t0:.1f} s", seed=seed, role=role,
+                                      note=f"0 % = {labels[0]}, 100 % = {labels[1]}, same seed and sentence")}
+
+    def blend_export(self, n_voices: int = 2, voice_1: str = "", file_1=None, weight_1: float = 50,
+                     voice_2: str = "", file_2=None, weight_2: float = 50, voice_3: str = "", file_3=None,
+                     weight_3: float = 50, voice_4: str = "", file_4=None, weight_4: float = 50,
+                     a_to_b: float = 50, blend_name: str = "My blend", file_format: str = "safetensors",
+                     session: dict | None = None):
+        """Export the current blend as a voice file (and keep it in this session under its name).
+
+        Parameters:
+            n_voices: how many voice slots are used (2, 3 or 4)
+            voice_1: voice A (see /blend)
+            file_1: voice file for slot A
+            weight_1: weight of voice A
+            voice_2: voice B
+            file_2: voice file for slot B
+            weight_2: weight of voice B
+            voice_3: voice C
+            file_3: voice file for slot C
+            weight_3: weight of voice C
+            voice_4: voice D
+            file_4: voice file for slot D
+            weight_4: weight of voice D
+            a_to_b: with two voices, the position from A (0) to B (100), in percent
+            blend_name: name of the blended voice
+            file_format: "safetensors" or "json"
+        Returns:
+            the voice file, status line
+        """
+        name = check_name(blend_name or "My blend")
+        slots = _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3, weight_3,
+                            voice_4, file_4, weight_4)
+        role, _engine, voice, desc = self._blend_voice(n_voices, slots, a_to_b, session, name=name)
+        session = remember(session, name, voice)
+        path = self.files.save_voice(voice, name, file_format)
+        return {self.c.export_file: path, self.c.session: session,
+                self.c.status: (f"**Exported “{name}”** · {desc} · {ROLE_LABEL[role]} model · "
+                                f"usable as “my:{name}”"),
+                **self._dropdowns(session)}
+
+    def design(self, text: str, description: str, language: str = "auto", seed: float | None = None,
+               randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
+               repetition_penalty: float = 1.05, max_new_tokens: int | None = None, request: gr.Request = None):
+        """Design a voice from a description (VoiceDesign model) and speak the text with it (streamed).
+
+        Parameters:
+            text: what to say
+            description: the voice, in words (e.g. "A warm, low male voice, speaking slowly")
+            language: "auto" or a language name
+            seed: random seed (used when randomize is false)
+            randomize: draw a new seed for this request
+            temperature: sampling temperature
+            top_k: top-k (0 = off)
+            top_p: top-p
+            repetition_penalty: repetition penalty
+            max_new_tokens: maximum frames (80 ms each) per sentence group
+        Returns:
+            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+        """
+        seed = check_seed(seed, randomize)
+        text = check_text(text, self.limits)
+        desc = (description or "").strip()
+        if not desc:
+            raise TTSError("describe the voice you want (e.g. “a warm, low male voice, speaking slowly”)")
+        sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
+        yield self.speaker.start("voice_design", seed)
+        engine = self.models.engine("voice_design")
+        yield from self._speak("voice_design", engine, text, None, language, desc, seed, sampling, max_new, request)
+
+    def stop(self, request: gr.Request = None):
+        """Stop this session's generation and free its place in the engine.
+
+        Returns:
+            status line
+        """
+        n = self.active.cancel(session_key(request))
+        return "**Stopped**" + (f" · {n} request(s) cancelled" if n else "")

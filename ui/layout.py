@@ -1,0 +1,282 @@
+"""The page: `build(app)` makes the gr.Blocks (banner, tabs Preset / Clone / Blend / Voice design, the player
+column, footer) and wires every event to its handler with its stable `api_name`, `cancels=` for Stop and the
+shared "tts" concurrency group. Also the small UI-only callbacks (slot visibility, blend shares), the
+examples and the CSS. Components are kept by name in `app.c`, which the handlers use as output keys."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import gradio as gr
+
+from tts_engine.voices import blend as blendlib
+
+from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
+from .handlers import api_doc, guard
+
+log = logging.getLogger("qwen3_tts_live")
+
+CSS = """
+#random-weights-banner {border: 2px solid #f59e0b; background: #fffbeb; color: #78350f; border-radius: 8px;
+  padding: 10px 14px;}
+#random-weights-banner * {color: #78350f !important;}
+#status {min-height: 2.2em; font-variant-numeric: tabular-nums;}
+.share {text-align: center; font-weight: 600; padding-top: 1.6em;}
+.sweep-row .block {min-width: 150px;}
+"""
+
+
+def load_examples(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("no examples (%s)", e)
+        return {}
+
+
+def build(app) -> gr.Blocks:
+    """The whole page for `app` (a ui.app.TTSApp); fills `app.c`."""
+    c = app.c
+    models, voices, limits = app.models, app.voices, app.limits
+    langs = [("Auto", "auto")] + [(lang.title(), lang) for lang in models.languages()[1:]]
+    max_frames = limits.max_new_tokens
+    default_frames = min(max_frames, 100) if models.random_roles else max_frames
+    choices = voices.choices(None)
+    default_voice = "ryan" if "ryan" in models.speakers() else (choices[0][1] if choices else None)
+    examples = load_examples(app.cfg.examples_file)
+    with gr.Blocks(title="Qwen3-TTS Live", delete_cache=(600, limits.file_ttl_seconds)) as demo:
+        c.session = gr.State({})
+        c.banner = gr.Markdown(models.banner_text(), visible=bool(models.random_roles), elem_id="random-weights-banner")
+        gr.Markdown("# 🗣️ Qwen3-TTS Live\nStreaming text-to-speech with the Qwen3-TTS 12 Hz models: speech starts "
+                    "playing while the rest is being generated. Pick a preset voice, clone your own from a few "
+                    "seconds of audio, or blend voices. Every generation ends with a lossless WAV.")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                with gr.Tabs():
+                    _preset_tab(app, c, choices, default_voice, langs, examples)
+                    _clone_tab(app, c, langs)
+                    _blend_tab(c, voices.choices(None, blend=True), langs)
+                    if models.has("voice_design"):
+                        _design_tab(c, langs, examples)
+            with gr.Column(scale=2, min_width=320):
+                _player_column(app, c, max_frames, default_frames)
+        gr.Markdown(_footer(models))
+        _wire(app, c)
+    return demo
+
+
+def _player_column(app, c, max_frames, default_frames):
+    if app.cfg.gradio_live_audio:
+        # Gradio's streaming player: AAC/HLS, encoded with ffmpeg
+        c.live = gr.Audio(label="Live (streaming)", streaming=True, autoplay=True, interactive=False,
+                          elem_id="live-audio", buttons=[])
+    else:
+        # no ffmpeg: the `live` output keeps its place in the API but stays empty (never streamed into)
+        c.live = gr.Audio(label="Live", interactive=False, visible=False, elem_id="live-audio", buttons=[])
+    c.status = gr.Markdown("Ready.", elem_id="status")
+    c.stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop-btn")
+    c.final = gr.Audio(label="Full result (lossless WAV)", format="wav", interactive=False, elem_id="final-audio",
+                       buttons=["download"])
+    with gr.Row():
+        c.seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed", scale=2)
+        c.randomize = gr.Checkbox(value=True, label="Randomise seed", scale=1)
+    with gr.Accordion("Advanced: sampling", open=False):
+        c.temperature = gr.Slider(0.1, 1.5, value=DEFAULT_SAMPLING["temperature"], step=0.05, label="Temperature")
+        c.top_k = gr.Slider(0, 200, value=DEFAULT_SAMPLING["top_k"], step=1, label="Top-k (0 = off)")
+        c.top_p = gr.Slider(0.05, 1.0, value=DEFAULT_SAMPLING["top_p"], step=0.05, label="Top-p")
+        c.rep = gr.Slider(1.0, 1.5, value=DEFAULT_SAMPLING["repetition_penalty"], step=0.01,
+                          label="Repetition penalty")
+        c.max_new = gr.Slider(1, max_frames, value=default_frames, step=1,
+                              label="Max length per sentence group (frames of 80 ms)")
+        gr.Markdown("Long text is split at sentence boundaries and streamed in order, with the same voice and "
+                    "seed for every part.")
+
+
+def _footer(models) -> str:
+    rows = [f"{ROLE_LABEL[r]}: `{i.checkpoint}`" + (" (random tiny weights)" if i.random else "")
+            for r, i in models.roles.items()]
+    return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
+            "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
+            "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")
+
+
+def _preset_examples(voices, examples: dict) -> list[list]:
+    valid = {v for _, v in voices.choices(None)}
+    return [[ex["text"], ex["voice"], ex.get("language", "auto"), ex.get("instruct", "")]
+            for ex in examples.get("preset", []) if ex.get("voice") in valid]
+
+
+def _preset_tab(app, c, choices, default_voice, langs, examples):
+    with gr.Tab("Preset voices", id="tab-preset"):
+        with gr.Row():
+            c.p_voice = gr.Dropdown(choices, value=default_voice, label="Voice", allow_custom_value=True, scale=3,
+                                    info="CustomVoice speakers (native language shown; each speaks every "
+                                         "language), our preset clips (Base model), your voices of this session")
+            c.p_lang = gr.Dropdown(langs, value="auto", label="Language", scale=1)
+        c.p_instruct = gr.Textbox("", label="Instruction (speaking style)",
+                                  visible=app.voices.supports_instruct(default_voice),
+                                  placeholder="e.g. Speak with excitement, a little faster")
+        c.p_text = gr.Textbox(label="Text", lines=4, elem_id="preset-text",
+                              value="Hello! This is Qwen3-TTS Live, speaking while it thinks.")
+        c.p_btn = gr.Button("▶ Generate", variant="primary", elem_id="preset-generate")
+        ex = _preset_examples(app.voices, examples)
+        if ex:
+            cv = app.models.roles.get("custom_voice")
+            instruct = bool(cv and cv.supports_instruct)
+            gr.Examples(ex if instruct else [e[:3] for e in ex],
+                        [c.p_text, c.p_voice, c.p_lang] + ([c.p_instruct] if instruct else []), label="Examples")
+
+
+def _clone_tab(app, c, langs):
+    with gr.Tab("Clone", id="tab-clone", visible=app.models.has("base")):
+        gr.Markdown("Upload or record 3-10 s of clean speech. With its transcript the clone is closest "
+                    "(in-context); without one, only the speaker embedding is used (x-vector only), which is "
+                    "also what blending uses.")
+        with gr.Row():
+            c.ref_audio = gr.Audio(sources=["upload", "microphone"], type="filepath", label="Reference clip",
+                                   elem_id="ref-audio")
+            with gr.Column():
+                c.ref_text = gr.Textbox("", label="Transcript of the clip", lines=3,
+                                        placeholder="Exactly what is said in the clip")
+                c.xvec = gr.Checkbox(False, label="x-vector only (no transcript; lower similarity)")
+                c.voice_name = gr.Textbox("My voice", label="Name this voice", max_lines=1)
+        with gr.Row():
+            c.c_lang = gr.Dropdown(langs, value="auto", label="Language")
+            c.file_format = gr.Radio(["safetensors", "json"], value="safetensors", label="Voice file format")
+        c.c_text = gr.Textbox(label="Text", lines=3, value="This is my cloned voice, streaming as it speaks.")
+        c.clone_btn = gr.Button("▶ Clone and speak", variant="primary", elem_id="clone-generate")
+        c.voice_file = gr.File(label="Your voice file (reusable: load it here later, or in the Blend tab)",
+                               interactive=False, height=120)
+        with gr.Accordion("Load a voice file", open=False):
+            c.load_file = gr.File(label="Voice file (.safetensors or .json)", file_types=[".safetensors", ".json"])
+            c.load_name = gr.Textbox("", label="Name (optional)", max_lines=1)
+            c.load_btn = gr.Button("Load into this session")
+        clips = [[str(p.clip), p.transcript, p.name] for p in app.voices.presets]
+        if clips:
+            gr.Examples(clips, [c.ref_audio, c.ref_text, c.voice_name], label="Example reference clips")
+
+
+def _blend_tab(c, blend_choices, langs):
+    with gr.Tab("Blend", id="tab-blend"):
+        gr.Markdown("Mix 2-4 voices of **one** checkpoint (CustomVoice speakers with each other, cloned voices "
+                    "with each other). Two voices: spherical interpolation; more: normalised direction with the "
+                    "norm restored. Blends use speaker embeddings only (x-vector mode).")
+        c.n_voices = gr.Radio([2, 3, 4], value=2, label="Number of voices")
+        plain = [v for _, v in blend_choices if v != FILE_CHOICE]
+        preferred = [v for v in ("ryan", "vivian", "serena", "aiden") if v in plain]
+        plain = preferred + [v for v in plain if v not in preferred]
+        defaults = [plain[i % len(plain)] for i in range(4)] if plain else [None] * 4
+        c.slot_group, c.slot_voice, c.slot_file, c.slot_weight, c.slot_share = [], [], [], [], []
+        for i in range(4):
+            with gr.Group(visible=i < 2) as g:
+                with gr.Row(equal_height=True):
+                    dd = gr.Dropdown(blend_choices, value=defaults[i], label=f"Voice {'ABCD'[i]}", scale=4,
+                                     allow_custom_value=True)
+                    w = gr.Slider(0, 100, value=50, step=1, label="Weight", scale=3, visible=False)
+                    sh = gr.Markdown("25 %", elem_classes="share", visible=False)
+                f = gr.File(label=f"Voice file for {'ABCD'[i]}", file_types=[".safetensors", ".json"], visible=False)
+            c.slot_group.append(g)
+            c.slot_voice.append(dd)
+            c.slot_file.append(f)
+            c.slot_weight.append(w)
+            c.slot_share.append(sh)
+        with gr.Row(visible=True) as c.ab_row:
+            c.ab = gr.Slider(0, 100, value=50, step=5, label="A ◀── mix ──▶ B (% of B)", scale=4)
+            c.ab_share = gr.Markdown("A 50 % · B 50 %", elem_classes="share")
+        with gr.Row():
+            c.b_lang = gr.Dropdown(langs, value="auto", label="Language")
+        c.b_text = gr.Textbox(label="Text", lines=2, value="The quick brown fox jumps over the lazy dog.")
+        with gr.Row():
+            c.blend_btn = gr.Button("▶ Speak with the blend", variant="primary", elem_id="blend-generate")
+            c.sweep_btn = gr.Button("Sweep A → B (0/25/50/75/100 %)", elem_id="blend-sweep")
+        with gr.Row(elem_classes="sweep-row") as c.sweep_row:
+            c.sweep = [gr.Audio(label=lab, interactive=False, format="wav", buttons=["download"],
+                                elem_id=f"sweep-{int(t * 100)}", min_width=90)
+                       for t, lab in zip(blendlib.SWEEP, ["0 % (A)", "25 %", "50 %", "75 %", "100 % (B)"])]
+        with gr.Accordion("Export the blend as a voice file", open=False):
+            with gr.Row():
+                c.blend_name = gr.Textbox("My blend", label="Name", max_lines=1)
+                c.blend_format = gr.Radio(["safetensors", "json"], value="safetensors", label="Format")
+            c.export_btn = gr.Button("Export")
+            c.export_file = gr.File(label="Blended voice file", interactive=False)
+        gr.Examples([["Good evening. Here is the news, read by a voice that does not exist."],
+                     ["Two voices, one sentence: listen to how the timbre moves from A to B."]],
+                    [c.b_text], label="Examples")
+
+
+def _design_tab(c, langs, examples):
+    with gr.Tab("Voice design", id="tab-design"):
+        c.d_desc = gr.Textbox(label="Describe the voice", lines=2,
+                              value="A warm, low male voice, speaking slowly and calmly.")
+        c.d_lang = gr.Dropdown(langs, value="auto", label="Language")
+        c.d_text = gr.Textbox(label="Text", lines=3, value="Welcome. Let me tell you a story.")
+        c.design_btn = gr.Button("▶ Design and speak", variant="primary", elem_id="design-generate")
+        ex = [[e["text"], e["description"]] for e in examples.get("design", [])]
+        if ex:
+            gr.Examples(ex, [c.d_text, c.d_desc], label="Examples")
+
+
+def _wire(app, c):
+    """Every event: handler, inputs (in the order of the handler's arguments), outputs, api_name."""
+    common = [c.seed, c.randomize, c.temperature, c.top_k, c.top_p, c.rep, c.max_new]
+    gen_out = [c.live, c.final, c.status, c.seed]
+    dd_out = [c.p_voice, *c.slot_voice]
+    slot_in = [x for i in range(4) for x in (c.slot_voice[i], c.slot_file[i], c.slot_weight[i])]
+    blend_in = [c.b_text, c.n_voices] + slot_in + [c.ab, c.b_lang, c.session] + common
+    kw = dict(concurrency_id="tts", concurrency_limit=app.concurrency, show_progress="minimal")
+
+    def on(button, fn, inputs, outputs, name, **extra):
+        return button.click(guard(fn), inputs, outputs, api_name=name, api_description=api_doc(fn), **extra)
+
+    events = [on(c.p_btn, app.preset, [c.p_text, c.p_voice, c.p_lang, c.p_instruct, c.session] + common, gen_out,
+                 "preset", **kw)]
+    if app.models.has("base"):
+        events.append(on(c.clone_btn, app.clone, [c.ref_audio, c.ref_text, c.xvec, c.voice_name, c.file_format,
+                                                  c.c_text, c.c_lang, c.session] + common,
+                         gen_out + [c.voice_file, c.session] + dd_out, "clone", **kw))
+        on(c.load_btn, app.load_voice, [c.load_file, c.load_name, c.session], [c.session, c.status] + dd_out,
+           "load_voice")
+    events.append(on(c.blend_btn, app.blend, blend_in, gen_out, "blend", **kw))
+    events.append(on(c.sweep_btn, app.blend_sweep, blend_in, c.sweep + [c.final, c.status, c.seed], "blend_sweep",
+                     **kw))
+    on(c.export_btn, app.blend_export, [c.n_voices] + slot_in + [c.ab, c.blend_name, c.blend_format, c.session],
+       [c.export_file, c.session, c.status] + dd_out, "blend_export")
+    if app.models.has("voice_design"):
+        events.append(on(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design",
+                         **kw))
+    c.events = events
+    c.stop_btn.click(app.stop, None, [c.status], cancels=events, api_name="stop", queue=False)
+
+    # UI-only helpers (stable names, not part of the documented API)
+    ui = dict(queue=False, show_progress="hidden", api_visibility="undocumented")
+    c.n_voices.change(lambda n: slot_visibility(c, n), [c.n_voices],
+                      [c.ab_row, c.sweep_btn, c.sweep_row] + c.slot_group + c.slot_weight + c.slot_share,
+                      api_name="ui_slots", **ui)
+    share_in = [c.n_voices, *c.slot_weight, c.ab]
+    for j, comp in enumerate(share_in):
+        comp.change(shares, share_in, c.slot_share + [c.ab_share], api_name=f"ui_shares_{j}", **ui)
+    for i in range(4):
+        c.slot_voice[i].change(lambda v: gr.update(visible=v == FILE_CHOICE), [c.slot_voice[i]], [c.slot_file[i]],
+                               api_name=f"ui_slot_file_{i + 1}", **ui)
+    c.p_voice.change(lambda v, s: gr.update(visible=app.voices.supports_instruct(v, s)), [c.p_voice, c.session],
+                     [c.p_instruct], api_name="ui_instruct", **ui)
+
+
+def slot_visibility(c, n_voices) -> dict:
+    n = int(n_voices)
+    out = {c.ab_row: gr.update(visible=n == 2), c.sweep_btn: gr.update(visible=n == 2),
+           c.sweep_row: gr.update(visible=n == 2)}
+    for i in range(4):
+        out[c.slot_group[i]] = gr.update(visible=i < n)
+        out[c.slot_weight[i]] = gr.update(visible=n > 2)
+        out[c.slot_share[i]] = gr.update(visible=n > 2)
+    return out
+
+
+def shares(n_voices, w1, w2, w3, w4, a_to_b) -> tuple:
+    """The blend shares shown next to the weight sliders, and the A/B split of the mix slider."""
+    n = int(n_voices)
+    pct = blendlib.shares_percent([float(w or 0) for w in [w1, w2, w3, w4][:n]])
+    t = float(a_to_b or 0)
+    return (*[f"{p} %" for p in pct], *["" for _ in range(4 - n)], f"A {100 - t:.0f} % · B {t:.0f} %")

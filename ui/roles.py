@@ -1,0 +1,219 @@
+"""Which checkpoint serves which role (CustomVoice / Base / VoiceDesign): `prepare_role` finds a checkpoint
+(falling back to a tiny random one when the hub is unreachable), `Models` holds the roles of this server and
+their engines (local `EngineRegistry`, or a remote server with `--backend URL`), and says which model a voice
+belongs to. Also the random-weights banner text."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from server.registry import EngineRegistry
+from tts_engine import TTSError
+from tts_engine.voices.voice import Voice
+
+from .config import NATIVE, ROLE_LABEL, ROLES, AppConfig
+
+log = logging.getLogger("qwen3_tts_live")
+
+
+@dataclass
+class RoleInfo:
+    role: str
+    checkpoint: str
+    folder: Path
+    random: bool
+    kind: str
+    speakers: list
+    languages: list
+    supports_instruct: bool
+    hidden_size: int | None
+    size: str
+
+
+def speaker_label(name: str) -> str:
+    pretty = name.replace("_", " ").title()
+    native = NATIVE.get(name.lower())
+    return f"{pretty} · {native}" if native else pretty
+
+
+def cache_root(cfg: AppConfig) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live"
+
+
+def _tiny_checkpoint(role: str, cache: Path) -> Path:
+    from tts_engine.checkpoint import resolve_checkpoint
+    from tts_engine.tiny import make_tiny
+
+    folder = cache / "tiny" / role
+    try:
+        return resolve_checkpoint(str(folder))
+    except TTSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        make_tiny(folder, kind=role, size="1b7" if role == "voice_design" else "0b6", seed=0)
+        return resolve_checkpoint(str(folder))
+
+
+def prepare_role(role: str, checkpoint: str, cfg: AppConfig) -> RoleInfo:
+    """Find (download, or find in the cache) a role's checkpoint and read its config; weights load later.
+    When the hub cannot be reached and nothing is cached, fall back to a tiny random checkpoint."""
+    from tts_engine.checkpoint import read_json, resolve_checkpoint
+    from tts_engine.config import ModelConfig
+
+    random_weights = cfg.tiny
+    if cfg.tiny:
+        folder = _tiny_checkpoint(role, cache_root(cfg))
+    else:
+        try:
+            folder = resolve_checkpoint(checkpoint)
+        except TTSError as e:
+            if not cfg.offline_fallback or Path(checkpoint).expanduser().exists() or checkpoint.count("/") != 1:
+                raise
+            log.warning("%s checkpoint %s unavailable (%s): falling back to a tiny random checkpoint",
+                        ROLE_LABEL[role], checkpoint, e)
+            folder, random_weights = _tiny_checkpoint(role, cache_root(cfg)), True
+    mc = ModelConfig.from_dict(read_json(folder / "config.json"))
+    if mc.tts_model_type != role:
+        raise TTSError(f"{checkpoint} is a {ROLE_LABEL.get(mc.tts_model_type, mc.tts_model_type)} checkpoint, "
+                       f"but it was given as the {ROLE_LABEL[role]} model")
+    return RoleInfo(role=role, checkpoint=checkpoint, folder=folder, random=random_weights, kind=mc.tts_model_type,
+                    speakers=mc.speakers, languages=mc.languages, supports_instruct=mc.supports_instruct,
+                    hidden_size=mc.talker.hidden_size, size=mc.tts_model_size)
+
+
+class Models:
+    """The roles this server runs and their engines (loaded on first use)."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self.roles: dict[str, RoleInfo] = {}
+        if cfg.backend:
+            self._init_remote(cfg.backend)
+            return
+        for role in ROLES:
+            ck = "tiny" if cfg.tiny else (cfg.checkpoints.get(role) or "").strip()
+            if ck:
+                self.roles[role] = prepare_role(role, ck, cfg)
+        if not self.roles:
+            raise TTSError("no checkpoint is configured: give at least one of --custom-voice-model, "
+                           "--base-model, --voice-design-model")
+        self.registry = EngineRegistry({r: str(i.folder) for r, i in self.roles.items()}, device=cfg.device,
+                                       dtype=cfg.dtype, offline_fallback=False,
+                                       engine_kw={"max_waiting": cfg.limits.max_queue})
+        self.registry.random_weights |= {r for r, i in self.roles.items() if i.random}
+
+    def _init_remote(self, url: str) -> None:
+        """--backend URL: every role is served by a remote OpenAI-compatible speech server."""
+        from server.remote_backend import RemoteRegistry
+
+        self.registry = RemoteRegistry(url)
+        for role in ROLES:
+            if self.registry.configured(role):
+                eng = self.registry.get(role)
+                self.roles[role] = RoleInfo(role=role, checkpoint=self.registry.checkpoints[role], folder=Path("."),
+                                            random=False, kind=role, speakers=eng.speakers, languages=eng.languages,
+                                            supports_instruct=eng.supports_instruct, hidden_size=None, size="")
+
+    def default_concurrency(self) -> int:
+        """Generation events running at once: 16 on a GPU, 4 on a CPU, 8 against a remote server."""
+        if self.cfg.concurrency:
+            return int(self.cfg.concurrency)
+        if self.cfg.backend:
+            return 8
+        import torch
+        gpu = torch.cuda.is_available() and str(self.cfg.device or "cuda").startswith("cuda")
+        return 16 if gpu else 4
+
+    @property
+    def random_roles(self) -> list[str]:
+        return [r for r in ROLES if r in self.registry.random_weights]
+
+    def is_random(self, role: str | None) -> bool:
+        return role in self.registry.random_weights
+
+    def has(self, role: str) -> bool:
+        return role in self.roles
+
+    def engine(self, role: str):
+        if role not in self.roles:
+            raise TTSError(f"this server runs no {ROLE_LABEL[role]} model"
+                           + (" (start it with --voice-design-model)" if role == "voice_design" else ""))
+        return self.registry.get(role)
+
+    def loaded(self, role: str) -> bool:
+        return self.registry.loaded(role)
+
+    def speakers(self) -> list[str]:
+        return list(self.roles["custom_voice"].speakers) if self.has("custom_voice") else []
+
+    def languages(self) -> list[str]:
+        langs = ["auto"]
+        for info in self.roles.values():
+            langs += [lang for lang in info.languages if lang not in langs]
+        return langs
+
+    def role_of(self, voice: Voice, check: bool = True) -> str:
+        """The role (model) a voice is for; with `check`, also that this server runs it and that it fits."""
+        if voice.kind == "preset" or voice.model_type == "custom_voice":
+            role = "custom_voice"
+        elif voice.model_type == "voice_design":
+            raise TTSError("this voice file was made for a VoiceDesign model, which takes a description, not a voice")
+        else:
+            role = "base"
+        if not check:
+            return role
+        if role not in self.roles:
+            raise TTSError(f"this voice belongs to a {ROLE_LABEL[role]} model, which this server does not run")
+        info = self.roles[role]
+        if (voice.kind != "preset" and voice.hidden_size is not None and info.hidden_size is not None
+                and voice.hidden_size != info.hidden_size):
+            raise TTSError(f"this voice was made for a different model: its embedding has {voice.hidden_size} "
+                           f"values, this server's {ROLE_LABEL[role]} model ({info.checkpoint}) needs "
+                           f"{info.hidden_size}")
+        if voice.kind == "preset" and voice.speaker.strip().lower() not in info.speakers:
+            raise TTSError(f"unknown speaker {voice.speaker!r} in this voice file")
+        return role
+
+    def preload(self) -> None:
+        """Load every engine and run one short synthesis on each (first requests then start warm)."""
+        if self.cfg.backend:
+            return   # nothing to load here: a remote server serves every role
+        for role in self.roles:
+            t = time.perf_counter()
+            eng = self.engine(role)
+            voice = None
+            if role == "custom_voice":
+                voice = eng.speakers[0]
+            elif role == "base":
+                voice = eng.voice_from_embedding(np.ones(eng.hidden_size, np.float32))
+            eng.synthesize("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,
+                           seed=0, max_new_tokens=8)
+            log.info("%s ready in %.1f s", ROLE_LABEL[role], time.perf_counter() - t)
+
+    def close(self) -> None:
+        self.registry.close()
+
+    def banner_text(self) -> str:
+        """The warning shown on top of the page when some role runs on random weights ("" when none does)."""
+        roles = self.random_roles
+        if not roles:
+            return ""
+        if self.cfg.tiny:
+            why = "This app was started with `--tiny`, so it runs on tiny checkpoints with **random weights**."
+        else:
+            names = ", ".join(f"{ROLE_LABEL[r]} (`{self.roles[r].checkpoint}`)" for r in roles)
+            why = (f"The weights of {names} could not be downloaded (the Hugging Face Hub is unreachable and nothing "
+                   "is cached), so this app runs on tiny checkpoints with **random weights**.")
+        return ("### ⚠️ Random weights: the audio is noise\n"
+                f"{why} Everything works, but what you hear is noise, not speech.  \n"
+                "To get real weights: run once with network access (they are cached for later offline runs), e.g. "
+                "`hf download Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice` and "
+                "`hf download Qwen/Qwen3-TTS-12Hz-0.6B-Base`, or pass local checkpoint folders with "
+                "`--custom-voice-model DIR --base-model DIR`.")

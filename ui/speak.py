@@ -1,0 +1,212 @@
+"""The one generation loop every handler uses: text -> sentence groups -> `engine.stream` -> int16 chunks
+-> the final lossless WAV and the status line.
+
+Long text is spoken in sentence groups (`chunk_text`), one voice and one seed for all of them. The next group
+is submitted to the engine as soon as the current one produces its first chunk, so it is already generating
+when the current one ends: the listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
+
+Every sample the listener hears leaves through `emit` (one place): it goes into the final WAV, to the
+optional `sink` (the page's own live player: `write(pcm_int16)`, `close()`, and a `cancelled` property that
+stops the generation), and, where Gradio's streaming player is used (`live_audio`), to the `live` output.
+Every engine request is tracked per browser session (`ActiveStreams`) so that Stop can cancel it."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from tts_engine import EngineBusyError
+
+from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
+from .text import chunk_text, to_int16
+
+
+class Sink(Protocol):
+    """Where a live player takes the audio as it is generated."""
+
+    def write(self, pcm: np.ndarray) -> None: ...     # int16 mono samples at 24 kHz
+    def close(self) -> None: ...                        # no more audio (also after a stop or a failure)
+    @property
+    def cancelled(self) -> bool: ...                    # True: the listener stopped; end the generation
+
+
+def session_key(request) -> str:
+    return getattr(request, "session_hash", None) or "_"
+
+
+class ActiveStreams:
+    """The engine requests each browser session has running or queued (what Stop cancels)."""
+
+    def __init__(self):
+        self.by_session: dict[str, set] = {}
+        self._lock = threading.Lock()
+
+    def add(self, session: str, stream) -> None:
+        with self._lock:
+            self.by_session.setdefault(session, set()).add(stream)
+
+    def discard(self, session: str, stream) -> None:
+        with self._lock:
+            s = self.by_session.get(session)
+            if s is not None:
+                s.discard(stream)
+                if not s:
+                    del self.by_session[session]
+
+    def cancel(self, session: str) -> int:
+        """Cancel every request of `session`; -> how many there were."""
+        with self._lock:
+            streams = list(self.by_session.pop(session, ()))
+        for s in streams:
+            s.cancel()
+        return len(streams)
+
+
+@dataclass
+class SpeechJob:
+    """What to say and how: the arguments of `engine.stream`, the same for every sentence group."""
+    text: str
+    voice: object            # a CustomVoice speaker name, a Voice, or None (VoiceDesign)
+    language: str
+    instruct: str | None
+    seed: int
+    sampling: dict
+    max_new_tokens: int
+
+    def stream(self, engine, text: str):
+        return engine.stream(text, voice=self.voice, language=self.language or "auto", instruct=self.instruct,
+                             seed=self.seed, sampling=self.sampling, max_new_tokens=self.max_new_tokens)
+
+
+class Speaker:
+    """Runs `SpeechJob`s and turns their progress into Gradio updates {component: value} for the outputs
+    `live`, `final`, `status` and `seed` of `c` (filled in by the layout)."""
+
+    def __init__(self, c, status: Callable[..., str], loaded: Callable[[str], bool], active: ActiveStreams,
+                 live_audio: bool, poll_s: float = 0.25):
+        self.c, self.status, self.loaded, self.active = c, status, loaded, active
+        self.live_audio, self.poll_s = live_audio, poll_s
+
+    def start(self, role: str, seed: int) -> dict:
+        """First update of a generation: clear the lossless player, show the seed (and 'loading' if cold)."""
+        if not self.loaded(role):
+            msg = self.status(f"Loading the {ROLE_LABEL[role]} model (first use)…", role=role)
+        else:
+            msg = self.status("Starting", seed=seed, role=role)
+        return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
+
+    def _wait_in_queue(self, stream, job: SpeechJob, role: str) -> Iterator[dict]:
+        """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
+        waited = False
+        while pos := getattr(stream, "position", None):
+            waited = True
+            yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
+            time.sleep(self.poll_s)
+        if waited:
+            yield {self.c.status: self.status("Starting", seed=job.seed, role=role)}
+
+    def speak(self, role: str, engine, job: SpeechJob, request=None, *, note: str = "",
+              extra_final: dict | None = None, sink: Sink | None = None) -> Iterator[dict]:
+        """Stream `job` (sentence group by sentence group) and end with the lossless WAV and the status."""
+        c = self.c
+        pieces = chunk_text(job.text)
+        session = session_key(request)
+        pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
+        parts: list[np.ndarray] = []          # everything emitted, in order: the final WAV
+        submitted: list = []                  # engine handles, group by group
+        t0 = time.perf_counter()
+        ttfa, compute, stopped = None, 0.0, False
+
+        def emit(pcm: np.ndarray) -> dict:
+            """The one exit of audio: the final WAV, the live player (sink), Gradio's live output."""
+            parts.append(pcm)
+            if sink is not None:
+                sink.write(pcm)
+            return {c.live: (SR, pcm)} if self.live_audio else {}
+
+        def submit(k: int):
+            s = job.stream(engine, pieces[k])
+            submitted.append(s)
+            self.active.add(session, s)
+            return s
+
+        def audio_s() -> float:
+            return sum(len(p) for p in parts) / SR
+
+        try:
+            ahead = submit(0)
+            for k in range(len(pieces)):
+                stream, ahead, busy = ahead, None, False
+                yield from self._wait_in_queue(stream, job, role)
+                t_run = time.perf_counter()
+                if k > 0:
+                    update = emit(pause)
+                    if update:
+                        yield update
+                for chunk in stream:
+                    if ahead is None and k + 1 < len(pieces) and not busy:
+                        try:                      # gapless: the next group generates while this one plays
+                            ahead = submit(k + 1)
+                        except EngineBusyError:   # the queue is full: submit it after this group instead
+                            busy = True
+                    if len(chunk) == 0:
+                        continue
+                    pcm = to_int16(chunk)
+                    if ttfa is None:
+                        ttfa = time.perf_counter() - t0
+                    update = emit(pcm)
+                    update[c.status] = self.status("Streaming", ttfa=ttfa, compute=compute + time.perf_counter() - t_run,
+                                                   audio_s=audio_s(), seed=job.seed, piece=k + 1, pieces=len(pieces),
+                                                   note=note, role=role)
+                    yield update
+                    if sink is not None and sink.cancelled:
+                        stopped = True
+                        break
+                compute += time.perf_counter() - t_run
+                stream.cancel()
+                self.active.discard(session, stream)
+                if stopped:
+                    break
+                if ahead is None and k + 1 < len(pieces):
+                    ahead = submit(k + 1)         # this group produced no audio at all
+        finally:
+            for s in submitted:                   # the running and the queued-ahead request
+                s.cancel()
+                self.active.discard(session, s)
+            if sink is not None:
+                sink.close()
+        n = sum(len(p) for p in parts)
+        if stopped:
+            note = " · ".join(x for x in (note, "stopped by the listener") if x)
+        if n == 0:
+            final = {c.final: None, c.status: self.status("Done: the model produced no audio (try another seed)",
+                                                          seed=job.seed, role=role)}
+        else:
+            final = {c.final: (SR, np.concatenate(parts)),
+                     c.status: self.status("Done", ttfa=ttfa, compute=compute, audio_s=n / SR, seed=job.seed,
+                                           pieces=len(pieces), piece=len(pieces), note=note, role=role)}
+        final[c.seed] = job.seed
+        final.update(extra_final or {})
+        yield final
+
+    def render_all(self, engine, jobs: list[SpeechJob], request=None) -> Iterator[np.ndarray | None]:
+        """Submit every job at once (they batch in the engine) and yield each one's whole int16 audio in order
+        (None when it produced none). Used by the blend sweep."""
+        session = session_key(request)
+        streams = []
+        try:
+            for job in jobs:
+                s = job.stream(engine, job.text)
+                streams.append(s)
+                self.active.add(session, s)
+            for s in streams:
+                audio = [to_int16(x) for x in s]
+                yield np.concatenate(audio) if audio and sum(map(len, audio)) else None
+        finally:
+            for s in streams:
+                s.cancel()
+                self.active.discard(session, s)
+
