@@ -166,7 +166,7 @@ class Handlers:
             max_new_tokens: maximum frames (80 ms each) per sentence group
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
@@ -206,10 +206,8 @@ class Handlers:
             max_new_tokens: maximum frames (80 ms each) per sentence group
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used, the voice file
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used, the voice file
         """
-        from tts_engine.audio import load_audio, trim_reference
-
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
         sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
@@ -218,17 +216,7 @@ class Handlers:
             raise TTSError("upload or record a reference clip first")
         yield self.speaker.start("base", seed)
         engine = self.models.engine("base")
-        wav, sr = load_audio(ref_audio)
-        dur = len(wav) / sr
-        if dur < self.limits.min_reference_seconds:
-            raise TTSError(f"the reference clip is too short ({dur:.2f} s); record at least "
-                           f"{self.limits.min_reference_seconds:g} s (3-10 s works best)")
-        if not np.any(np.abs(wav) > 1e-4):
-            raise TTSError("the reference clip is silent")
-        wav, trimmed = trim_reference(wav, sr, self.limits.max_reference_seconds)
-        notes = []
-        if trimmed:
-            notes.append(f"reference trimmed to {self.limits.max_reference_seconds:g} s")
+        wav, sr, notes = self._reference_clip(ref_audio)
         xvec = bool(x_vector_only) or not (ref_text or "").strip()
         if xvec and not x_vector_only:
             notes.append("no transcript: x-vector-only clone")
@@ -243,6 +231,20 @@ class Handlers:
         yield {**extra, self.c.status: self.status(f"Cloned “{name}”", seed=seed, role="base")}
         yield from self._speak("base", engine, text, voice, language, None, seed, sampling, max_new, request,
                                note=" · ".join(notes), extra_final=extra, live_token=live_token)
+
+    def _reference_clip(self, ref_audio) -> tuple[np.ndarray, int, list[str]]:
+        """The uploaded clip as float32 mono, checked (long enough, not silent) and trimmed to the limit."""
+        from tts_engine.audio import load_audio, trim_reference
+
+        wav, sr = load_audio(ref_audio)
+        dur = len(wav) / sr
+        if dur < self.limits.min_reference_seconds:
+            raise TTSError(f"the reference clip is too short ({dur:.2f} s); record at least "
+                           f"{self.limits.min_reference_seconds:g} s (3-10 s works best)")
+        if not np.any(np.abs(wav) > 1e-4):
+            raise TTSError("the reference clip is silent")
+        wav, trimmed = trim_reference(wav, sr, self.limits.max_reference_seconds)
+        return wav, sr, [f"reference trimmed to {self.limits.max_reference_seconds:g} s"] if trimmed else []
 
     def load_voice(self, voice_file, voice_name: str = "", session: dict | None = None):
         """Load a voice file (.safetensors or .json, made by this app or the engine) into this session, so the
@@ -343,7 +345,7 @@ class Handlers:
             max_new_tokens: maximum frames (80 ms each) per sentence group
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)
@@ -481,7 +483,7 @@ class Handlers:
             max_new_tokens: maximum frames (80 ms each) per sentence group
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
-            live streamed audio (chunks as they are generated where the server has ffmpeg, else empty: programs that want audio as it is generated use POST /v1/audio/speech with stream=true), full lossless WAV, status line, seed used
+            live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
         seed = check_seed(seed, randomize)
         text = check_text(text, self.limits)

@@ -118,11 +118,13 @@ class Speaker:
         parts: list[np.ndarray] = []          # everything emitted, in order: the final WAV
         submitted: list = []                  # engine handles, group by group
         t0 = time.perf_counter()
-        ttfa, compute, stopped = None, 0.0, False
+        ttfa, compute, stopped, n = None, 0.0, False, 0
 
         def emit(pcm: np.ndarray) -> dict:
             """The one exit of audio: the final WAV, the live player (sink), Gradio's live output."""
+            nonlocal n
             parts.append(pcm)
+            n += len(pcm)
             if sink is not None:
                 sink.write(pcm)
             return {c.live: (SR, pcm)} if self.live_audio and sink is None else {}
@@ -132,9 +134,6 @@ class Speaker:
             submitted.append(s)
             self.active.add(session, s)
             return s
-
-        def audio_s() -> float:
-            return sum(len(p) for p in parts) / SR
 
         try:
             ahead = submit(0)
@@ -161,9 +160,10 @@ class Speaker:
                     if ttfa is None:
                         ttfa = time.perf_counter() - t0
                     update = emit(pcm)
-                    update[c.status] = self.status("Streaming", ttfa=ttfa, compute=compute + time.perf_counter() - t_run,
-                                                   audio_s=audio_s(), seed=job.seed, piece=k + 1, pieces=len(pieces),
-                                                   note=note, role=role)
+                    running = compute + time.perf_counter() - t_run
+                    update[c.status] = self.status("Streaming", ttfa=ttfa, compute=running, audio_s=n / SR,
+                                                   seed=job.seed, piece=k + 1, pieces=len(pieces), note=note,
+                                                   role=role)
                     yield update
                     if sink is not None and sink.cancelled:
                         stopped = True
@@ -174,14 +174,13 @@ class Speaker:
                 if stopped:
                     break
                 if ahead is None and k + 1 < len(pieces):
-                    ahead = submit(k + 1)         # this group produced no audio at all
+                    ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
         finally:
             for s in submitted:                   # the running and the queued-ahead request
                 s.cancel()
                 self.active.discard(session, s)
             if sink is not None:
                 sink.close()
-        n = sum(len(p) for p in parts)
         if stopped:
             note = " · ".join(x for x in (note, "stopped by the listener") if x)
         if n == 0:
