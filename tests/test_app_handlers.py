@@ -210,8 +210,8 @@ def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams
     want = np.concatenate([x for g in groups for x in (pause, g)][1:])
     final = final_of(app, outs)[app.c.final][1]
     assert np.array_equal(final, want), "the WAV is the groups' audio with one pause between groups, nothing else"
-    live = np.concatenate([pcm for _, pcm in live_chunks(app, outs)])
-    assert np.array_equal(live, want) and np.array_equal(np.concatenate(sink.pcm), want)
+    assert np.array_equal(np.concatenate(sink.pcm), want)
+    assert not live_chunks(app, outs), "with the page's own player (a sink), Gradio's live output stays empty"
     assert sink.closed and "gapless" not in app.active.by_session
 
 
@@ -598,3 +598,20 @@ def test_without_ffmpeg_the_live_output_is_a_plain_empty_audio(tiny_dirs, tmp_pa
         a.close()
     monkeypatch.setattr(config_mod.shutil, "which", lambda name: "/usr/bin/" + name)
     assert AppConfig().gradio_live_audio is True and AppConfig(live_audio=False).gradio_live_audio is False
+
+
+def test_preset_with_a_live_token_streams_to_the_page_player_only(app):
+    """The page's player hands its token in as the last input: the audio goes into that token's live stream
+    (ui/live_player.py), the same samples as the final WAV; Gradio's live output stays empty."""
+    import secrets
+
+    tok = secrets.token_hex(16)
+    outs = drain(app.preset("Hello there.", "ryan", "english", "", {}, seed=7, randomize=False, max_new_tokens=20,
+                            live_token=tok, request=req("live-sess")))
+    final = final_of(app, outs)[app.c.final][1]
+    slot = app.live._slots[tok]          # waits for its reader (the page's fetch) for reader_wait_s
+    assert slot.writer_done and slot.session == "live-sess"
+    assert b"".join(slot.chunks) == final.astype("<i2").tobytes()
+    assert not live_chunks(app, outs)
+    assert app.live.open(tok, "live-sess") is None      # single use
+    app.live._slots.pop(tok)

@@ -24,6 +24,7 @@ from tts_engine import EngineBusyError, TTSError
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, ROLE_LABEL, SR
+from .live_player import LiveStreams, expected_seconds
 from .roles import Models
 from .session import Files, Voices, remember
 from .speak import ActiveStreams, Speaker, SpeechJob, session_key
@@ -118,9 +119,10 @@ def _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3
 
 class Handlers:
     def __init__(self, models: Models, voices: Voices, files: Files, active: ActiveStreams, speaker: Speaker,
-                 limits: Limits, c):
+                 limits: Limits, c, live: LiveStreams | None = None):
         self.models, self.voices, self.files, self.active = models, voices, files, active
         self.speaker, self.limits, self.c = speaker, limits, c
+        self.live = live or LiveStreams()    # the page's own player: one PCM stream per click (live_player.py)
 
     def status(self, stage: str, role: str | None = None, **kw) -> str:
         return status_line(stage, random_weights=self.models.is_random(role), **kw)
@@ -135,18 +137,20 @@ class Handlers:
         return out
 
     def _speak(self, role, engine, text, voice, language, instruct, seed, sampling, max_new, request,
-               note: str = "", extra_final: dict | None = None, sink=None):
-        """Stream one job through the shared generation loop (speak.Speaker.speak). `sink`: a live player that
-        takes the audio as it is generated (speak.Sink); a streaming handler can find it from one more trailing
-        input (e.g. a hidden token, default "") without changing what gradio_client callers send."""
+               note: str = "", extra_final: dict | None = None, sink=None, live_token: str = ""):
+        """Stream one job through the shared generation loop (speak.Speaker.speak). The audio also goes, as it is
+        generated, to `sink` (speak.Sink) or else to the page player's stream of `live_token` (made by the page for
+        this click; empty: no live stream)."""
         job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
                         sampling=sampling, max_new_tokens=max_new)
+        if sink is None:
+            sink = self.live.open(live_token, session_key(request), expected_seconds(text))
         yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink)
 
     def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,
                seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
                top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
-               request: gr.Request = None):
+               live_token: str = "", request: gr.Request = None):
         """Speak text with a preset voice: a CustomVoice speaker, one of our preset clips (Base model) or a voice
         you cloned or loaded in this session. Streams the audio while it is generated.
 
@@ -162,6 +166,7 @@ class Handlers:
             top_p: top-p of the talker
             repetition_penalty: repetition penalty on the first codebook
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
         """
@@ -175,13 +180,14 @@ class Handlers:
         inst = (instruct or "").strip() or None
         if inst and not self.models.roles[role].supports_instruct:
             inst, note = None, "instruction ignored: this checkpoint does not follow instructions"
-        yield from self._speak(role, engine, text, v, language, inst, seed, sampling, max_new, request, note=note)
+        yield from self._speak(role, engine, text, v, language, inst, seed, sampling, max_new, request, note=note,
+                               live_token=live_token)
 
     def clone(self, ref_audio, ref_text: str = "", x_vector_only: bool = False, voice_name: str = "My voice",
               file_format: str = "safetensors", text: str = "", language: str = "auto",
               session: dict | None = None, seed: float | None = None, randomize: bool = True,
               temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.05,
-              max_new_tokens: int | None = None, request: gr.Request = None):
+              max_new_tokens: int | None = None, live_token: str = "", request: gr.Request = None):
         """Clone a voice from a short reference clip (Base model), keep it in this session under a name, offer
         it as a voice file, and speak the text with it (streamed).
 
@@ -200,6 +206,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used, the voice file
         """
@@ -225,7 +232,7 @@ class Handlers:
         # the voice is kept (and its file offered) even if the speech that follows is stopped
         yield {**extra, self.c.status: self.status(f"Cloned “{name}”", seed=seed, role="base")}
         yield from self._speak("base", engine, text, voice, language, None, seed, sampling, max_new, request,
-                               note=" · ".join(notes), extra_final=extra)
+                               note=" · ".join(notes), extra_final=extra, live_token=live_token)
 
     def _reference_clip(self, ref_audio) -> tuple[np.ndarray, int, list[str]]:
         """The uploaded clip as float32 mono, checked (long enough, not silent) and trimmed to the limit."""
@@ -308,7 +315,8 @@ class Handlers:
               weight_3: float = 50, voice_4: str = "", file_4=None, weight_4: float = 50, a_to_b: float = 50,
               language: str = "auto", session: dict | None = None, seed: float | None = None,
               randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-              repetition_penalty: float = 1.05, max_new_tokens: int | None = None, request: gr.Request = None):
+              repetition_penalty: float = 1.05, max_new_tokens: int | None = None, live_token: str = "",
+              request: gr.Request = None):
         """Blend 2-4 voices of one checkpoint and speak with the blend (streamed). Two voices: spherical
         interpolation at the A-to-B position; 3-4 voices: normalised-direction interpolation with norm restore,
         weighted by the sliders (shares are normalised to 100 %). Blends use speaker embeddings (x-vector mode).
@@ -337,6 +345,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
@@ -348,7 +357,7 @@ class Handlers:
         role, engine, voice, desc = self._blend_voice(n_voices, slots, a_to_b, session)
         yield self.speaker.start(role, seed)
         yield from self._speak(role, engine, text, voice, language, None, seed, sampling, max_new, request,
-                               note=f"blend: {desc}")
+                               note=f"blend: {desc}", live_token=live_token)
 
     def blend_sweep(self, text: str, n_voices: int = 2, voice_1: str = "", file_1=None, weight_1: float = 50,
                     voice_2: str = "", file_2=None, weight_2: float = 50, voice_3: str = "", file_3=None,
@@ -459,7 +468,8 @@ class Handlers:
 
     def design(self, text: str, description: str, language: str = "auto", seed: float | None = None,
                randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-               repetition_penalty: float = 1.05, max_new_tokens: int | None = None, request: gr.Request = None):
+               repetition_penalty: float = 1.05, max_new_tokens: int | None = None, live_token: str = "",
+               request: gr.Request = None):
         """Design a voice from a description (VoiceDesign model) and speak the text with it (streamed).
 
         Parameters:
@@ -473,6 +483,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
@@ -484,7 +495,8 @@ class Handlers:
         sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
         yield self.speaker.start("voice_design", seed)
         engine = self.models.engine("voice_design")
-        yield from self._speak("voice_design", engine, text, None, language, desc, seed, sampling, max_new, request)
+        yield from self._speak("voice_design", engine, text, None, language, desc, seed, sampling, max_new, request,
+                               live_token=live_token)
 
     def stop(self, request: gr.Request = None):
         """Stop this session's generation and free its place in the engine.

@@ -13,6 +13,7 @@ import gradio as gr
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
+from . import live_player as lp
 from .handlers import api_doc, guard
 
 log = logging.getLogger("qwen3_tts_live")
@@ -67,15 +68,18 @@ def build(app) -> gr.Blocks:
 
 
 def _player_column(app, c, max_frames, default_frames):
+    # The page plays through its own player (assets/live_player.js, fed by ui/live_player.py), so the `live`
+    # output is hidden here; it keeps its place in the API: where ffmpeg exists Gradio streams AAC into it for
+    # gradio_client callers, without ffmpeg it stays empty.
     if app.cfg.gradio_live_audio:
-        # Gradio's streaming player: AAC/HLS, encoded with ffmpeg
-        c.live = gr.Audio(label="Live (streaming)", streaming=True, autoplay=True, interactive=False,
-                          elem_id="live-audio", buttons=[])
+        c.live = gr.Audio(label="Live (streaming)", streaming=True, autoplay=False, interactive=False,
+                          visible=False, elem_id="live-audio", buttons=[])
     else:
-        # no ffmpeg: the `live` output keeps its place in the API but stays empty (never streamed into)
         c.live = gr.Audio(label="Live", interactive=False, visible=False, elem_id="live-audio", buttons=[])
+    c.live_token = gr.Textbox("", visible=False, elem_id="live-token")   # set by the page's player (js=)
     c.status = gr.Markdown("Ready.", elem_id="status")
-    c.stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop-btn")
+    gr.HTML(lp.STATUS_HTML, elem_id="live-player")   # "playing · click → sound N ms", written by the player
+    c.stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop-btn", elem_classes=[lp.STOP_CLASS])
     c.final = gr.Audio(label="Full result (lossless WAV)", format="wav", interactive=False, elem_id="final-audio",
                        buttons=["download"])
     with gr.Row():
@@ -119,7 +123,8 @@ def _preset_tab(app, c, choices, default_voice, langs, examples):
                                   placeholder="e.g. Speak with excitement, a little faster")
         c.p_text = gr.Textbox(label="Text", lines=4, elem_id="preset-text",
                               value="Hello! This is Qwen3-TTS Live, speaking while it thinks.")
-        c.p_btn = gr.Button("▶ Generate", variant="primary", elem_id="preset-generate")
+        c.p_btn = gr.Button("▶ Generate", variant="primary", elem_id="preset-generate",
+                            elem_classes=[lp.GENERATE_CLASS])
         ex = _preset_examples(app.voices, examples)
         if ex:
             cv = app.models.roles.get("custom_voice")
@@ -145,7 +150,8 @@ def _clone_tab(app, c, langs):
             c.c_lang = gr.Dropdown(langs, value="auto", label="Language")
             c.file_format = gr.Radio(["safetensors", "json"], value="safetensors", label="Voice file format")
         c.c_text = gr.Textbox(label="Text", lines=3, value="This is my cloned voice, streaming as it speaks.")
-        c.clone_btn = gr.Button("▶ Clone and speak", variant="primary", elem_id="clone-generate")
+        c.clone_btn = gr.Button("▶ Clone and speak", variant="primary", elem_id="clone-generate",
+                                elem_classes=[lp.GENERATE_CLASS])
         c.voice_file = gr.File(label="Your voice file (reusable: load it here later, or in the Blend tab)",
                                interactive=False, height=120)
         with gr.Accordion("Load a voice file", open=False):
@@ -188,7 +194,8 @@ def _blend_tab(c, blend_choices, langs):
             c.b_lang = gr.Dropdown(langs, value="auto", label="Language")
         c.b_text = gr.Textbox(label="Text", lines=2, value="The quick brown fox jumps over the lazy dog.")
         with gr.Row():
-            c.blend_btn = gr.Button("▶ Speak with the blend", variant="primary", elem_id="blend-generate")
+            c.blend_btn = gr.Button("▶ Speak with the blend", variant="primary", elem_id="blend-generate",
+                                    elem_classes=[lp.GENERATE_CLASS])
             c.sweep_btn = gr.Button("Sweep A → B (0/25/50/75/100 %)", elem_id="blend-sweep")
         with gr.Row(elem_classes="sweep-row") as c.sweep_row:
             c.sweep = [gr.Audio(label=lab, interactive=False, format="wav", buttons=["download"],
@@ -211,7 +218,8 @@ def _design_tab(c, langs, examples):
                               value="A warm, low male voice, speaking slowly and calmly.")
         c.d_lang = gr.Dropdown(langs, value="auto", label="Language")
         c.d_text = gr.Textbox(label="Text", lines=3, value="Welcome. Let me tell you a story.")
-        c.design_btn = gr.Button("▶ Design and speak", variant="primary", elem_id="design-generate")
+        c.design_btn = gr.Button("▶ Design and speak", variant="primary", elem_id="design-generate",
+                                 elem_classes=[lp.GENERATE_CLASS])
         ex = [[e["text"], e["description"]] for e in examples.get("design", [])]
         if ex:
             gr.Examples(ex, [c.d_text, c.d_desc], label="Examples")
@@ -229,22 +237,28 @@ def _wire(app, c):
     def on(button, fn, inputs, outputs, name, **extra):
         return button.click(guard(fn), inputs, outputs, api_name=name, api_description=api_doc(fn), **extra)
 
-    events = [on(c.p_btn, app.preset, [c.p_text, c.p_voice, c.p_lang, c.p_instruct, c.session] + common, gen_out,
-                 "preset", **kw)]
+    def live(button, fn, inputs, outputs, name):
+        """A generating event that the page's player listens to: its `js=` puts the click's token in as the
+        last input (`live_token`), and the player learns when the server side is over."""
+        ev = on(button, fn, inputs + [c.live_token], outputs, name, js=lp.TOKEN_JS, **kw)
+        lp.after_event(ev)
+        return ev
+
+    events = [live(c.p_btn, app.preset, [c.p_text, c.p_voice, c.p_lang, c.p_instruct, c.session] + common, gen_out,
+                   "preset")]
     if app.models.has("base"):
-        events.append(on(c.clone_btn, app.clone, [c.ref_audio, c.ref_text, c.xvec, c.voice_name, c.file_format,
-                                                  c.c_text, c.c_lang, c.session] + common,
-                         gen_out + [c.voice_file, c.session] + dd_out, "clone", **kw))
+        events.append(live(c.clone_btn, app.clone, [c.ref_audio, c.ref_text, c.xvec, c.voice_name, c.file_format,
+                                                    c.c_text, c.c_lang, c.session] + common,
+                           gen_out + [c.voice_file, c.session] + dd_out, "clone"))
         on(c.load_btn, app.load_voice, [c.load_file, c.load_name, c.session], [c.session, c.status] + dd_out,
            "load_voice")
-    events.append(on(c.blend_btn, app.blend, blend_in, gen_out, "blend", **kw))
+    events.append(live(c.blend_btn, app.blend, blend_in, gen_out, "blend"))
     events.append(on(c.sweep_btn, app.blend_sweep, blend_in, c.sweep + [c.final, c.status, c.seed], "blend_sweep",
                      **kw))
     on(c.export_btn, app.blend_export, [c.n_voices] + slot_in + [c.ab, c.blend_name, c.blend_format, c.session],
        [c.export_file, c.session, c.status] + dd_out, "blend_export")
     if app.models.has("voice_design"):
-        events.append(on(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design",
-                         **kw))
+        events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
     c.events = events
     c.stop_btn.click(app.stop, None, [c.status], cancels=events, api_name="stop", queue=False)
 

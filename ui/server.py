@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from . import live_player
 from .layout import CSS
 
 
@@ -21,6 +22,7 @@ def create_server(app, demo: gr.Blocks):
 
     api = FastAPI(title="Qwen3-TTS Live")
     install(api, app.models.registry, app.limits)
+    live_player.install(api, app.live)   # GET /live/{token}: the page's player's PCM stream, and its JS files
     kw = launch_kwargs(app)
-    return gr.mount_gradio_app(api, demo, path="/", theme=kw["theme"], css=kw["css"],
+    return gr.mount_gradio_app(api, demo, path="/", theme=kw["theme"], css=kw["css"], head=live_player.HEAD,
                                max_file_size=kw["max_file_size"], allowed_paths=kw["allowed_paths"])

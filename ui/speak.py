@@ -98,10 +98,10 @@ class Speaker:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
 
-    def _wait_in_queue(self, stream, job: SpeechJob, role: str) -> Iterator[dict]:
+    def _wait_in_queue(self, stream, job: SpeechJob, role: str, sink: Sink | None = None) -> Iterator[dict]:
         """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
         waited = False
-        while pos := getattr(stream, "position", None):
+        while (pos := getattr(stream, "position", None)) and not (sink is not None and sink.cancelled):
             waited = True
             yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
             time.sleep(self.poll_s)
@@ -127,7 +127,7 @@ class Speaker:
             n += len(pcm)
             if sink is not None:
                 sink.write(pcm)
-            return {c.live: (SR, pcm)} if self.live_audio else {}
+            return {c.live: (SR, pcm)} if self.live_audio and sink is None else {}
 
         def submit(k: int):
             s = job.stream(engine, pieces[k])
@@ -139,7 +139,10 @@ class Speaker:
             ahead = submit(0)
             for k in range(len(pieces)):
                 stream, ahead, busy = ahead, None, False
-                yield from self._wait_in_queue(stream, job, role)
+                yield from self._wait_in_queue(stream, job, role, sink)
+                if sink is not None and sink.cancelled:   # the listener left while the request was queued
+                    stopped = True
+                    break
                 t_run = time.perf_counter()
                 if k > 0:
                     update = emit(pause)

@@ -1,0 +1,508 @@
+// Qwen3-TTS Live: the page's own streaming player (raw 24 kHz PCM, int16 little-endian, through Web Audio).
+//
+// How a run goes. A capture-phase click listener on the document sees a click on a Generate button
+// (class `live-generate`) before Gradio does. Inside that click it resumes the AudioContext (browsers start audio
+// only inside a user gesture), makes an unguessable single-use token and starts `fetch("live/<token>?session=…")`.
+// Gradio's own click handler then runs the event, whose `js=` hook asks `liveTTS.takeToken()` for the token and
+// sends it to Python as the event's last input; the Python handler writes the audio into the slot that the
+// route streams (ui/live_player.py). Stop (class `live-stop`) aborts the fetch, which cancels the generation on
+// the server, and silences the player at once.
+//
+// Two ways to play. Where AudioWorklet exists (secure contexts: HTTPS, localhost) an AudioWorkletNode with a
+// ring buffer (live_player_worklet.js). Elsewhere (plain HTTP on a LAN address) scheduled
+// AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
+//
+// Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate. When r >= 1 it plays at once.
+// Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest: B >= R (1/r - 1), R the
+// audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed as long as what came
+// so far), with a margin. After an underrun it pauses and rebuffers the same way rather than stutter.
+//
+// Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
+// clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
+// ctx.getOutputTimestamp(), or render time + outputLatency), clickToFirstByteMs, underruns, samplesPlayed,
+// rms (of the samples the player itself played), analyserRms (loudest 2048-sample window an AnalyserNode on the
+// output saw), state (idle | buffering | playing | ended | stopped | error), backend (worklet | scheduled).
+(() => {
+  'use strict';
+  if (window.liveTTS) return;
+  const SR = 24000;
+  const script = document.currentScript;
+  // the route lives next to this script (…/live/player.js -> …/live/<token>)
+  const BASE = script && script.src ? new URL('./', script.src).href : new URL('live/', location.href).href;
+  const params = new URLSearchParams(location.search);
+  const FORCE_SCHEDULED = params.get('live_player') === 'scheduled';
+  const GEN_SEL = 'button.live-generate, .live-generate button';
+  const STOP_SEL = 'button.live-stop, .live-stop button';
+  // the worklet's ring holds this much; more waits on the page's side (`?live_ring_s=` for tests)
+  const RING_SECONDS = Math.max(0.5, parseFloat(params.get('live_ring_s')) || 30);
+
+  function token() {
+    const b = new Uint8Array(16);
+    crypto.getRandomValues(b);   // exists in insecure contexts too (crypto.randomUUID does not)
+    return Array.from(b, (x) => x.toString(16).padStart(2, '0')).join('');
+  }
+
+  // --- backends: where the samples go -------------------------------------------------------------------
+  class WorkletBackend {
+    constructor(ctx, dest, onEvent) {
+      this.kind = 'worklet';
+      this.ctx = ctx;
+      this.onEvent = onEvent;
+      this.node = new AudioWorkletNode(ctx, 'live-pcm-player', {numberOfInputs: 0, outputChannelCount: [1],
+        processorOptions: {capacity: RING_SECONDS * SR}});
+      this.node.connect(dest);
+      this.node.port.onmessage = (e) => this.onMessage(e.data);
+      this.reset();
+    }
+    reset() {
+      this.gen = (this.gen || 0) + 1;
+      this.sent = 0; this.stats = {read: 0, played: 0, sumsq: 0, underruns: 0}; this.overflow = [];
+      this.firstFrame = null; this.firstSeen = null;
+      this.node.port.postMessage({type: 'reset', gen: this.gen});
+    }
+    onMessage(m) {
+      if (m.gen !== this.gen) return;            // a message from before the last reset
+      if (m.type === 'first') {
+        this.firstFrame = m.frame; this.firstSeen = [performance.now(), this.ctx.currentTime];
+        this.onEvent('first');
+      } else if (m.type === 'stats') {
+        this.stats = m;
+        this.flush();
+        if (m.event) this.onEvent(m.event);
+      }
+    }
+    flush() {
+      while (this.overflow.length
+             && this.sent + this.overflow[0].length - this.stats.read <= Math.floor(RING_SECONDS * SR)) {
+        const s = this.overflow.shift();
+        this.sent += s.length;
+        this.node.port.postMessage({type: 'push', samples: s}, [s.buffer]);
+      }
+    }
+    push(f32) {
+      const max = Math.floor(RING_SECONDS * SR / 4);   // pieces that always fit once the ring has drained a bit
+      if (f32.length <= max) this.overflow.push(f32);
+      else for (let i = 0; i < f32.length; i += max) this.overflow.push(f32.slice(i, i + max));
+      this.flush();
+    }
+    play() { this.node.port.postMessage({type: 'play'}); }
+    end() { this.node.port.postMessage({type: 'end'}); }
+    clear() { this.overflow = []; this.reset(); }
+    buffered() {
+      return this.sent - this.stats.read + this.overflow.reduce((a, s) => a + s.length, 0);
+    }
+    played() { return this.stats.played; }
+    sumsq() { return this.stats.sumsq; }
+    firstContextTime() { return this.firstFrame == null ? null : this.firstFrame / this.ctx.sampleRate; }
+  }
+
+  class ScheduledBackend {
+    constructor(ctx, dest, onEvent) {
+      this.kind = 'scheduled';
+      this.ctx = ctx; this.dest = dest; this.onEvent = onEvent;
+      this.timer = null;
+      this.reset();
+    }
+    reset() {
+      if (this.sources) for (const s of this.sources) { try { s.node.stop(); } catch (e) { /* not started */ } }
+      this.sources = []; this.pending = []; this.playing = false; this.ended = false;
+      this.nextTime = 0; this.donePlayed = 0; this.doneSumsq = 0; this.firstStart = null; this.firstSeen = null;
+      this.firstReported = false;
+      if (this.timer) { clearInterval(this.timer); this.timer = null; }
+    }
+    schedule() {
+      const now = this.ctx.currentTime;
+      if (this.nextTime < now + 0.005) this.nextTime = now + 0.01;   // (re)start just ahead of the clock
+      while (this.pending.length) {
+        const f32 = this.pending.shift();
+        const buf = this.ctx.createBuffer(1, f32.length, SR);
+        buf.copyToChannel(f32, 0);
+        const node = this.ctx.createBufferSource();
+        node.buffer = buf;
+        node.connect(this.dest);
+        node.start(this.nextTime);
+        let ss = 0;
+        for (let i = 0; i < f32.length; i++) ss += f32[i] * f32[i];
+        this.sources.push({node, start: this.nextTime, end: this.nextTime + f32.length / SR, n: f32.length, ss});
+        if (this.firstStart == null) { this.firstStart = this.nextTime; this.firstSeen = [performance.now(), now]; }
+        this.nextTime += f32.length / SR;
+      }
+    }
+    tick() {
+      const now = this.ctx.currentTime;
+      while (this.sources.length && this.sources[0].end <= now) {
+        const s = this.sources.shift();
+        this.donePlayed += s.n; this.doneSumsq += s.ss;
+      }
+      if (this.firstStart != null && !this.firstReported && now >= this.firstStart) {
+        this.firstReported = true; this.onEvent('first');
+      }
+      if (this.playing && !this.sources.length && now >= this.nextTime) {
+        this.playing = false;
+        if (this.ended) { clearInterval(this.timer); this.timer = null; this.onEvent('ended'); }
+        else this.onEvent('underrun');
+      }
+    }
+    push(f32) { this.pending.push(f32); if (this.playing) this.schedule(); }
+    play() {
+      this.playing = true;
+      this.schedule();
+      if (!this.timer) this.timer = setInterval(() => this.tick(), 15);
+    }
+    end() { this.ended = true; if (!this.timer) this.timer = setInterval(() => this.tick(), 15); }
+    clear() { this.reset(); }
+    buffered() {
+      const now = this.ctx.currentTime;
+      let n = this.pending.reduce((a, s) => a + s.length, 0);
+      for (const s of this.sources) n += Math.min(s.n, Math.max(0, (s.end - now) * SR));
+      return n;
+    }
+    played() {
+      const now = this.ctx.currentTime;
+      let n = this.donePlayed;
+      for (const s of this.sources) n += Math.min(s.n, Math.max(0, (now - s.start) * SR));
+      return Math.round(n);
+    }
+    sumsq() {   // of the buffers fully played, plus the played part of the current one (at its mean power)
+      const now = this.ctx.currentTime;
+      let ss = this.doneSumsq;
+      for (const s of this.sources) ss += s.ss * Math.min(1, Math.max(0, (now - s.start) * SR / s.n));
+      return ss;
+    }
+    firstContextTime() { return this.firstStart; }
+  }
+
+  // --- the player ----------------------------------------------------------------------------------------
+  class LivePlayer {
+    constructor() {
+      this.ctx = null; this.backend = null; this.ready = null; this.run = null; this.runs = [];
+      this.metrics = {state: 'idle'};
+      this.handoff = null;   // the token waiting for Gradio's js= hook
+      document.addEventListener('click', (e) => this.onClick(e), true);
+      // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
+      // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
+      const warm = () => { if (this.ctx && this.ctx.state === 'suspended') this.ctx.resume().catch(() => {}); };
+      document.addEventListener('pointerdown', warm, true);
+      document.addEventListener('keydown', warm, true);
+      addEventListener('pagehide', () => this.stop('stopped'));
+      this.prepare();
+    }
+
+    // An AudioContext (suspended until a click) and the worklet module, ahead of the first click.
+    prepare() {
+      if (this.ctx) return this.ready;
+      const AC = window.AudioContext || window.webkitAudioContext;
+      if (!AC) { this.ready = Promise.resolve(); return this.ready; }
+      try {
+        this.ctx = new AC({sampleRate: SR, latencyHint: 'interactive'});
+      } catch (e) {
+        this.ctx = new AC({latencyHint: 'interactive'});   // resampling context: AudioBuffers at 24 kHz still play
+      }
+      this.analyser = this.ctx.createAnalyser();
+      this.analyser.fftSize = 2048;
+      this.analyser.connect(this.ctx.destination);
+      const onEvent = (ev) => this.onBackendEvent(ev);
+      const canWorklet = !FORCE_SCHEDULED && this.ctx.audioWorklet && window.AudioWorkletNode
+        && this.ctx.sampleRate === SR;
+      if (!canWorklet) {
+        this.backend = new ScheduledBackend(this.ctx, this.analyser, onEvent);
+        this.ready = Promise.resolve();
+      } else {
+        this.ready = this.ctx.audioWorklet.addModule(new URL('worklet.js', BASE).href)
+          .then(() => { this.backend = new WorkletBackend(this.ctx, this.analyser, onEvent); })
+          .catch((err) => {
+            console.warn('live player: AudioWorklet failed, using scheduled buffers', err);
+            this.backend = new ScheduledBackend(this.ctx, this.analyser, onEvent);
+          });
+      }
+      return this.ready;
+    }
+
+    active() { return !!this.run && (this.run.state === 'buffering' || this.run.state === 'playing'); }
+
+    onClick(e) {
+      const t = e.target;
+      if (!t || !t.closest) return;
+      if (t.closest(STOP_SEL)) { this.stop('stopped'); return; }
+      const btn = t.closest(GEN_SEL);
+      if (!btn || btn.disabled) return;
+      if (this.active()) {                    // one run at a time: the second click goes nowhere (nor to Gradio)
+        e.stopImmediatePropagation(); e.preventDefault();
+        return;
+      }
+      this.start(e.timeStamp || performance.now(), btn.id || '');
+    }
+
+    // Called inside the click: resume the context, start the fetch, leave the token for Gradio's js= hook.
+    start(clickTime, source) {
+      this.prepare();
+      if (this.ctx && this.ctx.state !== 'running') this.ctx.resume().catch(() => {});
+      const tok = token();
+      const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
+        received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
+        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: []};
+      this.stop('stopped');
+      if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
+      this.run = run;
+      this.handoff = tok;
+      this.publish();
+      this.fetchRun(run);
+      return tok;
+    }
+
+    // What the output carries right now (tests: after Stop it must be silence): an AnalyserNode window's RMS and
+    // the samples the backend has played in its current run.
+    probe() {
+      if (!this.analyser) return null;
+      const buf = new Float32Array(this.analyser.fftSize);
+      this.analyser.getFloatTimeDomainData(buf);
+      let ss = 0;
+      for (let i = 0; i < buf.length; i++) ss += buf[i] * buf[i];
+      return {outputRms: Math.sqrt(ss / buf.length), backendPlayed: this.backend ? this.backend.played() : 0,
+        backendBuffered: this.backend ? this.backend.buffered() : 0, contextTime: this.ctx.currentTime};
+    }
+
+    // Gradio's js= hook: the token of the click that triggered this event (once).
+    takeToken() { const t = this.handoff || ''; this.handoff = null; return t; }
+
+    // The Gradio event finished (a JS-only .then()): a run that never got a response is over.
+    serverDone() {
+      const run = this.run;
+      if (!run) return;
+      run.serverDone = true;
+      setTimeout(() => {
+        if (this.run === run && run.headersAt == null && run.state === 'buffering') this.finish(run, 'idle');
+      }, 3000);
+    }
+
+    async fetchRun(run) {
+      await this.ready;
+      if (this.run !== run) return;
+      this.backend.clear();
+      const session = window.__gradio_session_hash__ || '';
+      const url = new URL(run.token, BASE);
+      url.searchParams.set('session', session);
+      let resp;
+      try {
+        resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
+      } catch (err) {
+        if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
+        return;
+      }
+      run.headersAt = performance.now();
+      if (!resp.ok) { this.finish(run, resp.status === 404 ? 'idle' : 'error', 'HTTP ' + resp.status); return; }
+      run.rateHint = parseFloat(resp.headers.get('X-Live-Rate')) || null;
+      run.expected = parseFloat(resp.headers.get('X-Live-Expected-Seconds')) || null;
+      const reader = resp.body.getReader();
+      try {
+        for (;;) {
+          const {value, done} = await reader.read();
+          if (this.run !== run) return;
+          if (done) break;
+          this.onBytes(run, value);
+        }
+      } catch (err) {
+        if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
+        return;
+      }
+      run.streamDone = true;
+      this.backend.end();
+      if (run.received === 0) { this.finish(run, 'ended'); return; }
+      this.decide(run);
+    }
+
+    onBytes(run, bytes) {
+      if (run.firstByteAt == null) run.firstByteAt = performance.now();
+      let b = bytes;
+      if (run.carry != null) {                  // an odd byte left from the last chunk
+        const m = new Uint8Array(b.length + 1); m[0] = run.carry; m.set(b, 1); b = m; run.carry = null;
+      }
+      if (b.length % 2) { run.carry = b[b.length - 1]; b = b.subarray(0, b.length - 1); }
+      const n = b.length / 2;
+      if (!n) return;
+      const dv = new DataView(b.buffer, b.byteOffset, b.length);
+      const f = new Float32Array(n);
+      for (let i = 0; i < n; i++) f[i] = dv.getInt16(2 * i, true) / 32768;
+      // one engine chunk may come in several network reads: reads a few ms apart count as one chunk
+      const now = performance.now();
+      if (run.chunks > 0 && now - run.lastByteAt < 8) {
+        run.lastChunk += n;
+        if (run.chunks === 1) run.firstChunkSamples += n;
+      } else {
+        run.chunks += 1;
+        run.lastChunk = n;
+        if (run.chunks === 1) run.firstChunkSamples = n;
+      }
+      run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
+      run.received += n;
+      run.lastByteAt = now;
+      this.backend.push(f);
+      this.decide(run);
+    }
+
+    // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
+    // server's recent rate, else unknown (null).
+    rate(run) {
+      const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
+      if (run.chunks >= 2 && wall >= 0.15) {
+        const measured = (run.received - run.firstChunkSamples) / SR / wall;
+        if (run.rateHint == null || wall >= 1.5) return measured;
+        const w = wall / 1.5;
+        return w * measured + (1 - w) * run.rateHint;
+      }
+      if (run.rateHint == null && run.underruns > 0) {   // it ran dry before a second chunk: judge from the click
+        return run.received / SR / ((performance.now() - run.clickTime) / 1000);
+      }
+      return run.rateHint;
+    }
+
+    // The buffer (seconds) needed so that playback, once started, reaches the end without a gap.
+    needed(run) {
+      const r = this.rate(run);
+      if (r == null || r >= 1.02) return 0;
+      const got = run.received / SR;
+      const rest = run.expected != null ? Math.max(run.expected - got, 0.5) : Math.max(got, 2.0);
+      // + one chunk's wait: audio comes in chunks, so the next one may land up to a chunk interval late
+      return rest * (1 / Math.max(r, 0.05) - 1) * 1.15 + 0.2 + (run.maxChunk || 0) / SR / Math.max(r, 0.05);
+    }
+
+    decide(run) {
+      if (this.run !== run || run.state !== 'buffering') return;
+      const b = this.backend.buffered() / SR;
+      if (run.streamDone && b <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
+      run.need = this.needed(run);
+      if (b > 0 && (run.streamDone || b >= run.need)) {
+        const wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        if (wait > 0) {                       // the next chunk would come too late for what is buffered now
+          clearTimeout(run.waitTimer);
+          run.waitTimer = setTimeout(() => this.decide(run), wait);
+        } else {
+          run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
+          run.state = 'playing';
+          this.backend.play();
+          this.watchRms(run);
+        }
+      }
+      this.publish();
+    }
+
+    // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives. Chunks tend to
+    // grow (the engine doubles them: 2, 4, 8, 12 frames), so the next one is guessed twice the last; at rate r
+    // it lands (size / r) after the last one, give or take some jitter. 0: start now.
+    waitForNextChunk(run, buffered) {
+      const r = this.rate(run);
+      if (r == null) return 0;
+      const next = Math.min(2 * run.lastChunk, SR) / SR;
+      const arrives = run.lastByteAt + (next / Math.max(r, 0.05)) * 1000 * 1.1 + 25;
+      return Math.min(arrives - performance.now() - buffered * 1000, 1000);
+    }
+
+    onBackendEvent(ev) {
+      const run = this.run;
+      if (!run) return;
+      if (ev === 'first') this.firstSound(run);
+      else if (ev === 'underrun' && run.state === 'playing') {
+        run.underruns += 1; run.state = 'buffering';
+        run.log.push([Math.round(performance.now() - run.clickTime), 'underrun', run.received / SR]);
+        this.decide(run);
+      } else if (ev === 'ended' && run.state === 'playing') this.finish(run, 'ended');
+      this.publish();
+    }
+
+    firstSound(run) {
+      const t0 = this.backend.firstContextTime();
+      if (t0 == null || run.soundAt != null) return;
+      // rendered: when the first sample went through the graph (the context clock mapped to the page clock
+      // through a (page time, context time) pair the backend noted when it learnt of that sample)
+      const [seenPerf, seenCtx] = this.backend.firstSeen || [performance.now(), this.ctx.currentTime];
+      run.renderedAt = seenPerf + (t0 - seenCtx) * 1000;
+      const lat = (this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0);
+      let audible = run.renderedAt + lat * 1000;
+      run.soundVia = 'outputLatency';
+      const ts = this.ctx.getOutputTimestamp ? this.ctx.getOutputTimestamp() : null;
+      if (ts && ts.performanceTime > 0 && ts.contextTime > 0) {
+        const viaTs = ts.performanceTime + (t0 - ts.contextTime) * 1000;
+        if (viaTs >= run.clickTime && viaTs < run.renderedAt + 1000) {
+          audible = Math.max(viaTs, run.renderedAt);
+          run.soundVia = 'getOutputTimestamp';
+        }
+      }
+      run.soundAt = audible;
+      this.publish();
+    }
+
+    watchRms(run) {
+      if (run.rmsTimer) return;
+      const buf = new Float32Array(this.analyser.fftSize);
+      run.rmsTimer = setInterval(() => {
+        if (this.run !== run || run.state === 'stopped') { clearInterval(run.rmsTimer); return; }
+        this.analyser.getFloatTimeDomainData(buf);
+        let ss = 0;
+        for (let i = 0; i < buf.length; i++) ss += buf[i] * buf[i];
+        run.peakRms = Math.max(run.peakRms, Math.sqrt(ss / buf.length));
+        this.publish();
+      }, 50);
+    }
+
+    finish(run, state, error) {
+      run.state = state;
+      if (state !== 'ended') run.controller.abort();   // (a no-op once the response is complete)
+      if (error) run.error = error;
+      if (run.rmsTimer) setTimeout(() => clearInterval(run.rmsTimer), state === 'ended' ? 200 : 0);
+      this.publish();
+    }
+
+    stop(state) {
+      const run = this.run;
+      this.handoff = null;
+      if (!run) return;
+      if (run.state === 'buffering' || run.state === 'playing') {
+        run.controller.abort();
+        if (this.backend) { run.finalPlayed = this.backend.played(); run.finalSumsq = this.backend.sumsq(); }
+        if (this.backend) this.backend.clear();
+        this.finish(run, state);
+      }
+    }
+
+    publish() {
+      const run = this.run;
+      if (!run) return;
+      const be = this.backend;
+      const played = run.finalPlayed != null ? run.finalPlayed : (be ? be.played() : 0);
+      const ss = run.finalSumsq != null ? run.finalSumsq : (be ? be.sumsq() : 0);
+      const m = {
+        token: run.token.slice(0, 6), state: run.state, backend: be ? be.kind : null,
+        secureContext: window.isSecureContext, contextState: this.ctx ? this.ctx.state : null,
+        clickToHeadersMs: run.headersAt != null ? run.headersAt - run.clickTime : null,
+        clickToFirstByteMs: run.firstByteAt != null ? run.firstByteAt - run.clickTime : null,
+        clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
+        clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
+        outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
+        underruns: run.underruns, samplesReceived: run.received, samplesPlayed: played,
+        secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
+        rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
+        soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
+        error: run.error || null,
+        log: run.log,
+      };
+      this.metrics = m;
+      const i = this.runs.findIndex((x) => x.token === m.token);
+      if (i >= 0) this.runs[i] = m; else this.runs.push(m);
+      this.render(m);
+    }
+
+    render(m) {
+      let el = document.getElementById('live-player-status');
+      if (!el) return;
+      const ms = m.clickToSoundMs != null ? ` · click → sound ${Math.round(m.clickToSoundMs)} ms` : '';
+      const under = m.underruns ? ` · ${m.underruns} rebuffer${m.underruns > 1 ? 's' : ''}` : '';
+      const text = {buffering: 'buffering…', playing: 'playing', ended: 'played', stopped: 'stopped',
+        idle: '', error: 'live player: ' + (m.error || 'error')}[m.state] || m.state;
+      el.textContent = text ? `🔊 ${text}${ms}${under}` : '';
+      el.dataset.state = m.state;
+    }
+  }
+
+  window.liveTTS = new LivePlayer();
+})();
