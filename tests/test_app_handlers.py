@@ -229,8 +229,10 @@ def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
     assert len(app.active.by_session["stop-ahead"]) == 2
     assert "2 request(s) cancelled" in app.stop(r)
     assert all(s.seq.cancelled.is_set() or s._finished for s in logged.streams)
-    drain(gen)
-    assert len(logged.streams) <= 3 and "stop-ahead" not in app.active.by_session
+    outs = drain(gen)
+    assert len(logged.streams) == 2, "nothing new is submitted after Stop"
+    assert "stopped by the listener" in str(final_of(app, outs)[app.c.status])
+    assert "stop-ahead" not in app.active.by_session
     deadline = time.time() + 10
     while not eng.scheduler.idle() and time.time() < deadline:
         time.sleep(0.02)

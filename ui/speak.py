@@ -42,7 +42,12 @@ class ActiveStreams:
 
     def __init__(self):
         self.by_session: dict[str, set] = {}
+        self.stops: dict[str, int] = {}      # how many times each session pressed Stop (a generation compares)
         self._lock = threading.Lock()
+
+    def stop_count(self, session: str) -> int:
+        with self._lock:
+            return self.stops.get(session, 0)
 
     def add(self, session: str, stream) -> None:
         with self._lock:
@@ -60,6 +65,7 @@ class ActiveStreams:
         """Cancel every request of `session`; -> how many there were."""
         with self._lock:
             streams = list(self.by_session.pop(session, ()))
+            self.stops[session] = self.stops.get(session, 0) + 1
         for s in streams:
             s.cancel()
         return len(streams)
@@ -98,10 +104,10 @@ class Speaker:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
 
-    def _wait_in_queue(self, stream, job: SpeechJob, role: str, sink: Sink | None = None) -> Iterator[dict]:
+    def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool]) -> Iterator[dict]:
         """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
         waited = False
-        while (pos := getattr(stream, "position", None)) and not (sink is not None and sink.cancelled):
+        while (pos := getattr(stream, "position", None)) and not halted():
             waited = True
             yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
             time.sleep(self.poll_s)
@@ -119,6 +125,11 @@ class Speaker:
         submitted: list = []                  # engine handles, group by group
         t0 = time.perf_counter()
         ttfa, compute, stopped, n = None, 0.0, False, 0
+        stops_before = self.active.stop_count(session)
+
+        def halted() -> bool:
+            """The listener stopped: the page's player went away, or Stop was pressed in this session."""
+            return (sink is not None and sink.cancelled) or self.active.stop_count(session) != stops_before
 
         def emit(pcm: np.ndarray) -> dict:
             """The one exit of audio: the final WAV, the live player (sink), Gradio's live output."""
@@ -139,8 +150,8 @@ class Speaker:
             ahead = submit(0)
             for k in range(len(pieces)):
                 stream, ahead, busy = ahead, None, False
-                yield from self._wait_in_queue(stream, job, role, sink)
-                if sink is not None and sink.cancelled:   # the listener left while the request was queued
+                yield from self._wait_in_queue(stream, job, role, halted)
+                if halted():                              # the listener left while the request was queued
                     stopped = True
                     break
                 t_run = time.perf_counter()
@@ -149,7 +160,7 @@ class Speaker:
                     if update:
                         yield update
                 for chunk in stream:
-                    if ahead is None and k + 1 < len(pieces) and not busy:
+                    if ahead is None and k + 1 < len(pieces) and not busy and not halted():
                         try:                      # gapless: the next group generates while this one plays
                             ahead = submit(k + 1)
                         except EngineBusyError:   # the queue is full: submit it after this group instead
@@ -165,13 +176,14 @@ class Speaker:
                                                    seed=job.seed, piece=k + 1, pieces=len(pieces), note=note,
                                                    role=role)
                     yield update
-                    if sink is not None and sink.cancelled:
+                    if halted():
                         stopped = True
                         break
                 compute += time.perf_counter() - t_run
                 stream.cancel()
                 self.active.discard(session, stream)
-                if stopped:
+                if stopped or halted():
+                    stopped = True
                     break
                 if ahead is None and k + 1 < len(pieces):
                     ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
