@@ -117,8 +117,9 @@ class TTSEngine:
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
                         **engine_kw) -> "TTSEngine":
         """model: hub id or checkpoint folder; device: default CUDA when present, else CPU; dtype: default bf16 on
-        GPU, fp32 on CPU; text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only
-        to build prompts); engine_kw: see `TTSEngine.__init__`."""
+        GPU, on a CPU bf16 where native (AVX-512 BF16 / AMX) else fp32 (`model.dtype`, `model.dtype_auto`);
+        text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only to build prompts);
+        engine_kw: see `TTSEngine.__init__`."""
         return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
                                                  text_embedding_on_cpu=text_embedding_on_cpu), **engine_kw)
 
