@@ -9,8 +9,10 @@ from tts_engine.codec.decoder import CausalTransConv
 
 
 @pytest.mark.parametrize("c_in, c_out, k, s", [(12, 8, 16, 8), (10, 6, 10, 5), (8, 8, 2, 2), (6, 4, 5, 3)])
-def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s):
+@pytest.mark.parametrize("max_len", [64, 2])   # matmul form everywhere / aten's op beyond 2 inputs
+def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, monkeypatch):
     torch.manual_seed(0)
+    monkeypatch.setattr(CausalTransConv, "MATMUL_MAX_LEN", max_len)
     m = CausalTransConv(c_in, c_out, k, s)
     x = torch.randn(3, c_in, 7)
     # the official op: ConvTranspose1d over the whole input, right-trimmed by k - s
