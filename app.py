@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=env("TTS_DEVICE"), help="cuda, cuda:1, cpu (default: cuda if present) "
                    "[TTS_DEVICE]")
     p.add_argument("--dtype", default=env("TTS_DTYPE"), choices=["fp32", "bf16", "fp16"],
-                   help="weights dtype (default: bf16 on GPU, fp32 on CPU) [TTS_DTYPE]")
+                   help="weights dtype (default: bf16 on GPU; on a CPU bf16 where native (AVX-512 BF16 / AMX), else fp32) [TTS_DTYPE]")
     for role, flag in (("custom_voice", "--custom-voice-model"), ("base", "--base-model"),
                        ("voice_design", "--voice-design-model")):
         p.add_argument(flag, dest=role, default=env(ENV[role], DEFAULT_CHECKPOINTS[role]),

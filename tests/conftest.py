@@ -64,3 +64,8 @@ def official(run_oracle, tmp_path_factory):
         return made[key]
 
     return get
+
+
+# Tests that load a checkpoint without a dtype get fp32 on every machine (the engine's CPU default is bf16 where
+# the CPU has native bf16; tests/test_cpu_dtype.py checks that choice with a mocked capability).
+os.environ.setdefault("TTS_CPU_DTYPE", "fp32")

@@ -90,7 +90,8 @@ def run_concurrency(engine: TTSEngine, c: int, frames: int, first_chunk: int) ->
 
 
 def profile_frame(engine: TTSEngine, frames: int) -> dict:
-    """Per-frame time split at batch 1, measured around each part with device synchronisation."""
+    """Per-frame time split at batch 1, measured around each part with device synchronisation. The codec
+    decodes the frames in the engine's chunks (2, 4, 8, 12, 12, ...), as a stream does."""
     runner, model = engine.runner, engine.model
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
@@ -107,17 +108,21 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
 
         rp = RowParams(**{k: (v[:1] if k != "host" else runner._host_facts(1, general=False))
                           for k, v in runner.rp.__dict__.items()})
-        for _ in range(frames):
+        chunks, pending = req.chunk_sizes(), []
+        target = next(chunks)
+        for f in range(frames):
             sync()
             t0 = time.perf_counter()
             codes, _ = runner.decode(rows)
             sync()
             t1 = time.perf_counter()
-            codec.decode_step(codes.T[None], state)
-            sync()
-            t2 = time.perf_counter()
             acc["frame_total_ms"] += 1000 * (t1 - t0)
-            acc["codec_ms"] += 1000 * (t2 - t1)
+            pending.append(codes)
+            if len(pending) == target or f == frames - 1:
+                codec.decode_step(torch.cat(pending).T[None], state)
+                sync()
+                acc["codec_ms"] += 1000 * (time.perf_counter() - t1)
+                pending, target = [], next(chunks)
             # the same frame's parts, timed separately (results discarded)
             fi = runner.step[r] - 1
             sync()
@@ -135,6 +140,42 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
     out = {k: v / frames for k, v in acc.items()}
     out["sampling_and_host_ms"] = out["frame_total_ms"] - out["talker_ms"] - out["code_predictor_ms"]
     return out
+
+
+def torch_profile(engine: TTSEngine, frames: int, top: int = 25) -> tuple[str, dict]:
+    """torch.profiler over `frames` frames at one stream (talker + code predictor + sampling) and the codec
+    decode of those frames in the engine's chunks. Returns (a markdown table of the top ops by self CPU
+    time, per frame; a summary {ops per frame, self CPU ms per frame})."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, model = engine.runner, engine.model
+    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
+                                  {"ignore_eos": True}, False, frames + 1, None, 2, 12)
+    codec = model.speech_tokenizer.decoder
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with torch.inference_mode():
+        runner.prefill(0, req.prompt, req.params)
+        state = codec.init_state(1)
+        for _ in range(2):                                   # warm-up outside the profile
+            codec.decode_step(runner.decode([0])[0].T[None], state)
+        chunks, pending = req.chunk_sizes(), []
+        target = next(chunks)
+        with profile(activities=acts) as prof:
+            for f in range(frames):
+                pending.append(runner.decode([0])[0])
+                if len(pending) == target or f == frames - 1:
+                    codec.decode_step(torch.cat(pending).T[None], state)
+                    pending, target = [], next(chunks)
+        runner.release(0)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    lines = ["| op | self CPU ms per frame | share | calls per frame |", "|---|---|---|---|"]
+    for e in events[:top]:
+        lines.append(f"| `{e.key}` | {e.self_cpu_time_total / 1000 / frames:.2f} | "
+                     f"{100 * e.self_cpu_time_total / total:.1f} % | {e.count / frames:.0f} |")
+    return "\n".join(lines), {"aten_calls_per_frame": calls / frames, "self_cpu_ms_per_frame": total / 1000 / frames}
 
 
 def official_xrt(ckpt: Path, frames: int, device: str, dtype: str) -> float | None:
@@ -207,9 +248,12 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager per-frame step)")
     p.add_argument("--check", action="store_true", help="does the fast path work here? graphs vs eager greedy "
                    "codes at batch 1 and 4 (identical), then the one-stream speed; exit status 1 on a mismatch")
-    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantised talker and code predictor")
+    p.add_argument("--quantize", choices=["int8", "int4", "auto"], help="weight-only quantised talker and code predictor")
     p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
                    "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
+    p.add_argument("--profile", action="store_true", help="also run torch.profiler over frames at one stream, "
+                   "print the top ops by self CPU time and write them to docs/benchmarks.md "
+                   "(section 'CPU profile of one frame')")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -247,6 +291,7 @@ def main(argv=None) -> int:
     rows = [run_concurrency(engine, c, frames, a.first_chunk) for c in conc]
     graphs = engine.graph_status
     prof = profile_frame(engine, min(frames, 20))
+    top = torch_profile(engine, min(frames, 12)) if a.profile else None
     mem = peak_memory(device)
     off = None if a.no_official else official_xrt(ckpt, min(frames, 40 if not gpu else frames), str(device), dtype_name)
     engine.close()
@@ -285,6 +330,17 @@ def main(argv=None) -> int:
     body = "\n".join(lines)
     print(body)
     write_markdown(Path(a.out), f"## {dev} — {what}, {engine.precision}", body)
+    if top is not None:
+        table, summ = top
+        pbody = (f"Device: **{dev}**. Model: {what}, {engine.precision}. torch.profiler over {min(frames, 12)} frames at one "
+                 f"stream (talker, code predictor, sampling, and the codec decode of those frames in the engine's "
+                 f"chunks 2, 4, 8, ...), top ops by self CPU time, per frame. {summ['aten_calls_per_frame']:.0f} aten "
+                 f"calls and {summ['self_cpu_ms_per_frame']:.0f} ms self CPU per frame (profiler overhead "
+                 f"included).\n\nCommand: `python -m tts_engine.bench "
+                 f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{table}")
+        print("\n" + pbody)
+        write_markdown(Path(a.out), f"## CPU profile of one frame — {engine.precision}" if not gpu else
+                       f"## Profile of one frame — {dev}, {engine.precision}", pbody)
     return 0
 
 

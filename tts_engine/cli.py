@@ -73,9 +73,9 @@ def main(argv=None) -> int:
     s.add_argument("--greedy", action="store_true", help="no sampling in the talker or the code predictor")
     s.add_argument("--max-new-tokens", type=int)
     s.add_argument("--device")
-    s.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
+    s.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU; on a CPU bf16 where it has AVX-512 BF16 or AMX, else fp32)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (the eager per-frame step)")
-    s.add_argument("--quantize", choices=["int8", "int4"],
+    s.add_argument("--quantize", choices=["int8", "int4", "auto"],
                    help="weight-only quantised talker and code predictor (CPU; lossy, faster)")
     s.add_argument("--out", required=True)
     s.add_argument("--codes-out", help="also save the generated codes, int64 (frames, 16), as .npy")

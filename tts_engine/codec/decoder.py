@@ -111,23 +111,38 @@ class CausalConv(nn.Module):
 class CausalTransConv(nn.Module):
     """Official `Qwen3TTSTokenizerV2CausalTransConvNet`: ConvTranspose1d(k, stride s), then the last k - s
     outputs are trimmed (right only), so n inputs give n*s outputs. Output block j (samples [j*s, (j+1)*s))
-    depends on inputs j and, when k > s, j-1 (k <= 2s), so the history is the previous input sample: the
-    step convolves [prev, x] and keeps the middle n*s samples. Params: conv.{weight,bias}."""
+    depends on inputs j and, when k > s, j-1 (k <= 2s), so the history is the previous input sample.
+    Params: conv.{weight,bias} (weight [C_in, C_out, k]).
+
+    The step is one matrix product of the inputs with the weight viewed as [C_in, C_out*k] (every input's
+    contribution to its k output taps), then the overlap-add of neighbouring blocks: block j = taps 0..s-1 of
+    input j + taps s..k-1 of input j-1 + bias. aten's ConvTranspose1d takes a slow im2col path on CPU that
+    costs ~5-25x this product on the few frames of a streaming chunk (and less than it on long inputs, so inputs
+    longer than MATMUL_MAX_LEN per row still use it); the two equal each other up to float rounding."""
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int, stride: int):
         super().__init__()
         if not stride <= kernel_size <= 2 * stride:
             raise ValueError("CausalTransConv supports stride <= kernel_size <= 2 * stride")
         self.conv = nn.ConvTranspose1d(c_in, c_out, kernel_size, stride=stride)
-        self.c_in, self.k, self.s = c_in, kernel_size, stride
+        self.c_in, self.c_out, self.k, self.s = c_in, c_out, kernel_size, stride
         self.ctx = 1 if kernel_size > stride else 0
 
-    def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.shape[-1]
-        if self.ctx == 0:                                       # k == s: no overlap, no trim
-            return self.conv(x), hist
-        y = self.conv(torch.cat([hist, x], dim=-1))             # [B, C_out, (n+1)*s + k-s]
-        return y[..., self.s: self.s + n * self.s], x[..., n - 1:]
+    MATMUL_MAX_LEN = 32   # inputs per row up to which the matmul form is used (measured faster below, slower above)
+
+    def step(self, x: torch.Tensor, hist: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, _, n = x.shape
+        k, s, w = self.k, self.s, self.conv.weight
+        xx = x if self.ctx == 0 else torch.cat([hist, x], dim=-1)                 # [B, C_in, m]
+        if n > self.MATMUL_MAX_LEN:                                                # long inputs: aten's op
+            return self.conv(xx)[..., self.ctx * s: self.ctx * s + n * s], (x[..., n - 1:] if self.ctx else hist)
+        taps = torch.matmul(xx.transpose(1, 2), w.view(self.c_in, self.c_out * k))  # [B, m, C_out*k]
+        taps = taps.view(B, xx.shape[-1], self.c_out, k)
+        y = taps[:, self.ctx:, :, :s]                                              # [B, n, C_out, s]
+        if self.ctx:                                                               # + the previous input's tail
+            y = y + F.pad(taps[:, :n, :, s:], (0, 2 * s - k))
+        y = y + self.conv.bias[:, None]
+        return y.permute(0, 2, 1, 3).reshape(B, self.c_out, n * s), (x[..., n - 1:] if self.ctx else hist)
 
 
 class SnakeBeta(nn.Module):
@@ -499,12 +514,12 @@ class CodecDecoder(nn.Module):
         y, k, v = self.pre_transformer.step(x.transpose(1, 2), state.pos, state.k, state.v)
         x = y.transpose(1, 2)                                                            # [B, latent, n]
         for up in self.upsample:                                                         # x2 each
-            x = run(up[0], x) if up[0].ctx else up[0].conv(x)
+            x = run(up[0], x) if up[0].ctx else up[0].step(x, None)[0]
             x = run(up[1], x)
         x = run(self.decoder[0], x)                                                      # [B, decoder_dim, 4n]
         for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:                     # x8, x5, x4, x3
             x = blk.block[0](x)
-            x = run(blk.block[1], x) if blk.block[1].ctx else blk.block[1].conv(x)
+            x = run(blk.block[1], x) if blk.block[1].ctx else blk.block[1].step(x, None)[0]
             for ru in blk.block[2:]:
                 x = run(ru, x)
         wav = run(self.decoder[-1], self.decoder[-2](x))                                 # [B, 1, n * 1920]

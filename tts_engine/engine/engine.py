@@ -120,10 +120,11 @@ class TTSEngine:
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
                         quantize: str | None = None, **engine_kw) -> "TTSEngine":
         """model: hub id or checkpoint folder; device: default CUDA when present, else CPU; dtype: default bf16 on
-        GPU, fp32 on CPU; text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only
-        to build prompts); quantize: None (the checkpoint's weights), "int8" or "int4" (weight-only quantised
-        talker and code predictor, CPU only, lossy: see `precision` and `lossy`); engine_kw: see
-        `TTSEngine.__init__`."""
+        GPU, on a CPU bf16 where native (AVX-512 BF16 / AMX) else fp32 (`model.dtype`, `model.dtype_auto`);
+        text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only to build prompts);
+        quantize: None (the checkpoint's weights), "int8" or "int4" (weight-only quantised talker and code
+        predictor, CPU only, lossy: see `precision` and `lossy`), or "auto" (int8 on a CPU with native bf16 when the
+        dtype is chosen by the engine, else None); engine_kw: see `TTSEngine.__init__`."""
         return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
                                                  text_embedding_on_cpu=text_embedding_on_cpu, quantize=quantize),
                    **engine_kw)

@@ -86,10 +86,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len):
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len, r_idx=None,
+                write_start: int | None = None):
         """x [B, T, D]; cos/sin [B, 1, T, hd]; k_cache/v_cache [R, Hkv, L, hd] (one layer);
         rows: cache rows of this batch, a slice (contiguous rows: cache views, no copies) or an index tensor [B];
-        write_pos [B, T] positions where the new keys go;
+        write_pos [B, T] positions where the new keys go; r_idx [B, T] the cache row of each new key (index
+        rows only; built once per stack call by `DecoderStack.run`); write_start: when every row writes at the
+        same positions write_start..write_start+T-1 (the code predictor), a host int (a plain slice copy);
         attn_mask [B, 1, T, read_len] bool (True = attend); only the first read_len cache positions are read."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
@@ -100,12 +103,15 @@ class Attention(nn.Module):
         # scatter the new keys/values into the static cache at (row, :, pos)
         if isinstance(rows, slice):
             k_cache, v_cache = k_cache[rows], v_cache[rows]            # views [B, Hkv, L, hd]
-            r_idx = torch.arange(B, device=x.device)[:, None].expand(B, T)
             rows = slice(None)
+        if write_start is not None and isinstance(rows, slice):
+            k_cache[:, :, write_start:write_start + T] = k
+            v_cache[:, :, write_start:write_start + T] = v
         else:
-            r_idx = rows[:, None].expand(B, T)
-        k_cache[r_idx, :, write_pos] = k.transpose(1, 2)  # [B, T, Hkv, hd]
-        v_cache[r_idx, :, write_pos] = v.transpose(1, 2)
+            if r_idx is None:
+                r_idx = (torch.arange(B, device=x.device) if isinstance(rows, slice) else rows)[:, None].expand(B, T)
+            k_cache[r_idx, :, write_pos] = k.transpose(1, 2)  # [B, T, Hkv, hd]
+            v_cache[r_idx, :, write_pos] = v.transpose(1, 2)
         keys = k_cache[rows, :, :read_len]    # [B, Hkv, S, hd] (a view when rows is a slice)
         vals = v_cache[rows, :, :read_len]
         out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv)
@@ -131,9 +137,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len):
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len, r_idx=None,
+                write_start: int | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, rows, write_pos,
-                               attn_mask, read_len)
+                               attn_mask, read_len, r_idx, write_start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,19 +153,29 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def positions(self, start: torch.Tensor, T: int, read_len: int, dtype: torch.dtype):
+        """start [B] -> (pos [B, T], cos, sin [B, 1, T, hd] in `dtype`, causal mask [B, 1, T, read_len])."""
+        t = torch.arange(T, device=start.device)
+        pos = start[:, None] + t[None, :]                                   # [B, T]
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        key_idx = torch.arange(read_len, device=start.device)
+        mask = (key_idx[None, None, :] <= pos[:, :, None])[:, None]        # [B, 1, T, S]
+        return pos, cos, sin, mask
+
     def run(self, x: torch.Tensor, cache: KVCache, rows, start: torch.Tensor,
-            read_len: int) -> torch.Tensor:
+            read_len: int, positions=None, write_start: int | None = None) -> torch.Tensor:
         """x [B, T, D] new inputs for cache rows `rows` [B], whose first new position is `start` [B].
 
         Each row sees its own cache positions < start + t (causal). `read_len` >= max(start) + T is the
-        number of cache positions read (a host-side int, so no device sync). Returns normed hidden [B, T, D].
-        """
+        number of cache positions read (a host-side int, so no device sync). `positions`: the result of
+        `self.positions(start, T, read_len, x.dtype)` when the caller keeps it (the code predictor reuses its
+        15 per-frame position sets); write_start: host int when every row's start equals it. Returns normed
+        hidden [B, T, D]."""
         B, T, _ = x.shape
-        t = torch.arange(T, device=x.device)
-        pos = start[:, None] + t[None, :]                                   # [B, T]
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        key_idx = torch.arange(read_len, device=x.device)
-        mask = (key_idx[None, None, :] <= pos[:, :, None])[:, None]        # [B, 1, T, S]
+        pos, cos, sin, mask = positions if positions is not None else self.positions(start, T, read_len, x.dtype)
+        r_idx = None
+        if write_start is None or not isinstance(rows, slice):
+            r_idx = (torch.arange(B, device=x.device) if isinstance(rows, slice) else rows)[:, None].expand(B, T)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], rows, pos, mask, read_len)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], rows, pos, mask, read_len, r_idx, write_start)
         return self.norm(x)

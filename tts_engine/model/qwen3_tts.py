@@ -2,6 +2,8 @@
 encoder and the shared speech tokenizer (codec)."""
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from pathlib import Path
 
@@ -22,8 +24,44 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+log = logging.getLogger("tts_engine")
+
+CPU_DTYPE_ENV = "TTS_CPU_DTYPE"   # auto (default) | fp32 | bf16: the CPU default when no dtype is given
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX-BF16) and oneDNN can use it. Without
+    those instructions bf16 matmuls are emulated and slower than fp32."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = cpu_flags()
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """bf16 on a GPU; on a CPU bf16 where it is native (`cpu_has_fast_bf16`), else fp32. The environment
+    variable TTS_CPU_DTYPE=fp32|bf16 overrides the CPU choice (auto by default)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    choice = os.environ.get(CPU_DTYPE_ENV, "auto").strip().lower()
+    if choice not in ("", "auto"):
+        dt = parse_dtype(choice)
+        if dt not in (torch.float32, torch.bfloat16):
+            raise TTSError(f"{CPU_DTYPE_ENV} must be auto, fp32 or bf16")
+        return dt
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def parse_dtype(dtype) -> torch.dtype | None:
@@ -42,6 +80,7 @@ class Qwen3TTSModel:
         self.folder = folder
         self.quantize = parse_quantize(quantize)
         self.device, self.dtype = device, dtype
+        self.dtype_auto = False
         self.config = ModelConfig.from_dict(read_json(folder / "config.json"))
         self.generation_defaults = SamplingParams.from_dict(read_json(folder / "generation_config.json"))
         self.tokenizer = TextTokenizer.from_pretrained(folder)
@@ -65,12 +104,23 @@ class Qwen3TTSModel:
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise TTSError("CUDA was requested but no GPU is available")
-        dtype = parse_dtype(dtype) or default_dtype(device)
+        chosen = parse_dtype(dtype)
+        if chosen is None:
+            chosen = default_dtype(device)
+            if device.type == "cpu":
+                log.info("tts_engine: %s weights and activations on this CPU (%s); dtype='fp32' forces fp32",
+                         "bf16" if chosen == torch.bfloat16 else "fp32",
+                         "native bf16: AVX-512 BF16 / AMX" if cpu_has_fast_bf16() else "no native bf16")
+        if isinstance(quantize, str) and quantize.strip().lower() == "auto":
+            # the CPU default (docs/benchmarks.md): int8 weights where bf16 matmuls are native, else none
+            quantize = "int8" if device.type == "cpu" and chosen == torch.bfloat16 and dtype is None else None
         quantize = parse_quantize(quantize)
         if quantize is not None and device.type != "cpu":
             raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                            "on a GPU run bf16 without quantize")
-        return cls(resolve_checkpoint(model), device, dtype, text_embedding_on_cpu, quantize)
+        inst = cls(resolve_checkpoint(model), device, chosen, text_embedding_on_cpu, quantize)
+        inst.dtype_auto = dtype is None   # True when the engine chose the dtype (reported with model.dtype)
+        return inst
 
     @property
     def precision(self) -> str:

@@ -57,6 +57,7 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection = nn.Linear(talker_hidden, cfg.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
+        self._pos_cache: dict = {}   # (B, start, T, device, dtype) -> DecoderStack.positions(...)
 
     def new_cache(self, rows: int, device, dtype) -> KVCache:
         c = self.cfg
@@ -66,10 +67,23 @@ class CodePredictor(nn.Module):
     def step(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, start: int, head: int) -> torch.Tensor:
         """x [B, T, talker D] inputs at positions start..start+T-1 (same for every row, since every row
         runs the same 15 steps each frame) -> logits of codebook head+1 for the last position [B, V] (fp32)."""
-        B = x.shape[0]
+        B, T = x.shape[0], x.shape[1]
+        positions = self._positions(B, start, T, x.device, x.dtype)
         h = self.model.run(self.small_to_mtp_projection(x), cache, slice(0, B) if rows is None else rows,
-                           torch.full((B,), start, dtype=torch.long, device=x.device), start + x.shape[1])
+                           positions[0][:, 0], start + T, positions=positions,
+                           write_start=start if rows is None else None)
         return self.lm_head[head](h[:, -1]).float()
+
+    def _positions(self, B: int, start: int, T: int, device, dtype):
+        """The (pos, cos, sin, mask) of one predictor step: the same 15 sets every frame, so they are built
+        once per (batch, step) and kept (not while a CUDA graph is being captured: there they are recorded)."""
+        key = (B, start, T, device, dtype)
+        got = self._pos_cache.get(key)
+        if got is None:
+            got = self.model.positions(torch.full((B,), start, dtype=torch.long, device=device), T, start + T, dtype)
+            if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                self._pos_cache[key] = got
+        return got
 
 
 class Talker(nn.Module):

@@ -1,0 +1,47 @@
+"""CPU speed work (issue 9): the codec's transposed convs as one matmul + overlap-add equal aten's
+ConvTranspose1d (the official op) and stream exactly; `bench --profile` produces its table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tts_engine.codec.decoder import CausalTransConv
+
+
+@pytest.mark.parametrize("c_in, c_out, k, s", [(12, 8, 16, 8), (10, 6, 10, 5), (8, 8, 2, 2), (6, 4, 5, 3)])
+@pytest.mark.parametrize("max_len", [64, 2])   # matmul form everywhere / aten's op beyond 2 inputs
+def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setattr(CausalTransConv, "MATMUL_MAX_LEN", max_len)
+    m = CausalTransConv(c_in, c_out, k, s)
+    x = torch.randn(3, c_in, 7)
+    # the official op: ConvTranspose1d over the whole input, right-trimmed by k - s
+    want = m.conv(x)[..., : x.shape[-1] * s]
+    hist = torch.zeros(3, c_in, m.ctx)
+    with torch.inference_mode():
+        whole, _ = m.step(x, hist)
+        assert whole.shape == want.shape
+        assert (whole - want).abs().max() < 1e-5
+        # streaming in pieces equals the whole
+        parts, h = [], hist
+        for a, b in ((0, 1), (1, 3), (3, 7)):
+            y, h = m.step(x[..., a:b], h)
+            parts.append(y)
+        assert torch.allclose(torch.cat(parts, -1), whole, atol=1e-6, rtol=0)
+
+
+def test_bench_profile_table(tmp_path):
+    from tts_engine.bench import torch_profile
+    from tts_engine.engine.engine import TTSEngine
+    from tts_engine.tiny import make_tiny
+
+    make_tiny(tmp_path / "cv", kind="custom_voice")
+    eng = TTSEngine.from_pretrained(str(tmp_path / "cv"), device="cpu", dtype="fp32", max_batch=1, max_seq_len=128)
+    eng.speakers_for_bench = eng.speakers
+    try:
+        table, summary = torch_profile(eng, 3, top=5)
+    finally:
+        eng.close()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| `")]
+    assert len(rows) == 5 and "aten::" in table
+    assert summary["aten_calls_per_frame"] > 10 and summary["self_cpu_ms_per_frame"] > 0
