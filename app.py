@@ -53,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("voice_design", "--voice-design-model")):
         p.add_argument(flag, dest=role, default=env(ENV[role], DEFAULT_CHECKPOINTS[role]),
                        help=f"{ROLE_LABEL[role]} checkpoint: hub id or local folder; empty to disable [{ENV[role]}]")
+    p.add_argument("--quantize", default=env("TTS_QUANTIZE", "auto"), choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantised talker and code predictor on a CPU (lossy, faster; labelled on the "
+                        "page and in the API). auto: int8 where the CPU has native bf16, else none; none: the "
+                        "checkpoint's weights [TTS_QUANTIZE]")
+    p.add_argument("--eager", action="store_true", default=_env_bool("TTS_EAGER"),
+                   help="no CUDA graphs on a GPU (the eager per-frame step) [TTS_EAGER]")
     p.add_argument("--backend", default=env("TTS_BACKEND"),
                    help="URL of a remote OpenAI-compatible speech server (vLLM-Omni, or another instance of this "
                         "app) to use instead of local models [TTS_BACKEND]")
@@ -81,7 +87,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
     return AppConfig(checkpoints={r: getattr(a, r) or "" for r in ROLES}, device=a.device, dtype=a.dtype,
                      tiny=a.tiny, offline_fallback=a.offline_fallback,
                      cache_dir=Path(a.cache_dir) if a.cache_dir else None, concurrency=a.concurrency,
-                     preload=a.preload, backend=a.backend)
+                     preload=a.preload, backend=a.backend, quantize=a.quantize, eager=a.eager)
 
 
 def main(argv=None) -> None:

@@ -91,8 +91,16 @@ class ClientSlots:
                 del self.active[client]
 
 
-def _headers(stream, notices: list[str]) -> dict:
+def _precision(engine) -> dict:
+    """What the engine computes with, for clients: {"precision": "int8 weights (bf16 activations)", "lossy": True}."""
+    p = getattr(engine, "precision", None)
+    return {"precision": p, "lossy": bool(getattr(engine, "lossy", False))} if p else {}
+
+
+def _headers(stream, notices: list[str], engine=None) -> dict:
     h = {"X-Seed": str(stream.seed)}
+    if label := _precision(engine):
+        h["X-TTS-Precision"] = label["precision"] + (" (lossy)" if label["lossy"] else "")
     if notices:
         h["X-Notice"] = "; ".join(notices).encode("ascii", "replace").decode()
     return h
@@ -223,7 +231,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             if not req.stream:
                 parts = [first] + list(stream)
                 body = audio_formats.encode(np.concatenate(parts), fmt)
-                return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=_headers(stream, notices))
+                return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=_headers(stream, notices, engine))
 
             def chunks():
                 try:
@@ -240,7 +248,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
             released = True
             return StreamingResponse(chunks(), media_type=audio_formats.MEDIA_TYPES[fmt],
-                                     headers=_headers(stream, notices))
+                                     headers=_headers(stream, notices, engine))
         except EngineBusyError as e:
             raise APIError(503, str(e), code="server_busy", type_="server_error", headers={"Retry-After": "2"})
         except TTSError as e:
@@ -255,10 +263,12 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         if registry.configured("custom_voice"):
             try:
                 eng = registry.get("custom_voice")
-                data += [{"id": s, "name": s, "model": registry.checkpoints["custom_voice"], "task_type": "CustomVoice"}
-                         for s in eng.speakers]
+                data += [{"id": s, "name": s, "model": registry.checkpoints["custom_voice"], "task_type": "CustomVoice",
+                          **_precision(eng)} for s in eng.speakers]
             except TTSError as e:
                 log.warning("custom voice model unavailable: %s", e)
-        data += [{"id": n, "name": n, "model": registry.checkpoints.get("base"), "task_type": "Base"}
+        base = registry.get("base") if registry.loaded("base") else None
+        label = _precision(base) if base is not None else {}
+        data += [{"id": n, "name": n, "model": registry.checkpoints.get("base"), "task_type": "Base", **label}
                  for n in registry.voices.names()]
         return {"object": "list", "data": data, "voices": [d["id"] for d in data]}

@@ -48,6 +48,15 @@ class AppConfig:
     # stream audio chunks through Gradio's own streaming gr.Audio (`live` output). That player needs ffmpeg;
     # None = only where ffmpeg is on PATH. Without it the `live` output stays empty (status updates still stream).
     live_audio: bool | None = None
+    quantize: str | None = None        # None/"none", "int8", "int4", "auto" (the CPU default of `python app.py`)
+    eager: bool = False                # no CUDA graphs on a GPU
+
+    def engine_kw(self) -> dict:
+        """What every local engine is built with, besides device and dtype."""
+        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize}
+        if self.eager:
+            kw["use_cuda_graphs"] = False
+        return kw
 
     @property
     def gradio_live_audio(self) -> bool:

@@ -125,7 +125,7 @@ class Handlers:
         self.live = live or LiveStreams()    # the page's own player: one PCM stream per click (live_player.py)
 
     def status(self, stage: str, role: str | None = None, **kw) -> str:
-        return status_line(stage, random_weights=self.models.is_random(role), **kw)
+        return status_line(stage, random_weights=self.models.is_random(role), lossy=self.models.lossy_label(role), **kw)
 
     def _dropdowns(self, session: dict) -> dict:
         """Updates that offer the session's voices in every voice dropdown."""

@@ -100,6 +100,11 @@ def _player_column(app, c, max_frames, default_frames):
 def _footer(models) -> str:
     rows = [f"{ROLE_LABEL[r]}: `{i.checkpoint}`" + (" (random tiny weights)" if i.random else "")
             for r, i in models.roles.items()]
+    precision = models.expected_precision()
+    if precision:
+        lossy = "weights" in precision   # a quantised label names the weights' format
+        rows.append(f"precision: **{precision}**" + (" (lossy: quantised weights; `--quantize none` for the "
+                                                     "checkpoint's own)" if lossy else ""))
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
             "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")

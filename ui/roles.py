@@ -106,7 +106,7 @@ class Models:
                            "--base-model, --voice-design-model")
         self.registry = EngineRegistry({r: str(i.folder) for r, i in self.roles.items()}, device=cfg.device,
                                        dtype=cfg.dtype, offline_fallback=False,
-                                       engine_kw={"max_waiting": cfg.limits.max_queue})
+                                       engine_kw=cfg.engine_kw())
         self.registry.random_weights |= {r for r, i in self.roles.items() if i.random}
 
     def _init_remote(self, url: str) -> None:
@@ -137,6 +137,21 @@ class Models:
 
     def is_random(self, role: str | None) -> bool:
         return role in self.registry.random_weights
+
+    def lossy_label(self, role: str | None) -> str:
+        """"int8 weights (bf16 activations)" when the role's loaded engine runs quantised (lossy) weights, else ""."""
+        if role is None or not self.registry.loaded(role):
+            return ""
+        eng = self.registry.get(role)
+        return eng.precision if getattr(eng, "lossy", False) else ""
+
+    def expected_precision(self) -> str | None:
+        """What local engines compute with (before any is loaded); None against a remote server."""
+        if self.cfg.backend:
+            return None
+        from tts_engine.model.qwen3_tts import expected_precision
+
+        return expected_precision(self.cfg.device, self.cfg.dtype, self.cfg.quantize)
 
     def has(self, role: str) -> bool:
         return role in self.roles

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 def status_line(stage: str, *, ttfa: float | None = None, compute: float = 0.0, audio_s: float = 0.0,
                 seed: int | None = None, piece: int | None = None, pieces: int | None = None,
-                queue: int | None = None, note: str = "", random_weights: bool = False) -> str:
-    """`queue`: requests ahead of ours (0 = next in line); `compute`: seconds spent generating `audio_s`."""
+                queue: int | None = None, note: str = "", random_weights: bool = False, lossy: str = "") -> str:
+    """`queue`: requests ahead of ours (0 = next in line); `compute`: seconds spent generating `audio_s`;
+    `lossy`: the precision label of a quantised engine (shown so nobody mistakes it for the checkpoint's own)."""
     parts = [f"**{stage}**"]
     if queue is not None:
         parts.append(f"position in queue: {queue + 1} ({queue} ahead)")
@@ -22,6 +23,8 @@ def status_line(stage: str, *, ttfa: float | None = None, compute: float = 0.0, 
         parts.append(f"seed {seed}")
     if note:
         parts.append(note)
+    if lossy:
+        parts.append(f"{lossy}: lossy")
     if random_weights:
         parts.append("⚠️ random weights: noise")
     return " · ".join(parts)

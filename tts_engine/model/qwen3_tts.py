@@ -74,6 +74,25 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return names[str(dtype).lower()]
 
 
+def resolve_quantize(quantize, device: torch.device, dtype: torch.dtype, dtype_given: bool) -> str | None:
+    """The weight quantisation an engine runs with. "auto" is the CPU default (docs/benchmarks.md): int8 weights
+    where bf16 matmuls are native and the dtype was left to the engine, else none; on a GPU always none."""
+    if isinstance(quantize, str) and quantize.strip().lower() == "auto":
+        quantize = "int8" if device.type == "cpu" and dtype == torch.bfloat16 and not dtype_given else None
+    quantize = parse_quantize(quantize)
+    if quantize is not None and device.type != "cpu":
+        raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
+                       "on a GPU run bf16 without quantize")
+    return quantize
+
+
+def expected_precision(device=None, dtype=None, quantize=None) -> str:
+    """The `precision` label an engine loaded with these arguments will report (nothing is loaded)."""
+    device = torch.device(device) if device is not None else default_device()
+    chosen = parse_dtype(dtype) or default_dtype(device)
+    return precision_label(chosen, resolve_quantize(quantize, device, chosen, dtype_given=dtype is not None))
+
+
 class Qwen3TTSModel:
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, text_embedding_on_cpu: bool = False,
                  quantize: str | None = None):
@@ -111,13 +130,7 @@ class Qwen3TTSModel:
                 log.info("tts_engine: %s weights and activations on this CPU (%s); dtype='fp32' forces fp32",
                          "bf16" if chosen == torch.bfloat16 else "fp32",
                          "native bf16: AVX-512 BF16 / AMX" if cpu_has_fast_bf16() else "no native bf16")
-        if isinstance(quantize, str) and quantize.strip().lower() == "auto":
-            # the CPU default (docs/benchmarks.md): int8 weights where bf16 matmuls are native, else none
-            quantize = "int8" if device.type == "cpu" and chosen == torch.bfloat16 and dtype is None else None
-        quantize = parse_quantize(quantize)
-        if quantize is not None and device.type != "cpu":
-            raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
-                           "on a GPU run bf16 without quantize")
+        quantize = resolve_quantize(quantize, device, chosen, dtype_given=dtype is not None)
         inst = cls(resolve_checkpoint(model), device, chosen, text_embedding_on_cpu, quantize)
         inst.dtype_auto = dtype is None   # True when the engine chose the dtype (reported with model.dtype)
         return inst
