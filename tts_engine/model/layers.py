@@ -85,6 +85,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.qkv_proj = None   # q, k, v in one matmul: set by `fuse_projections` (quantised engines only)
+
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj, v_proj by one Linear with their rows stacked (one matmul instead of three)."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.qkv_proj.weight = nn.Parameter(w, requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len, r_idx=None,
                 write_start: int | None = None):
@@ -95,9 +103,13 @@ class Attention(nn.Module):
         same positions write_start..write_start+T-1 (the code predictor), a host int (a plain slice copy);
         attn_mask [B, 1, T, read_len] bool (True = attend); only the first read_len cache positions are read."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # [B, Hkv, T, hd]
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         # scatter the new keys/values into the static cache at (row, :, pos)
@@ -124,8 +136,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = None   # gate and up in one matmul: set by `fuse_projections` (quantised engines only)
+
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one Linear with their rows stacked (one matmul instead of two)."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

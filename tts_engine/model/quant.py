@@ -172,6 +172,11 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
     cp = talker.code_predictor
+    # one matmul for q/k/v and one for gate/up: fewer kernel calls per layer; per-channel (int8) and per-row-group
+    # (int4) quantisation of the stacked rows is the quantisation of each part
+    for layer in list(talker.model.layers) + list(cp.model.layers):
+        layer.self_attn.fuse_projections()
+        layer.mlp.fuse_projections()
     n = quantize_module(talker.model.layers, mode, group) + quantize_module(cp.model.layers, mode, group)
     n += quantize_module(cp.lm_head, mode, group)
     for parent, name in ((talker, "codec_head"), (cp, "small_to_mtp_projection")):
