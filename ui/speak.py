@@ -23,6 +23,10 @@ from tts_engine import EngineBusyError
 from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
 from .text import chunk_text, to_int16
 
+# the first chunk is one frame (80 ms): the listener hears sound one frame step sooner; later chunks double
+# (2, 4, 8, 12 frames), which the page's player buffers for when generation is slower than playback
+FIRST_CHUNK_FRAMES = 1
+
 
 class Sink(Protocol):
     """Where a live player takes the audio as it is generated."""
@@ -84,7 +88,8 @@ class SpeechJob:
 
     def stream(self, engine, text: str):
         return engine.stream(text, voice=self.voice, language=self.language or "auto", instruct=self.instruct,
-                             seed=self.seed, sampling=self.sampling, max_new_tokens=self.max_new_tokens)
+                             seed=self.seed, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                             first_chunk_frames=FIRST_CHUNK_FRAMES)
 
 
 class Speaker:
