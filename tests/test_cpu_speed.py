@@ -45,3 +45,27 @@ def test_bench_profile_table(tmp_path):
     rows = [ln for ln in table.splitlines() if ln.startswith("| `")]
     assert len(rows) == 5 and "aten::" in table
     assert summary["aten_calls_per_frame"] > 10 and summary["self_cpu_ms_per_frame"] > 0
+
+
+def test_small_bf16_batches_run_atens_gemv_and_restore_onednn(tmp_path):
+    """bf16 on a CPU: frames of 1-2 rows run with oneDNN off (PyTorch's own gemv reads weights faster there);
+    the switch is put back after every frame, and an fp32 engine never touches it."""
+    from tts_engine import TTSEngine
+    from tts_engine.tiny import make_tiny
+
+    ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
+    for dtype, want_off in (("bf16", True), ("fp32", False)):
+        eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype)
+        seen, orig = [], eng.runner._decode
+
+        def spy(*a, orig=orig, seen=seen):
+            seen.append(torch._C._get_mkldnn_enabled())
+            return orig(*a)
+
+        eng.runner._decode = spy
+        try:
+            wav = eng.synthesize("Hello there.", voice="ryan", seed=1, max_new_tokens=8)
+        finally:
+            eng.close()
+        assert wav.size > 0 and seen and all(on is not want_off for on in seen)
+        assert torch._C._get_mkldnn_enabled() == torch.backends.mkldnn.is_available()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .engine.engine import TTSEngine
+from .engine.model_runner import aten_bf16_gemv
 from .tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,15 +126,16 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
                 pending, target = [], next(chunks)
             # the same frame's parts, timed separately (results discarded)
             fi = runner.step[r] - 1
-            sync()
-            a = time.perf_counter()
-            runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
-            sync()
-            b = time.perf_counter()
-            x = model.talker.frame_embed(codes)[:, None]
-            model.talker.forward_embeds(x, runner.cache, r, runner.pos[r] - 1, runner.host_len[row])
-            sync()
-            c = time.perf_counter()
+            with aten_bf16_gemv(model.device.type == "cpu" and model.dtype == torch.bfloat16):  # as decode does
+                sync()
+                a = time.perf_counter()
+                runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
+                sync()
+                b = time.perf_counter()
+                x = model.talker.frame_embed(codes)[:, None]
+                model.talker.forward_embeds(x, runner.cache, r, runner.pos[r] - 1, runner.host_len[row])
+                sync()
+                c = time.perf_counter()
             acc["code_predictor_ms"] += 1000 * (b - a)
             acc["talker_ms"] += 1000 * (c - b)
         runner.release(row)
