@@ -150,15 +150,20 @@ def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> n
 def quantize_module(root: nn.Module, mode: str, group: int | None = None) -> int:
     """Swap every nn.Linear below `root` (or `root` itself is left alone) for its quantised form, in place.
     Returns the number of layers swapped."""
-    n = 0
-    for parent in list(root.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                new = quantize_linear(child, mode, group)
-                if new is not child:
-                    setattr(parent, name, new)
-                    n += 1
-    return n
+    return sum(_swap(parent, name, mode, group) for parent in list(root.modules())
+               for name, _ in list(parent.named_children()))
+
+
+def _swap(parent: nn.Module, name: str, mode: str, group: int | None) -> int:
+    """Replace `parent.<name>` by its quantised form if it is an nn.Linear the kernel takes; -> 1 if swapped."""
+    child = getattr(parent, name)
+    if not isinstance(child, nn.Linear):
+        return 0
+    new = quantize_linear(child, mode, group)
+    if new is child:
+        return 0
+    setattr(parent, name, new)
+    return 1
 
 
 def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = None) -> int:
@@ -179,13 +184,7 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
         layer.mlp.fuse_projections()
     n = quantize_module(talker.model.layers, mode, group) + quantize_module(cp.model.layers, mode, group)
     n += quantize_module(cp.lm_head, mode, group)
-    for parent, name in ((talker, "codec_head"), (cp, "small_to_mtp_projection")):
-        child = getattr(parent, name)
-        if isinstance(child, nn.Linear):
-            new = quantize_linear(child, mode, group)
-            if new is not child:
-                setattr(parent, name, new)
-                n += 1
+    n += _swap(talker, "codec_head", mode, group) + _swap(cp, "small_to_mtp_projection", mode, group)
     return n
 
 
