@@ -2,11 +2,14 @@
 //
 // How a run goes. A capture-phase click listener on the document sees a click on a Generate button
 // (class `live-generate`) before Gradio does. Inside that click it resumes the AudioContext (browsers start audio
-// only inside a user gesture), makes an unguessable single-use token and starts `fetch("live/<token>?session=…")`.
-// Gradio's own click handler then runs the event, whose `js=` hook asks `liveTTS.takeToken()` for the token and
-// sends it to Python as the event's last input; the Python handler writes the audio into the slot that the
-// route streams (ui/live_player.py). Stop (class `live-stop`) aborts the fetch, which cancels the generation on
-// the server, and silences the player at once.
+// only inside a user gesture) and makes an unguessable single-use token. Gradio's own click handler then runs the
+// event, whose `js=` hook calls `liveTTS.takeToken(formValues, endpoint)`: the player starts
+// `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
+// starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
+// hands the token to Python as the event's last input, so the Gradio event reports on the same run. (A hook
+// without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
+// event's handler.) Stop (class `live-stop`) aborts the fetch, which cancels the generation on the server, and
+// silences the player at once.
 //
 // Two ways to play. Where AudioWorklet exists (secure contexts: HTTPS, localhost) an AudioWorkletNode with a
 // ring buffer (live_player_worklet.js). Elsewhere (plain HTTP on a LAN address) scheduled
@@ -241,14 +244,26 @@
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
-        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: []};
+        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
+        requestAt: null, early: false};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
       this.run = run;
       this.handoff = tok;
       this.publish();
-      this.fetchRun(run);
+      // the event's js= hook normally comes within a few ms with the form values; without it, read only
+      run.fetchTimer = setTimeout(() => this.beginFetch(run, null, null), 60);
       return tok;
+    }
+
+    // Start the run's stream request (once): a POST with the form values (the server may start generating from
+    // it), or a GET that waits for the Gradio event's handler.
+    beginFetch(run, form, api) {
+      if (run.requestAt != null || this.run !== run || run.state !== 'buffering') return;
+      clearTimeout(run.fetchTimer);
+      run.requestAt = performance.now();
+      run.early = form != null && !!api;
+      this.fetchRun(run, run.early ? form : null, api);
     }
 
     // What the output carries right now (tests: after Stop it must be silence): an AnalyserNode window's RMS and
@@ -263,8 +278,20 @@
         backendBuffered: this.backend ? this.backend.buffered() : 0, contextTime: this.ctx.currentTime};
     }
 
-    // Gradio's js= hook: the token of the click that triggered this event (once).
-    takeToken() { const t = this.handoff || ''; this.handoff = null; return t; }
+    // Gradio's js= hook: the token of the click that triggered this event (once). `form` (the event's input
+    // values, without the token) and `api` (its endpoint) go with the stream request, which may then start the
+    // generation before the Gradio event reaches the server.
+    takeToken(form, api) {
+      const t = this.handoff || '';
+      this.handoff = null;
+      const run = this.run;
+      if (t && run && run.token === t) {
+        let ok = Array.isArray(form) && typeof api === 'string';
+        if (ok) { try { JSON.stringify(form); } catch (e) { ok = false; } }
+        this.beginFetch(run, ok ? form : null, ok ? api : null);
+      }
+      return t;
+    }
 
     // The Gradio event finished (a JS-only .then()): a run that never got a response is over.
     serverDone() {
@@ -276,22 +303,35 @@
       }, 3000);
     }
 
-    async fetchRun(run) {
-      await this.ready;
-      if (this.run !== run) return;
-      this.backend.clear();
+    async fetchRun(run, form, api) {
       const session = window.__gradio_session_hash__ || '';
       const url = new URL(run.token, BASE);
       url.searchParams.set('session', session);
+      const init = {signal: run.controller.signal, cache: 'no-store'};
+      if (form) {
+        url.searchParams.set('api', api);
+        init.method = 'POST';
+        init.headers = {'Content-Type': 'application/json'};
+        init.body = JSON.stringify({data: form});
+      }
+      const pending = fetch(url.href, init);   // sent before anything else: the server starts generating now
+      pending.catch(() => {});
+      await this.ready;
+      if (this.run !== run) { run.controller.abort(); return; }
+      this.backend.clear();
       let resp;
       try {
-        resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
+        resp = await pending;
       } catch (err) {
         if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
       }
       run.headersAt = performance.now();
-      if (!resp.ok) { this.finish(run, resp.status === 404 ? 'idle' : 'error', 'HTTP ' + resp.status); return; }
+      if (!resp.ok) {
+        // 404: no stream for this click; 422: its input was refused (the Gradio event shows why)
+        this.finish(run, resp.status === 404 || resp.status === 422 ? 'idle' : 'error', 'HTTP ' + resp.status);
+        return;
+      }
       run.rateHint = parseFloat(resp.headers.get('X-Live-Rate')) || null;
       run.expected = parseFloat(resp.headers.get('X-Live-Expected-Seconds')) || null;
       const reader = resp.body.getReader();
@@ -474,6 +514,7 @@
       const m = {
         token: run.token.slice(0, 6), state: run.state, backend: be ? be.kind : null,
         secureContext: window.isSecureContext, contextState: this.ctx ? this.ctx.state : null,
+        clickToRequestMs: run.requestAt != null ? run.requestAt - run.clickTime : null, early: run.early,
         clickToHeadersMs: run.headersAt != null ? run.headersAt - run.clickTime : null,
         clickToFirstByteMs: run.firstByteAt != null ? run.firstByteAt - run.clickTime : null,
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
