@@ -16,10 +16,12 @@
 // AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
-// rate (header X-Live-Rate) until it has measured this stream's own arrival rate. When r >= 1 it plays at once.
-// Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest: B >= R (1/r - 1), R the
-// audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed as long as what came
-// so far), with a margin. After an underrun it pauses and rebuffers the same way rather than stutter.
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
+// lower of the stream's average and its slowest recent chunk). It plans for r' = r / 1.2: when r' >= 1 it plays
+// at once. Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest:
+// B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed
+// as long as what came so far), plus a chunk. After an underrun it pauses and rebuffers the same way rather than
+// stutter (metrics: underruns, stallMs, maxStallMs).
 //
 // Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
 // clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
@@ -39,6 +41,8 @@
   const STOP_SEL = 'button.live-stop, .live-stop button';
   // the worklet's ring holds this much; more waits on the page's side (`?live_ring_s=` for tests)
   const RING_SECONDS = Math.max(0.5, parseFloat(params.get('live_ring_s')) || 30);
+  // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
+  const RATE_SLACK = 1.2;
 
   function token() {
     const b = new Uint8Array(16);
@@ -243,7 +247,7 @@
       if (this.ctx && this.ctx.state !== 'running') this.ctx.resume().catch(() => {});
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
-        received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
+        received: 0, chunks: 0, arrivals: [], stallMs: 0, maxStallMs: 0, stallAt: null, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
         streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
         requestAt: null, early: false};
       this.stop('stopped');
@@ -369,10 +373,13 @@
       if (run.chunks > 0 && now - run.lastByteAt < 8) {
         run.lastChunk += n;
         if (run.chunks === 1) run.firstChunkSamples += n;
+        run.arrivals[run.arrivals.length - 1][1] += n;
       } else {
         run.chunks += 1;
         run.lastChunk = n;
         if (run.chunks === 1) run.firstChunkSamples = n;
+        run.arrivals.push([now, n]);             // [when the chunk came, its samples]
+        if (run.arrivals.length > 8) run.arrivals.shift();
       }
       run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
@@ -382,11 +389,20 @@
     }
 
     // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null).
+    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the slowest
+    // of its last three chunks (each chunk's audio over the time since the chunk before it), so that a stream
+    // slowed down by a busy CPU (browser, server and engine may share two cores) is believed at once.
     rate(run) {
       const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
       if (run.chunks >= 2 && wall >= 0.15) {
-        const measured = (run.received - run.firstChunkSamples) / SR / wall;
+        let measured = (run.received - run.firstChunkSamples) / SR / wall;
+        if (!run.streamDone) {
+          const a = run.arrivals;
+          for (let i = Math.max(1, a.length - 3); i < a.length; i++) {
+            const dt = (a[i][0] - a[i - 1][0]) / 1000;
+            if (dt > 0.03) measured = Math.min(measured, a[i][1] / SR / dt);
+          }
+        }
         if (run.rateHint == null || wall >= 1.5) return measured;
         const w = wall / 1.5;
         return w * measured + (1 - w) * run.rateHint;
@@ -397,14 +413,19 @@
       return run.rateHint;
     }
 
-    // The buffer (seconds) needed so that playback, once started, reaches the end without a gap.
+    // The buffer (seconds) needed so that playback, once started, reaches the end without a gap ("can play
+    // through"), planning for generation RATE_SLACK times slower than measured (contention comes and goes).
     needed(run) {
       const r = this.rate(run);
-      if (r == null || r >= 1.02) return 0;
+      if (r == null) return 0;
+      const rp = Math.max(r / RATE_SLACK, 0.05);
+      if (rp >= 1) return 0;
       const got = run.received / SR;
-      const rest = run.expected != null ? Math.max(run.expected - got, 0.5) : Math.max(got, 2.0);
+      // (an expectation that proves short - more audio came than expected - is no longer trusted)
+      const rest = run.expected != null && got < 0.9 * run.expected ? Math.max(run.expected - got, 1.0)
+        : Math.max(got * (run.expected != null ? 0.5 : 1), 2.0);
       // + one chunk's wait: audio comes in chunks, so the next one may land up to a chunk interval late
-      return rest * (1 / Math.max(r, 0.05) - 1) * 1.15 + 0.2 + (run.maxChunk || 0) / SR / Math.max(r, 0.05);
+      return rest * (1 / rp - 1) + 0.2 + (run.maxChunk || 0) / SR / rp;
     }
 
     decide(run) {
@@ -419,6 +440,10 @@
           run.waitTimer = setTimeout(() => this.decide(run), wait);
         } else {
           run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
+          if (run.stallAt != null) {          // the end of a rebuffer: how long the listener heard nothing
+            const ms = performance.now() - run.stallAt;
+            run.stallMs += ms; run.maxStallMs = Math.max(run.maxStallMs, ms); run.stallAt = null;
+          }
           run.state = 'playing';
           this.backend.play();
           this.watchRms(run);
@@ -443,7 +468,7 @@
       if (!run) return;
       if (ev === 'first') this.firstSound(run);
       else if (ev === 'underrun' && run.state === 'playing') {
-        run.underruns += 1; run.state = 'buffering';
+        run.underruns += 1; run.state = 'buffering'; run.stallAt = performance.now();
         run.log.push([Math.round(performance.now() - run.clickTime), 'underrun', run.received / SR]);
         this.decide(run);
       } else if (ev === 'ended' && run.state === 'playing') this.finish(run, 'ended');
@@ -520,7 +545,8 @@
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
-        underruns: run.underruns, samplesReceived: run.received, samplesPlayed: played,
+        underruns: run.underruns, stallMs: Math.round(run.stallMs), maxStallMs: Math.round(run.maxStallMs),
+        samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
