@@ -104,7 +104,7 @@ class Speaker:
     def start(self, role: str, seed: int) -> dict:
         """First update of a generation: clear the lossless player, show the seed (and 'loading' if cold)."""
         if not self.loaded(role):
-            msg = self.status(f"Loading the {ROLE_LABEL[role]} model (first use)…", role=role)
+            msg = self.status(f"Loading the {ROLE_LABEL[role]} model…", role=role)
         else:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
