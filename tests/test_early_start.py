@@ -225,3 +225,30 @@ def test_a_click_while_the_model_loads_reports_it_and_then_plays(tmp_path):
         client.close()
         ctx.__exit__(None, None, None)
         app.close()
+
+
+def test_design_and_blend_start_early_too(served):
+    app, url, client, _calls = served
+    session = client.session_hash
+    speakers = app.models.speakers()
+    a, b = speakers[0], speakers[1 % len(speakers)]
+    cases = {
+        # Voice design: text, description, language, seed, randomize, sampling..., max frames
+        "design": ([TEXT, "A calm, low voice.", "auto", 11, False, 0.9, 50, 1.0, 1.05, 24],
+                   dict(text=TEXT, description="A calm, low voice.", language="auto", seed=11, randomize=False,
+                        max_new_tokens=24)),
+        # Blend: text, n, four (voice, file, weight) slots, A-to-B, language, session, seed, randomize, ...
+        "blend": ([TEXT, 2, a, None, 50, b, None, 50, a, None, 50, b, None, 50, 30, "auto", None, 11, False,
+                   0.9, 50, 1.0, 1.05, 24],
+                  dict(text=TEXT, n_voices=2, voice_1=a, voice_2=b, voice_3=a, voice_4=b, a_to_b=30,
+                       language="auto", seed=11, randomize=False, max_new_tokens=24)),
+    }
+    for api, (form, kwargs) in cases.items():
+        tok = _token()
+        t, out = _in_thread(_post, url, tok, session, form, api=api)
+        _wait(lambda: any(r.token == tok for r in list(app.early._runs.values())), 10, f"{api} to start early")
+        final = client.predict(**kwargs, live_token=tok, api_name=f"/{api}")
+        t.join(60)
+        assert out["status"] == 200, (api, out)
+        assert _wav_pcm(final[1]) == out["body"], api
+        assert final[2].startswith("**Done**"), final[2]
