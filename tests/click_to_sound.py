@@ -47,7 +47,7 @@ def wait_answering(url: str, timeout: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         try:
-            with urllib.request.urlopen(url + "/live/models", timeout=2) as r:
+            with urllib.request.urlopen(url + "/", timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic()
         except OSError:
@@ -59,7 +59,7 @@ def row(k, m) -> str:
     f = lambda x: "-" if m.get(x) is None else f"{m[x]:.0f}"   # noqa: E731
     return (f"| {k} | {f('clickToRequestMs')} | {'yes' if m.get('early') else 'no'} | {f('clickToFirstByteMs')} | "
             f"{f('clickToSoundMs')} | {m.get('secondsPlayed', 0):.1f} | {m.get('underruns')} | "
-            f"{m.get('stallMs', 0)} (max {m.get('maxStallMs', 0)}) |")
+            f"{m.get('stallMs', '-')} (max {m.get('maxStallMs', '-')}) |")
 
 
 def main(argv=None) -> None:
@@ -69,13 +69,14 @@ def main(argv=None) -> None:
     p.add_argument("--clicks", type=int, default=5)
     p.add_argument("--long", type=int, default=3, help="runs of the long-text example")
     p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py to run (to compare versions)")
     a = p.parse_args(argv)
 
     url = f"http://127.0.0.1:{a.port}"
     cache = tempfile.mkdtemp(prefix="click-to-sound-")
     t_start = time.monotonic()
-    srv = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--tiny", "--host", "127.0.0.1",
-                            "--port", str(a.port), "--cache-dir", cache, *a.extra], cwd=ROOT,
+    srv = subprocess.Popen([sys.executable, str(a.root / "app.py"), "--tiny", "--host", "127.0.0.1",
+                            "--port", str(a.port), "--cache-dir", cache, *a.extra], cwd=a.root,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     drv = None
     try:
@@ -86,7 +87,7 @@ def main(argv=None) -> None:
         state = drv.execute_script("return window.liveModels")
         print("models at page load:", state and state.get("summary"))
         time.sleep(max(0.0, t_answer + a.delay - time.monotonic()))
-        print("models at the first click:", drv.execute_script("return window.liveModels.summary"))
+        print("models at the first click:", drv.execute_script("return window.liveModels && window.liveModels.summary"))
         print("\n| click | request sent (ms) | started by the player's request | first byte (ms) | first sound (ms) "
               "| played (s) | rebuffers | silence in them (ms) |\n|---|---|---|---|---|---|---|---|")
         clicks = []
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
                                       f"(ratio {t[0] / statistics.median(t[1:]):.2f})" if len(t) > 1 else ""))
         if longs:
             print(f"long text: rebuffers {[m['underruns'] for m in longs]}, silence in them (ms) "
-                  f"{[m['stallMs'] for m in longs]}")
+                  f"{[m.get('stallMs') for m in longs]}")
     finally:
         if drv is not None:
             drv.quit()

@@ -73,34 +73,36 @@ class ModelLoader:
             for r in roles:
                 if r not in self.roles or self.roles[r].stage == FAILED:
                     self.roles[r] = RoleLoad(r)
-            if self._thread is not None and self._thread.is_alive():
-                return self._thread
-            self._thread = threading.Thread(target=self._run, name="model-loader", daemon=True)
-            self._thread.start()
+            if self._thread is None:          # (the thread clears it, under this lock, when nothing is left)
+                self._thread = threading.Thread(target=self._run, name="model-loader", daemon=True)
+                self._thread.start()
             return self._thread
 
     def load_now(self, roles) -> None:
         """Load `roles` in the calling thread (the old blocking `--preload`, for tests and scripts)."""
         with self._cond:
             for r in roles:
-                self.roles.setdefault(r, RoleLoad(r))
+                if r not in self.roles or self.roles[r].stage == FAILED:
+                    self.roles[r] = RoleLoad(r)
         for r in roles:
             job = self.roles[r]
             self._one(job)
-            if job.exception is not None:
+            self.wait(r)                     # (the background thread may have taken it first)
+            if job.stage == FAILED and job.exception is not None:
                 raise job.exception
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 todo = next((x for x in self.roles.values() if x.stage == QUEUED), None)
-            if todo is None:
-                return
+                if todo is None:
+                    self._thread = None
+                    return
             self._one(todo)
 
     def _one(self, job: RoleLoad) -> None:
         with self._cond:
-            if not job.busy:
+            if job.stage != QUEUED:          # taken by another thread, or done
                 return
             job.started_at = time.monotonic()
             job.stage = WEIGHTS
@@ -135,7 +137,7 @@ class ModelLoader:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             job = self.roles.get(role)
-            if job is None or not job.busy or self._thread is None or me == self._thread.ident:
+            if job is None or not job.busy or (self._thread is not None and me == self._thread.ident):
                 return True
             self._waiting[me] = role
             try:

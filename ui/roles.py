@@ -161,10 +161,12 @@ class Models:
         return role in self.roles
 
     def engine(self, role: str):
-        """The role's engine; waits while the background loader is still loading (and warming up) that role."""
+        """The role's engine: loaded (and warmed up) by the background loader, which this waits for."""
         if role not in self.roles:
             raise TTSError(f"this server runs no {ROLE_LABEL[role]} model"
                            + (" (start it with --voice-design-model)" if role == "voice_design" else ""))
+        if not self.cfg.backend and not self.registry.loaded(role):
+            self.loader.start([role])   # loads in the loader: its progress shows on the page and in the status line
         self.loader.wait(role)
         return self.registry.get(role)
 
