@@ -202,11 +202,11 @@ def test_a_click_while_the_model_loads_reports_it_and_then_plays(tmp_path):
     load = app.models.loader._load
 
     def slow_load(role):
-        time.sleep(3.0)
+        time.sleep(5.0)
         return load(role)
     app.models.loader._load = slow_load
-    app.load_in_background()
     ctx, url, client = _serve(app)
+    app.load_in_background()                  # (after serving here, so that the click surely comes during it)
     try:
         snap = httpx.get(url + "/live/models").json()
         assert snap["loading"] and not snap["ready"] and "Loading the CustomVoice model" in snap["summary"]
