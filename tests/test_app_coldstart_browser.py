@@ -10,6 +10,7 @@ Function only: the timings are printed (tests/click_to_sound.py measures them), 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import httpx
@@ -20,18 +21,18 @@ from tests import browser as B
 B.require_browser()
 
 
-def _app(tmp, slow_load_s: float = 0.0):
+def _app(tmp, gate: threading.Event | None = None):
     from server.limits import Limits
     from ui import AppConfig, TTSApp
 
     app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=tmp,
                            checkpoints={"custom_voice": "x", "base": "", "voice_design": ""},
                            limits=Limits(max_new_tokens=60)))
-    if slow_load_s:
+    if gate is not None:
         load = app.models.loader._load
 
-        def slow(role):                       # a bigger model: loading takes a while
-            time.sleep(slow_load_s)
+        def slow(role):                       # a bigger model: loading takes until the test lets it finish
+            gate.wait(60)
             return load(role)
         app.models.loader._load = slow
     app.load_in_background()                  # what `python app.py` does before serving
@@ -64,7 +65,8 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
     from tests.serving import serve
     from ui.server import create_server
 
-    app, demo = _app(tmp_path, slow_load_s=6.0)
+    gate = threading.Event()
+    app, demo = _app(tmp_path, gate)
     try:
         with serve(create_server(app, demo)) as url:
             _answering(url)
@@ -74,6 +76,7 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
             seen = B.wait(lambda: (lambda s: s if "Loading the CustomVoice model: step" in s else None)(_status(drv)),
                           15, "the status line to say the model loads, with its step")
             assert B.current(drv, tok).get("state") == "buffering", seen
+            gate.set()                        # the model finishes loading: the click plays
             m = B.wait(lambda: (lambda m: m if m.get("state") in ("ended", "stopped", "error", "idle") else None)(
                 B.current(drv, tok)), 90, "the click to play once the model is ready")
             assert m["state"] == "ended", m
@@ -82,6 +85,7 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
             B.wait(lambda: "Models ready" in _models(drv), 60, "the page to say the models are ready")
             print(f"\n[cold start] click during loading: sound {m['clickToSoundMs']:.0f} ms after the click")
     finally:
+        gate.set()
         app.close()
 
 

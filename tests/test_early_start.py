@@ -201,27 +201,36 @@ def test_a_click_while_the_model_loads_reports_it_and_then_plays(tmp_path):
     app = _app(tmp_path, preload=False)
     load = app.models.loader._load
 
-    def slow_load(role):
-        time.sleep(5.0)
+    gate = threading.Event()
+
+    def slow_load(role):                      # loading takes until the test lets it finish
+        gate.wait(60)
         return load(role)
     app.models.loader._load = slow_load
+    app.load_in_background()
     ctx, url, client = _serve(app)
-    app.load_in_background()                  # (after serving here, so that the click surely comes during it)
     try:
         snap = httpx.get(url + "/live/models").json()
         assert snap["loading"] and not snap["ready"] and "Loading the CustomVoice model" in snap["summary"]
         tok = _token()
         t, out = _in_thread(_post, url, tok, client.session_hash, _form())
         job = client.submit(TEXT, "ryan", "auto", "", 7, False, 0.9, 50, 1.0, 1.05, 24, tok, api_name="/preset")
-        statuses = [u[2] for u in job]
+        statuses = []
+        for u in job:
+            statuses.append(u[2])
+            if "Loading the CustomVoice model: step" in u[2] and not gate.is_set():
+                time.sleep(0.5)
+                assert not out, "nothing may stream before the model is ready"
+                gate.set()
         final = job.result(timeout=120)
         t.join(60)
-        assert any("Loading the CustomVoice model" in s for s in statuses), statuses
+        assert any("Loading the CustomVoice model: step" in s for s in statuses), statuses
         assert final[2].startswith("**Done**")
         assert out["status"] == 200 and _wav_pcm(final[1]) == out["body"]
         _wait(lambda: httpx.get(url + "/live/models").json()["ready"], 60, "every model to be ready")
         assert "Models ready: CustomVoice" in httpx.get(url + "/live/models").json()["summary"]
     finally:
+        gate.set()
         client.close()
         ctx.__exit__(None, None, None)
         app.close()

@@ -140,7 +140,7 @@ class EarlyStarts:
                     yield it
                 if not items and not run.done:
                     job = self.loader.waiting_for(run.thread.ident if run.thread else None)
-                    if job is not None:
+                    if job is not None and job.busy:
                         text = job.describe()
                         if text != last_loading:
                             last_loading = text
