@@ -205,7 +205,8 @@ class Speaker:
                                                           seed=job.seed, role=role)}
         else:
             final = {c.final: (SR, np.concatenate(parts)),
-                     c.status: self.status("Done", ttfa=ttfa, compute=compute, audio_s=n / SR, seed=job.seed,
+                     c.status: self.status("Stopped" if stopped else "Done", ttfa=ttfa, compute=compute,
+                                           audio_s=n / SR, seed=job.seed,
                                            pieces=len(pieces), piece=len(pieces), note=note, role=role)}
         final[c.seed] = job.seed
         final.update(extra_final or {})
