@@ -17,7 +17,7 @@
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
 // rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
-// lower of the stream's average and its slowest recent chunk). It plans for r' = r / 1.2: when r' >= 1 it plays
+// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1 it plays
 // at once. Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest:
 // B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed
 // as long as what came so far), plus a chunk. After an underrun it pauses and rebuffers the same way rather than
@@ -389,19 +389,20 @@
     }
 
     // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the slowest
-    // of its last three chunks (each chunk's audio over the time since the chunk before it), so that a stream
-    // slowed down by a busy CPU (browser, server and engine may share two cores) is believed at once.
+    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the rate of
+    // its last three chunks (their audio over the time since the chunk before them), so that a stream slowed
+    // down by a busy CPU (browser, server and engine may share two cores) is believed at once.
     rate(run) {
       const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
       if (run.chunks >= 2 && wall >= 0.15) {
         let measured = (run.received - run.firstChunkSamples) / SR / wall;
-        if (!run.streamDone) {
-          const a = run.arrivals;
-          for (let i = Math.max(1, a.length - 3); i < a.length; i++) {
-            const dt = (a[i][0] - a[i - 1][0]) / 1000;
-            if (dt > 0.03) measured = Math.min(measured, a[i][1] / SR / dt);
-          }
+        const a = run.arrivals;
+        if (!run.streamDone && a.length >= 3) {   // the last three chunks' audio over the time they took
+          const k = Math.max(0, a.length - 4);
+          let n = 0;
+          for (let i = k + 1; i < a.length; i++) n += a[i][1];
+          const dt = (a[a.length - 1][0] - a[k][0]) / 1000;
+          if (dt > 0.05) measured = Math.min(measured, n / SR / dt);
         }
         if (run.rateHint == null || wall >= 1.5) return measured;
         const w = wall / 1.5;
