@@ -144,6 +144,9 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         if role == "custom_voice":
             if not req.voice:
                 raise APIError(400, "choose a voice: " + ", ".join(engine.speakers), param="voice")
+            if req.voice.strip().lower() not in engine.speakers:
+                raise APIError(400, f"unknown voice {req.voice!r}; choose one of: {', '.join(engine.speakers)}",
+                               param="voice", code="voice_not_found")
             return req.voice
         if req.ref_audio:
             data = decode_ref_audio(req.ref_audio, limits)
@@ -169,6 +172,9 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         try:
             role = pick_role(req)
             engine = registry.get(role)
+            if req.language is not None and req.language.strip().lower() not in engine.languages:
+                raise APIError(400, f"unsupported language {req.language!r}; choose one of: "
+                                    f"{', '.join(engine.languages)}", param="language")
             notices: list[str] = []
             voice = make_voice(role, engine, req, notices)
             extra = {"first_chunk_frames": req.initial_codec_chunk_frames} if req.initial_codec_chunk_frames else {}
