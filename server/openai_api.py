@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import logging
 import re
 import threading
@@ -31,7 +32,7 @@ from .limits import Limits
 from .reference import prepare_reference
 from .registry import EngineRegistry
 from .speech_request import APIError, SpeechRequest, check_request, model_role
-from .speed import change_speed
+from .speed import StreamStretcher, change_speed
 
 log = logging.getLogger("tts_server")
 TASKS = {"customvoice": "custom_voice", "custom_voice": "custom_voice", "voicedesign": "voice_design",
@@ -199,13 +200,19 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                     raise APIError(400, str(e), param="response_format", code="unsupported_format") from None
                 return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=_headers(stream, notices, engine))
 
+            stretch = (StreamStretcher(audio_formats.SAMPLE_RATE, req.speed)
+                       if req.speed is not None and req.speed != 1.0 else None)
+
             def chunks():
                 try:
                     if fmt == "wav":
                         yield audio_formats.streaming_wav_header()
-                    yield audio_formats.to_int16(first).tobytes()
-                    for c in stream:
-                        yield audio_formats.to_int16(c).tobytes()
+                    for c in itertools.chain([first], stream):
+                        c = stretch.push(c) if stretch else c
+                        if len(c):
+                            yield audio_formats.to_int16(c).tobytes()
+                    if stretch:
+                        yield audio_formats.to_int16(stretch.finish()).tobytes()
                 except TTSError as e:  # mid-stream failure: the status is already sent; end the body
                     log.warning("stream ended early: %s", e)
                 finally:

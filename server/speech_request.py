@@ -65,9 +65,6 @@ def check_request(req: SpeechRequest, limits: Limits) -> str:
     if req.speed is not None:
         if not SPEED_MIN <= req.speed <= SPEED_MAX:
             raise _bad(f"speed must be between {SPEED_MIN} and {SPEED_MAX}, got {req.speed:g}", "speed")
-        if req.stream and abs(req.speed - 1.0) > 1e-9:
-            raise _bad("speed other than 1.0 is served for whole responses only; with stream=true set speed to "
-                       "1.0 or leave it out", "speed", code="unsupported_parameter")
     if req.stream and fmt not in audio_formats.STREAMABLE:
         raise _bad(f"stream=true supports response_format {' or '.join(audio_formats.STREAMABLE)}, got {fmt!r}",
                    "response_format")

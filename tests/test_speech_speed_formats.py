@@ -13,7 +13,7 @@ import soundfile as sf
 
 from server import audio_formats
 from server.limits import Limits
-from server.speed import change_speed
+from server.speed import StreamStretcher, change_speed
 from tests.serving import tiny_api
 
 PRESET = Path(__file__).resolve().parent.parent / "presets" / "emma.flac"
@@ -42,6 +42,35 @@ def test_speed_changes_length_not_pitch(speech_clip, speed):
     assert abs(len(out) / len(wav) - 1 / speed) < 0.01
     assert _cents(f0, _f0(out, sr)) < 60                # measured: within 30 cents (pYIN's 10-cent bins)
     assert np.isfinite(out).all() and 0.1 < np.abs(out).max() <= 1.0
+
+
+def _envelope(y: np.ndarray, hop: int = 480) -> np.ndarray:
+    n = len(y) // hop
+    return np.sqrt((y[: n * hop].reshape(n, hop) ** 2).mean(axis=1))
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_streamed_stretch_is_gapless_and_keeps_pitch(speech_clip, speed):
+    """Chunks as the engine sends them (1, 2, 4, 8, 12 frames, then 12s) through one real-time stretcher: the
+    whole is as long as the offline stretch, at the same pitch, and no chunk seam leaves a hole in the speech."""
+    wav, sr, f0 = speech_clip
+    st, out, i = StreamStretcher(sr, speed), [], 0
+    for frames in [1, 2, 4, 8] + [12] * 1000:
+        if i >= len(wav):
+            break
+        n = frames * 640 * sr // 8000          # 80 ms frames at this clip's rate
+        out.append(st.push(wav[i:i + n]))
+        i += n
+    out.append(st.finish())
+    y = np.concatenate(out)
+    offline = change_speed(wav, sr, speed)
+    assert len(y) == round(len(wav) / speed) and abs(len(y) - len(offline)) <= 1
+    assert _cents(f0, _f0(y, sr)) < 60
+    a, b = _envelope(y), _envelope(offline)
+    n = min(len(a), len(b))
+    assert np.corrcoef(a[:n], b[:n])[0, 1] > 0.9              # the same words at the same places
+    speech = b[:n] > 0.05                                       # where the offline stretch has speech, so does this
+    assert a[:n][speech].min() > 0.2 * b[:n][speech].min()
 
 
 def test_the_pitch_measure_catches_a_plain_resample(speech_clip):
@@ -76,6 +105,17 @@ def test_speed_through_the_openai_client(client, speed):
     fast, sr2 = sf.read(io.BytesIO(_say(client, voice="ryan", response_format="wav", speed=speed)))
     assert sr == sr2 == 24000
     assert abs(len(fast) / len(plain) - 1 / speed) < 0.01
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_streamed_speed_through_the_openai_client(client, speed):
+    plain = np.frombuffer(_say(client, voice="ryan", response_format="pcm"), "<i2")
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="ryan", input="Speed, please.", response_format="pcm", speed=speed,
+            extra_body={"stream": True, "seed": 7}) as r:
+        body = b"".join(r.iter_bytes())
+    streamed = np.frombuffer(body, "<i2")
+    assert len(streamed) == round(len(plain) / speed)
 
 
 def test_opus_is_ogg_opus_at_24k(client):
