@@ -35,6 +35,7 @@ from .speech_request import APIError, SpeechRequest, check_request, model_role
 from .speed import StreamStretcher, change_speed
 
 log = logging.getLogger("tts_server")
+DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)
 TASKS = {"customvoice": "custom_voice", "custom_voice": "custom_voice", "voicedesign": "voice_design",
          "voice_design": "voice_design", "base": "base"}
 
@@ -135,6 +136,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
         if req.instructions and registry.configured("voice_design"):
             return "voice_design"
+        if registry.configured("custom_voice"):
+            return "custom_voice"              # no voice named: vLLM-Omni's default, CustomVoice speaker vivian
         raise APIError(400, "say which voice to use: `voice`, `ref_audio` or `speaker_embedding`", param="voice")
 
     def make_voice(role, engine, req: SpeechRequest, request_notices: list):
@@ -143,8 +146,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 raise APIError(400, "VoiceDesign needs `instructions` describing the voice", param="instructions")
             return None
         if role == "custom_voice":
-            if not req.voice:
-                raise APIError(400, "choose a voice: " + ", ".join(engine.speakers), param="voice")
+            if not req.voice:                  # vLLM-Omni's default speaker
+                return DEFAULT_SPEAKER if DEFAULT_SPEAKER in engine.speakers else engine.speakers[0]
             if req.voice.strip().lower() not in engine.speakers:
                 raise APIError(400, f"unknown voice {req.voice!r}; choose one of: {', '.join(engine.speakers)}",
                                param="voice", code="voice_not_found")

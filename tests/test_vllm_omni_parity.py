@@ -143,9 +143,14 @@ def _deliberate() -> dict[str, tuple[int, str]]:
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    with tiny_api(tmp_path_factory.mktemp("parity"), ("custom_voice", "base", "voice_design"), LIMITS) as (url, *_):
-        yield url
+def server(tmp_path_factory):
+    with tiny_api(tmp_path_factory.mktemp("parity"), ("custom_voice", "base", "voice_design"), LIMITS) as (url, reg, _):
+        yield url, reg
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return server[0]
 
 
 def _send(url: str, body) -> httpx.Response:
@@ -199,3 +204,13 @@ def test_in_range_values_are_served(api):
                  _cv(instructions="x" * 500), _cv(speed=0.25), _cv(speed=4.0)):
         r = _send(api, body)
         assert r.status_code == 200, (body, r.text)
+
+
+def test_no_voice_means_vivian_as_in_vllm_omni(server, monkeypatch):
+    """docs/serving/speech_api.md: `voice` defaults to "vivian" (serving_speech.py `_build_tts_params`)."""
+    url, registry = server
+    engine = registry.get("custom_voice")
+    asked, real = [], engine.stream
+    monkeypatch.setattr(engine, "stream", lambda text, **kw: asked.append(kw["voice"]) or real(text, **kw))
+    r = _send(url, {"input": "Hello, how are you?"})
+    assert r.status_code == 200 and len(r.content) > 44 and asked == ["vivian"]
