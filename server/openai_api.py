@@ -1,13 +1,14 @@
 """OpenAI-compatible speech API, as vLLM-Omni serves Qwen3-TTS:
 
-  POST /v1/audio/speech   {model, input, voice (or speaker), response_format, speed, stream, stream_format,
-                           language, instructions, task_type, ref_audio, ref_text, x_vector_only_mode,
-                           speaker_embedding, max_new_tokens, seed, initial_codec_chunk_frames}
+  POST /v1/audio/speech   {model, input, voice, response_format, speed, stream, language, instructions,
+                           task_type, ref_audio, ref_text, x_vector_only_mode, speaker_embedding,
+                           max_new_tokens, seed}
   GET  /v1/audio/voices
 
-Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code; the
-checks and their bounds (vLLM-Omni's) are in `speech_request.py`, `speed` in `speed.py`, formats in `audio_formats.py`.
+Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
 `ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
+Also `speaker` (= voice), `stream_format`, `initial_codec_chunk_frames`. The checks and their bounds (vLLM-Omni's)
+are in `speech_request.py`, `speed` (0.25-4.0, pitch kept, streams too) in `speed.py`, formats in `audio_formats.py`.
 """
 from __future__ import annotations
 
