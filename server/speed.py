@@ -110,8 +110,20 @@ def _median_f0(wav: np.ndarray, sr: int) -> float:
     return float(np.nanmedian(f0[voiced])) if voiced.any() else float("nan")
 
 
+def _streamed(wav: np.ndarray, sr: int, speed: float) -> np.ndarray:
+    """`wav` through a StreamStretcher in the chunk sizes the engine streams (1, 2, 4, 8, then 12 frames)."""
+    st, out, i, k = StreamStretcher(sr, speed), [], 0, 0
+    while i < len(wav):
+        n = (1, 2, 4, 8, 12)[min(k, 4)] * sr * 2 // 25          # frames of 80 ms
+        out.append(st.push(wav[i:i + n]))
+        i, k = i + n, k + 1
+    out.append(st.finish())
+    return np.concatenate(out)
+
+
 def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
-    """For each clip and speed: length ratio (wanted 1/speed), pitch change in cents (pYIN median f0), time."""
+    """For each clip, speed and mode (whole response / stream): length ratio (wanted 1/speed), pitch change in
+    cents (pYIN median f0) and the time the stretch took."""
     import time
 
     import soundfile as sf
@@ -122,13 +134,14 @@ def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
         wav = wav.mean(axis=1)
         f0 = _median_f0(wav, sr)
         for s in speeds:
-            t = time.perf_counter()
-            out = change_speed(wav, sr, s)
-            dt = time.perf_counter() - t
-            g = _median_f0(out, sr)
-            rows.append({"clip": p.name, "speed": s, "length_ratio": len(out) / len(wav), "wanted": 1 / s,
-                         "f0_hz": f0, "cents": 1200 * np.log2(g / f0), "ms": dt * 1000,
-                         "audio_s": len(wav) / sr})
+            for mode, fn in (("whole", change_speed), ("stream", _streamed)):
+                t = time.perf_counter()
+                out = fn(wav, sr, s)
+                dt = time.perf_counter() - t
+                g = _median_f0(out, sr)
+                rows.append({"clip": p.name, "speed": s, "mode": mode, "length_ratio": len(out) / len(wav),
+                             "wanted": 1 / s, "f0_hz": f0, "cents": 1200 * np.log2(g / f0), "ms": dt * 1000,
+                             "audio_s": len(wav) / sr})
     return rows
 
 
@@ -137,9 +150,11 @@ if __name__ == "__main__":
     from pathlib import Path
 
     rows = measure(sorted((Path(__file__).resolve().parent.parent / "presets").glob("*.flac")))
-    print(f"time stretch (pedalboard / Rubber Band, high quality, mixed transients) on {platform.processor() or platform.machine()}")
-    print("| clip | speed | length ratio (wanted) | median f0 | pitch change | time |")
-    print("|---|---|---|---|---|---|")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
+    print(f"time stretch (Rubber Band: whole = pedalboard offline, stream = pylibrb real-time) on {cpu}")
+    print("| clip | speed | mode | length ratio (wanted) | median f0 | pitch change | time |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clip']} | {r['speed']:g} | {r['length_ratio']:.3f} ({r['wanted']:.3f}) | {r['f0_hz']:.0f} Hz | "
-              f"{r['cents']:+.0f} cents | {r['ms']:.0f} ms for {r['audio_s']:.1f} s |")
+        print(f"| {r['clip']} | {r['speed']:g} | {r['mode']} | {r['length_ratio']:.3f} ({r['wanted']:.3f}) | "
+              f"{r['f0_hz']:.0f} Hz | {r['cents']:+.0f} cents | {r['ms']:.0f} ms for {r['audio_s']:.1f} s |")
