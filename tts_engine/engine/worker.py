@@ -133,7 +133,7 @@ class EngineWorker:
             codes, done = self.runner.decode(rows)
         except Exception:
             if len(active) == 1:
-                self._fail(active[0], _user_error(*_exc()))
+                self._fail(active[0], _exc()[1])   # logged there (not a TTSError), then made readable
                 return
             # isolate the failing request: run each row alone (rows' state only advances on success)
             for s in active:
