@@ -230,3 +230,52 @@ def test_off_zerogpu_the_package_changes_nothing():
     assert os.environ.get("SPACES_ZERO_GPU") is None and not zerogpu.enabled()
     assert inspect.isgeneratorfunction(zerogpu.gpu_generate)            # spaces.GPU returned it unchanged
     assert not hasattr(zerogpu.gpu_generate, "zerogpu")
+
+
+# --- the glue, off ZeroGPU (spaces.GPU returns the functions unchanged): one call, its parts, stop, errors ---------
+
+@pytest.fixture(scope="module")
+def driven_engine(tmp_path_factory):
+    from tts_engine import TTSEngine
+    from tts_engine.tiny import make_tiny
+    from ui import zerogpu
+
+    ck = make_tiny(tmp_path_factory.mktemp("glue") / "cv", kind="custom_voice", size="0b6", seed=0)
+    eng = TTSEngine.from_pretrained(str(ck), device="cpu", dtype="fp32", max_batch=2)
+    eng.drive_in_caller()
+    zerogpu._ENGINES["custom_voice"] = eng
+    yield eng
+    zerogpu._ENGINES.pop("custom_voice", None)
+    eng.close()
+
+
+def test_one_gpu_call_speaks_every_part_in_order(driven_engine):
+    import numpy as np
+
+    from ui.zerogpu import GPUCall
+
+    texts = ["First sentence here.", "Second one.", "And the third."]
+    kw = dict(voice="ryan", seed=5, max_new_tokens=6, first_chunk_frames=1)
+    call = GPUCall("custom_voice", texts)
+    streams = [call.stream(t, **kw) for t in texts]
+    parts = [np.concatenate(list(s)) for s in streams]
+    for t, p in zip(texts, parts):          # each part is what the engine makes for that text alone
+        np.testing.assert_allclose(p, driven_engine.synthesize(t, **kw), atol=1e-4)
+    assert driven_engine.scheduler.idle()
+    with pytest.raises(RuntimeError):
+        call.stream("out of order", **kw)
+
+
+def test_stopping_a_gpu_call_frees_the_engine_and_errors_are_readable(driven_engine):
+    from tts_engine import TTSError
+    from ui.zerogpu import GPUCall
+
+    texts = ["One sentence that is long enough to take a while.", "Two."]
+    call = GPUCall("custom_voice", texts)
+    s = call.stream(texts[0], voice="ryan", seed=1, max_new_tokens=40, first_chunk_frames=1)
+    next(s)
+    s.cancel()                               # Stop: the worker's generator is closed, its requests leave
+    assert driven_engine.scheduler.idle() and list(s) == []
+    bad = GPUCall("custom_voice", ["Hello."]).stream("Hello.", voice="nobody", seed=1, max_new_tokens=4)
+    with pytest.raises(TTSError, match="unknown speaker"):
+        next(bad)
