@@ -189,6 +189,18 @@ def test_stop_ends_the_gpu_call(space):
     assert final[2].startswith("**Done**")
 
 
+def test_a_blend_uses_the_start_up_embeddings_and_runs_on_the_gpu(space):
+    calls0 = len(_worker_pids(space))
+    out = space.client.predict(text=SHORT, n_voices=2, voice_1="ryan", voice_2="vivian", a_to_b=50,
+                               max_new_tokens=FRAMES, api_name="/blend")
+    assert out[2].startswith("**Done**") and "blend: 50 % Ryan" in out[2], out[2]
+    assert sf.read(out[1])[0].size > 0
+    deadline = time.monotonic() + 30
+    while len(_worker_pids(space)) == calls0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_worker_pids(space)) == calls0 + 1    # the blended voice (an embedding) was sent to the worker
+
+
 def test_the_v1_api_answers_503_with_the_reason(space):
     r = httpx.post(f"{space.url}/v1/audio/speech", json={"input": "Hi", "voice": "ryan"}, timeout=30)
     assert r.status_code == 503
