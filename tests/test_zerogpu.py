@@ -119,6 +119,7 @@ def test_three_requests_in_a_row_run_in_the_gpu_worker_and_stream(space):
     n0, calls0 = len(space.svc.of("/schedule")), len(_worker_pids(space))
     for _ in range(3):
         seen, final = _preset(space.client)
+        assert any(s.startswith("**Asking ZeroGPU for a GPU") for s in seen), seen
         assert any(s.startswith("**Streaming**") for s in seen), seen       # progress while audio is made
         assert final[2].startswith("**Done**"), final[2]
         wav, sr = sf.read(final[1])

@@ -435,6 +435,12 @@ def serve(app, host: str, port: int, ssl_certfile=None, ssl_keyfile=None) -> Non
 class ZeroGPUSpeaker(Speaker):
     """`speak.Speaker` on ZeroGPU: each request (a click's sentence groups, the sweep's five jobs) is one `GPUCall`."""
 
+    def start(self, role: str, seed: int) -> dict:
+        """First update: the call asks ZeroGPU for a GPU before anything is generated."""
+        out = super().start(role, seed)
+        out[self.c.status] = self.status("Asking ZeroGPU for a GPU…", seed=seed, role=role)
+        return out
+
     def speak(self, role, engine, job, request=None, **kw):
         yield from super().speak(role, GPUCall(role, chunk_text(job.text)), job, request, **kw)
 
