@@ -292,3 +292,26 @@ def test_stopping_a_gpu_call_frees_the_engine_and_errors_are_readable(driven_eng
     bad = GPUCall("custom_voice", ["Hello."]).stream("Hello.", voice="nobody", seed=1, max_new_tokens=4)
     with pytest.raises(TTSError, match="unknown speaker"):
         next(bad)
+
+
+def test_a_clone_is_its_own_gpu_call_and_returns_a_cpu_voice(tmp_path):
+    from tts_engine import TTSEngine, TTSError
+    from tts_engine.tiny import make_tiny
+    from ui import zerogpu
+
+    ck = make_tiny(tmp_path / "base", kind="base", size="0b6", seed=0)
+    eng = TTSEngine.from_pretrained(str(ck), device="cpu", dtype="fp32")
+    eng.drive_in_caller()
+    zerogpu._ENGINES["base"] = eng
+    try:
+        main_side = zerogpu.MainProcessEngine("base", eng, {})
+        clip = ROOT / "presets" / "oliver.flac"
+        v = main_side.clone_voice(str(clip), ref_text="Good morning.", name="Me")
+        assert v.kind == "icl" and v.embedding.device.type == "cpu" and v.ref_codes.device.type == "cpu"
+        x = main_side.clone_voice(str(clip), x_vector_only=True)
+        assert x.kind == "xvector" and x.ref_codes is None
+        with pytest.raises(TTSError, match="transcript"):
+            main_side.clone_voice(str(clip))
+    finally:
+        zerogpu._ENGINES.pop("base", None)
+        eng.close()
