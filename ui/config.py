@@ -50,10 +50,11 @@ class AppConfig:
     live_audio: bool | None = None
     quantize: str | None = None        # None/"none", "int8", "int4", "auto" (the CPU default of `python app.py`)
     eager: bool = False                # no CUDA graphs on a GPU
+    engine_options: dict = field(default_factory=dict)   # more TTSEngine arguments (ZeroGPU: max_batch, max_seq_len)
 
     def engine_kw(self) -> dict:
         """What every local engine is built with, besides device and dtype."""
-        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize}
+        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize, **self.engine_options}
         if self.eager:
             kw["use_cuda_graphs"] = False
         return kw
