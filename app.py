@@ -6,7 +6,7 @@
     python app.py --help                # every flag; each has an environment variable too
 
 This file is the entry point only: flags and environment -> `AppConfig`, build the page, serve it together
-with the OpenAI-compatible speech API. The app itself lives in the package `ui/` (see ui/__init__.py for
+with the OpenAI-compatible speech API (on Hugging Face ZeroGPU: through `demo.launch()`, see ui/zerogpu.py). The app itself lives in the package `ui/` (see ui/__init__.py for
 its rooms); the engine in `tts_engine/`, the speech API in `server/`.
 
 API (gradio_client, `Client(url).predict(..., api_name="/preset")`): `/preset`, `/clone`, `/blend`,
@@ -15,6 +15,8 @@ page's "Use via API" view; the final output holds the lossless WAV. Programs tha
 generated use `POST /v1/audio/speech` with `stream=true` (Gradio's own streaming audio needs ffmpeg).
 """
 from __future__ import annotations
+
+from ui import zerogpu  # first: imports `spaces` (Hugging Face ZeroGPU) before anything imports torch
 
 import argparse
 import logging
@@ -106,6 +108,9 @@ def main(argv=None) -> None:
     if not app.cfg.gradio_live_audio:
         log.info("ffmpeg not found: the Gradio endpoints stream status updates and end with the WAV; programs that "
                  "want audio as it is generated: POST /v1/audio/speech with stream=true")
+    if app.zerogpu:   # Hugging Face ZeroGPU: load now, serve through demo.launch() (see ui/zerogpu.py)
+        zerogpu.serve(app, a.host, a.port, ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile)
+        return
     # the page is served at once; the models load meanwhile (those of the default tab, or all with --preload)
     app.load_in_background(None if not app.cfg.preload else list(app.roles))
     demo = app.build()

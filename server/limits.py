@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 @dataclass
 class Limits:
     max_text_chars: int = 2000          # characters of input text per request
+    max_instructions_chars: int = 500   # characters of `instructions` (vLLM-Omni's limit)
     max_upload_bytes: int = 20 * 2**20  # reference audio / voice file uploads
     max_reference_seconds: float = 30.0  # longer reference clips are trimmed (with a notice)
     min_reference_seconds: float = 0.5

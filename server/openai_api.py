@@ -7,12 +7,16 @@
 
 Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
 `ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
+Also `speaker` (= voice), `stream_format`, `initial_codec_chunk_frames`. The checks and their bounds (vLLM-Omni's)
+are in `speech_request.py`, `speed` (0.25-4.0, pitch kept, streams too) in `speed.py`, formats in `audio_formats.py`.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import logging
+import re
 import threading
 from collections import defaultdict
 
@@ -20,7 +24,6 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from tts_engine import EngineBusyError, TTSError
 
@@ -29,38 +32,13 @@ from .body_limit import BodySizeLimit
 from .limits import Limits
 from .reference import prepare_reference
 from .registry import EngineRegistry
+from .speech_request import APIError, SpeechRequest, check_request, model_role
+from .speed import StreamStretcher, change_speed
 
 log = logging.getLogger("tts_server")
+DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)
 TASKS = {"customvoice": "custom_voice", "custom_voice": "custom_voice", "voicedesign": "voice_design",
          "voice_design": "voice_design", "base": "base"}
-
-
-class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    input: str
-    voice: str | None = None
-    response_format: str = "wav"
-    speed: float | None = None
-    stream: bool = False
-    stream_format: str | None = None
-    language: str | None = None
-    instructions: str | None = None
-    task_type: str | None = None
-    ref_audio: str | None = None
-    ref_text: str | None = None
-    x_vector_only_mode: bool | None = None
-    speaker_embedding: list[float] | None = None
-    max_new_tokens: int | None = None
-    seed: int | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type, self.headers = (
-            status, message, param, code, type_, headers)
 
 
 def error_response(status: int, message: str, param=None, code=None, type_="invalid_request_error",
@@ -108,7 +86,7 @@ def _headers(stream, notices: list[str], engine=None) -> dict:
 
 def decode_ref_audio(s: str, limits: Limits) -> bytes:
     s = s.strip()
-    if s.startswith(("http://", "https://", "file:")):
+    if s.startswith(("http://", "https://", "file:")) or re.match(r"^[a-z][a-z0-9+.-]*://", s, re.I):
         raise APIError(400, "ref_audio must be inline audio (a data: URI or base64); URLs are not fetched",
                        param="ref_audio")
     if s.startswith("data:"):
@@ -140,6 +118,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         return error_response(400, f"invalid request: {first.get('msg', 'bad body')}", param=param)
 
     def pick_role(req: SpeechRequest) -> str:
+        named = model_role(req.model, registry.checkpoints)     # 404 for a model this server does not serve
         if req.task_type:
             role = TASKS.get(req.task_type.replace(" ", "").lower())
             if role is None:
@@ -147,13 +126,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             return role
         if req.ref_audio or req.speaker_embedding is not None:
             return "base"
-        m = (req.model or "").lower()
-        for role, ck in registry.checkpoints.items():
-            if ck and m and m == str(ck).lower():
-                return role
-        for key, role in (("voicedesign", "voice_design"), ("customvoice", "custom_voice"), ("-base", "base")):
-            if key in m.replace("_", ""):
-                return role
+        if named is not None:
+            return named
         if req.voice:
             if registry.configured("custom_voice"):
                 if req.voice.strip().lower() in registry.get("custom_voice").speakers:
@@ -163,6 +137,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
         if req.instructions and registry.configured("voice_design"):
             return "voice_design"
+        if registry.configured("custom_voice"):
+            return "custom_voice"              # no voice named: vLLM-Omni's default, CustomVoice speaker vivian
         raise APIError(400, "say which voice to use: `voice`, `ref_audio` or `speaker_embedding`", param="voice")
 
     def make_voice(role, engine, req: SpeechRequest, request_notices: list):
@@ -171,8 +147,11 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 raise APIError(400, "VoiceDesign needs `instructions` describing the voice", param="instructions")
             return None
         if role == "custom_voice":
-            if not req.voice:
-                raise APIError(400, "choose a voice: " + ", ".join(engine.speakers), param="voice")
+            if not req.voice:                  # vLLM-Omni's default speaker
+                return DEFAULT_SPEAKER if DEFAULT_SPEAKER in engine.speakers else engine.speakers[0]
+            if req.voice.strip().lower() not in engine.speakers:
+                raise APIError(400, f"unknown voice {req.voice!r}; choose one of: {', '.join(engine.speakers)}",
+                               param="voice", code="voice_not_found")
             return req.voice
         if req.ref_audio:
             data = decode_ref_audio(req.ref_audio, limits)
@@ -191,36 +170,23 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
     @app.post("/v1/audio/speech")
     def speech(req: SpeechRequest, request: Request):
-        fmt = (req.response_format or "wav").lower()
-        if fmt == "mp3" and fmt not in audio_formats.available_formats():
-            raise APIError(400, "response_format mp3 is not available on this server: its libsndfile has no MP3 "
-                           "encoder (libsndfile 1.1 or newer, as in the soundfile wheels, has one; ffmpeg is not "
-                           "used). Use wav, pcm or flac.", param="response_format")
-        if fmt not in audio_formats.available_formats():
-            raise APIError(400, f"response_format must be one of {', '.join(audio_formats.available_formats())}",
-                           param="response_format")
-        if req.speed is not None and abs(req.speed - 1.0) > 1e-6:
-            raise APIError(400, "speed is not supported by Qwen3-TTS (only 1.0)", param="speed",
-                           code="unsupported_parameter")
-        if req.stream and fmt not in audio_formats.STREAMABLE:
-            raise APIError(400, "stream=true supports response_format wav or pcm", param="response_format")
-        if not req.input or not req.input.strip():
-            raise APIError(400, "input is empty", param="input")
-        if len(req.input) > limits.max_text_chars:
-            raise APIError(400, f"input is too long: {len(req.input)} characters, the limit is "
-                                f"{limits.max_text_chars}", param="input", code="input_too_long")
+        fmt = check_request(req, limits)
         client = request.client.host if request.client else "unknown"
         slots.acquire(client)
         released = False
         try:
             role = pick_role(req)
             engine = registry.get(role)
+            if req.language is not None and req.language.strip().lower() not in engine.languages:
+                raise APIError(400, f"unsupported language {req.language!r}; choose one of: "
+                                    f"{', '.join(engine.languages)}", param="language")
             notices: list[str] = []
             voice = make_voice(role, engine, req, notices)
-            max_new = min(req.max_new_tokens or limits.max_new_tokens, limits.max_new_tokens)
+            extra = {"first_chunk_frames": req.initial_codec_chunk_frames} if req.initial_codec_chunk_frames else {}
             stream = engine.stream(req.input, voice=voice, language=req.language or "auto",
                                    instruct=req.instructions if engine.supports_instruct else None,
-                                   seed=req.seed, max_new_tokens=max_new)
+                                   seed=req.seed, max_new_tokens=req.max_new_tokens or limits.max_new_tokens,
+                                   **extra)
             try:
                 first = next(stream)          # errors at the start still get a proper status code
             except StopIteration:
@@ -229,17 +195,28 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 stream.cancel()
                 raise
             if not req.stream:
-                parts = [first] + list(stream)
-                body = audio_formats.encode(np.concatenate(parts), fmt)
+                wav = np.concatenate([first] + list(stream))
+                if req.speed is not None and req.speed != 1.0:
+                    wav = change_speed(wav, audio_formats.SAMPLE_RATE, req.speed)
+                try:
+                    body = audio_formats.encode(wav, fmt)
+                except audio_formats.FormatUnavailable as e:
+                    raise APIError(400, str(e), param="response_format", code="unsupported_format") from None
                 return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=_headers(stream, notices, engine))
+
+            stretch = (StreamStretcher(audio_formats.SAMPLE_RATE, req.speed)
+                       if req.speed is not None and req.speed != 1.0 else None)
 
             def chunks():
                 try:
                     if fmt == "wav":
                         yield audio_formats.streaming_wav_header()
-                    yield audio_formats.to_int16(first).tobytes()
-                    for c in stream:
-                        yield audio_formats.to_int16(c).tobytes()
+                    for c in itertools.chain([first], stream):
+                        c = stretch.push(c) if stretch else c
+                        if len(c):
+                            yield audio_formats.to_int16(c).tobytes()
+                    if stretch:
+                        yield audio_formats.to_int16(stretch.finish()).tobytes()
                 except TTSError as e:  # mid-stream failure: the status is already sent; end the body
                     log.warning("stream ended early: %s", e)
                 finally:

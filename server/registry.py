@@ -89,6 +89,12 @@ class EngineRegistry:
                 self._engines[role] = self._load(role)
             return self._engines[role]
 
+    def put(self, role: str, engine) -> None:
+        """Serve `engine` for `role` from now on (ZeroGPU: the main process's stand-in for an engine loaded at
+        start-up, see ui/zerogpu.py)."""
+        with self._locks[role]:
+            self._engines[role] = engine
+
     def _load(self, role: str) -> TTSEngine:
         ckpt = self.checkpoints[role]
         try:

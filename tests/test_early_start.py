@@ -22,7 +22,7 @@ LONG = " ".join(f"This is sentence number {i}, which keeps the engine busy for a
 
 def _form(text=TEXT, seed=7, randomize=False, max_new=24):
     """The Preset tab's form values in the order of its inputs (without the token), as the page sends them."""
-    return [text, "ryan", "auto", "", None, seed, randomize, 0.9, 50, 1.0, 1.05, max_new]
+    return [text, "ryan", "auto", "", None, seed, randomize, 0.9, 50, 1.0, 1.05, max_new, 1.0]
 
 
 def _token() -> str:
@@ -107,7 +107,7 @@ def _wait(cond, timeout=30.0, what="a condition"):
 
 def _event(client, token, text=TEXT, seed=7, randomize=False, max_new=24):
     """The Gradio event of the same click (gradio_client leaves out gr.State inputs)."""
-    return client.predict(text, "ryan", "auto", "", seed, randomize, 0.9, 50, 1.0, 1.05, max_new, token,
+    return client.predict(text, "ryan", "auto", "", seed, randomize, 0.9, 50, 1.0, 1.05, max_new, 1.0, token,
                           api_name="/preset")
 
 
@@ -137,7 +137,7 @@ def test_the_event_first_then_the_players_request_reads(served):
     app, url, client, calls = served
     n = len(calls)
     tok, session = _token(), client.session_hash
-    job = client.submit(TEXT, "ryan", "auto", "", 3, False, 0.9, 50, 1.0, 1.05, 24, tok, api_name="/preset")
+    job = client.submit(TEXT, "ryan", "auto", "", 3, False, 0.9, 50, 1.0, 1.05, 24, 1.0, tok, api_name="/preset")
     _wait(lambda: len(calls) == n + 1, what="the event to start the engine request")
     status, body = _post(url, tok, session, _form(seed=3))
     final = job.result(timeout=60)
@@ -214,7 +214,8 @@ def test_a_click_while_the_model_loads_reports_it_and_then_plays(tmp_path):
         assert snap["loading"] and not snap["ready"] and "Loading the CustomVoice model" in snap["summary"]
         tok = _token()
         t, out = _in_thread(_post, url, tok, client.session_hash, _form())
-        job = client.submit(TEXT, "ryan", "auto", "", 7, False, 0.9, 50, 1.0, 1.05, 24, tok, api_name="/preset")
+        job = client.submit(TEXT, "ryan", "auto", "", 7, False, 0.9, 50, 1.0, 1.05, 24, 1.0, tok,
+                            api_name="/preset")
         statuses = []
         for u in job:
             statuses.append(u[2])
@@ -242,13 +243,13 @@ def test_design_and_blend_start_early_too(served):
     speakers = app.models.speakers()
     a, b = speakers[0], speakers[1 % len(speakers)]
     cases = {
-        # Voice design: text, description, language, seed, randomize, sampling..., max frames
-        "design": ([TEXT, "A calm, low voice.", "auto", 11, False, 0.9, 50, 1.0, 1.05, 24],
+        # Voice design: text, description, language, seed, randomize, sampling..., max frames, speed
+        "design": ([TEXT, "A calm, low voice.", "auto", 11, False, 0.9, 50, 1.0, 1.05, 24, 1.0],
                    dict(text=TEXT, description="A calm, low voice.", language="auto", seed=11, randomize=False,
                         max_new_tokens=24)),
         # Blend: text, n, four (voice, file, weight) slots, A-to-B, language, session, seed, randomize, ...
         "blend": ([TEXT, 2, a, None, 50, b, None, 50, a, None, 50, b, None, 50, 30, "auto", None, 11, False,
-                   0.9, 50, 1.0, 1.05, 24],
+                   0.9, 50, 1.0, 1.05, 24, 1.0],
                   dict(text=TEXT, n_voices=2, voice_1=a, voice_2=b, voice_3=a, voice_4=b, a_to_b=30,
                        language="auto", seed=11, randomize=False, max_new_tokens=24)),
     }

@@ -73,6 +73,7 @@ class SafetensorsFile:
             self.keys = set(f.keys())
         self.tensors_read = 0
         self.bytes_read = 0
+        self._fingerprint: str | None = None
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         missing = [n for n in names if n not in self.keys]
@@ -92,7 +93,13 @@ class SafetensorsFile:
         return any(k.startswith(prefix) for k in self.keys)
 
     def fingerprint(self) -> str:
-        """Identifies the file's contents without reading it whole: its size, header and a few sampled blocks."""
+        """Identifies the file's contents without reading it whole: its size, header and a few sampled blocks.
+        Computed once (the file may be gone later: ZeroGPU deletes hub files it has packed)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         h = hashlib.sha256()
         size = self.path.stat().st_size
         h.update(str(size).encode())

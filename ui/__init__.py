@@ -9,8 +9,10 @@
     handlers.py  the function behind each api_name (/preset, /clone, /blend, ... /stop)
     layout.py    the gr.Blocks page and its event wiring
     server.py    one FastAPI server: the page at / and the OpenAI-compatible speech API at /v1
+    zerogpu.py   ZeroGPU mode (Hugging Face Spaces): @spaces.GPU generation, start-up loading, demo.launch()
     app.py       TTSApp, which ties them together
 """
+from . import zerogpu  # noqa: F401  first: imports `spaces` (when installed) before anything imports torch
 from .app import TTSApp
 from .config import AppConfig
 

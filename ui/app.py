@@ -10,7 +10,7 @@ import gradio as gr
 
 from tts_engine.voices.presets import PresetLibrary
 
-from . import layout, server
+from . import layout, server, zerogpu
 from .config import AppConfig
 from .early_start import EarlyStarts
 from .handlers import Handlers
@@ -22,18 +22,23 @@ from .speak import ActiveStreams, Speaker
 class TTSApp(Handlers):
     def __init__(self, cfg: AppConfig | None = None):
         self.cfg = cfg = cfg or AppConfig()
+        self.zerogpu = zerogpu.enabled()     # Hugging Face ZeroGPU (the `spaces` package's own detection)
+        if self.zerogpu:
+            zerogpu.configure(cfg)
         models = Models(cfg)
         c = SimpleNamespace()   # the page's components, filled by build()
         active = ActiveStreams()
+        speaker_cls = zerogpu.ZeroGPUSpeaker if self.zerogpu else Speaker
         super().__init__(models=models, voices=Voices(models, PresetLibrary(cfg.presets_dir,
                                                                             cache_root(cfg) / "presets")),
                          files=Files(cfg.limits.file_ttl_seconds), active=active,
-                         speaker=Speaker(c, self.status, models.loaded, active, live_audio=cfg.gradio_live_audio),
+                         speaker=speaker_cls(c, self.status, models.loaded, active, live_audio=cfg.gradio_live_audio),
                          limits=cfg.limits, c=c)
         self.concurrency = models.default_concurrency()
         # a click's generation starts from the player's request or the Gradio event, whichever comes first
+        # (not on ZeroGPU: there the generation must run inside the Gradio event, in its @spaces.GPU call)
         self.early = EarlyStarts(c, self.status, models.loader, self.live, max_runs=self.concurrency,
-                                 enabled=cfg.early_start)
+                                 enabled=cfg.early_start and not self.zerogpu)
 
     # the parts tests and scripts reach for most
     @property

@@ -3,7 +3,6 @@
 how long text is cut and paused, the default sampling)."""
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +24,6 @@ SENTENCE_CHARS = 200      # long text is streamed in pieces of at most this many
 SENTENCE_PAUSE_S = 0.12   # silence between pieces
 FILE_CHOICE = "file"      # the voice choice "use the uploaded voice file" (Blend tab)
 DEFAULT_SAMPLING = dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
-
-
-def _zero_gpu() -> bool:
-    """The app runs on Hugging Face ZeroGPU (the variable the `spaces` package itself reads)."""
-    return os.environ.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "true")
 
 
 def ffmpeg_available() -> bool:
@@ -56,13 +50,14 @@ class AppConfig:
     live_audio: bool | None = None
     quantize: str | None = None        # None/"none", "int8", "int4", "auto" (the CPU default of `python app.py`)
     eager: bool = False                # no CUDA graphs on a GPU
-    # the page player's own request may start a click's generation (ui/early_start.py); not on ZeroGPU, where
+    engine_options: dict = field(default_factory=dict)   # more TTSEngine arguments (ZeroGPU: max_batch, max_seq_len)
+    # the page player's own request may start a click's generation (ui/early_start.py); never on ZeroGPU, where
     # generation must run inside the Gradio event (its @spaces.GPU call)
-    early_start: bool = field(default_factory=lambda: not _zero_gpu())
+    early_start: bool = True
 
     def engine_kw(self) -> dict:
         """What every local engine is built with, besides device and dtype."""
-        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize}
+        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize, **self.engine_options}
         if self.eager:
             kw["use_cuda_graphs"] = False
         return kw

@@ -20,6 +20,7 @@ import numpy as np
 
 from server.limits import Limits
 from server.registry import check_name
+from server.speed import SPEED_MAX, SPEED_MIN, change_speed
 from tts_engine import EngineBusyError, TTSError
 from tts_engine.voices import blend as blendlib
 
@@ -29,7 +30,7 @@ from .roles import Models
 from .session import Files, Voices, remember
 from .speak import ActiveStreams, Speaker, SpeechJob, session_key
 from .status import status_line
-from .text import chunk_text
+from .text import chunk_text, to_int16
 
 log = logging.getLogger("qwen3_tts_live")
 
@@ -61,6 +62,17 @@ def check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens
     if max_new < 1:
         raise TTSError("the maximum length must be at least 1 frame")
     return sampling, min(max_new, limits.max_new_tokens)
+
+
+def check_speed(speed) -> float:
+    """Playback speed of the answer (pitch kept): 0.25-4.0, refused outside (never capped)."""
+    try:
+        v = 1.0 if speed is None or speed == "" else float(speed)
+    except (TypeError, ValueError):
+        raise TTSError("the speed must be a number between 0.25 and 4.0") from None
+    if not SPEED_MIN <= v <= SPEED_MAX:
+        raise TTSError(f"the speed must be between {SPEED_MIN} and {SPEED_MAX}, got {v:g}")
+    return v
 
 
 def check_text(text, limits: Limits) -> str:
@@ -137,20 +149,20 @@ class Handlers:
         return out
 
     def _speak(self, role, engine, text, voice, language, instruct, seed, sampling, max_new, request,
-               note: str = "", extra_final: dict | None = None, sink=None, live_token: str = ""):
+               note: str = "", extra_final: dict | None = None, sink=None, live_token: str = "", speed: float = 1.0):
         """Stream one job through the shared generation loop (speak.Speaker.speak). The audio also goes, as it is
         generated, to `sink` (speak.Sink) or else to the page player's stream of `live_token` (made by the page for
         this click; empty: no live stream)."""
         job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
-                        sampling=sampling, max_new_tokens=max_new)
+                        sampling=sampling, max_new_tokens=max_new, speed=check_speed(speed))
         if sink is None:
-            sink = self.live.open(live_token, session_key(request), expected_seconds(text))
+            sink = self.live.open(live_token, session_key(request), expected_seconds(text) / job.speed)
         yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink)
 
     def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,
                seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
                top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
-               live_token: str = "", request: gr.Request = None):
+               speed: float = 1.0, live_token: str = "", request: gr.Request = None):
         """Speak text with a preset voice: a CustomVoice speaker, one of our preset clips (Base model) or a voice
         you cloned or loaded in this session. Streams the audio while it is generated.
 
@@ -166,6 +178,7 @@ class Handlers:
             top_p: top-p of the talker
             repetition_penalty: repetition penalty on the first codebook
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
@@ -181,13 +194,14 @@ class Handlers:
         if inst and not self.models.roles[role].supports_instruct:
             inst, note = None, "instruction ignored: this checkpoint does not follow instructions"
         yield from self._speak(role, engine, text, v, language, inst, seed, sampling, max_new, request, note=note,
-                               live_token=live_token)
+                               live_token=live_token, speed=speed)
 
     def clone(self, ref_audio, ref_text: str = "", x_vector_only: bool = False, voice_name: str = "My voice",
               file_format: str = "safetensors", text: str = "", language: str = "auto",
               session: dict | None = None, seed: float | None = None, randomize: bool = True,
               temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.05,
-              max_new_tokens: int | None = None, live_token: str = "", request: gr.Request = None):
+              max_new_tokens: int | None = None, speed: float = 1.0, live_token: str = "",
+              request: gr.Request = None):
         """Clone a voice from a short reference clip (Base model), keep it in this session under a name, offer
         it as a voice file, and speak the text with it (streamed).
 
@@ -206,6 +220,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used, the voice file
@@ -232,7 +247,7 @@ class Handlers:
         # the voice is kept (and its file offered) even if the speech that follows is stopped
         yield {**extra, self.c.status: self.status(f"Cloned “{name}”", seed=seed, role="base")}
         yield from self._speak("base", engine, text, voice, language, None, seed, sampling, max_new, request,
-                               note=" · ".join(notes), extra_final=extra, live_token=live_token)
+                               note=" · ".join(notes), extra_final=extra, live_token=live_token, speed=speed)
 
     def _reference_clip(self, ref_audio) -> tuple[np.ndarray, int, list[str]]:
         """The uploaded clip as float32 mono, checked (long enough, not silent) and trimmed to the limit."""
@@ -315,8 +330,8 @@ class Handlers:
               weight_3: float = 50, voice_4: str = "", file_4=None, weight_4: float = 50, a_to_b: float = 50,
               language: str = "auto", session: dict | None = None, seed: float | None = None,
               randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-              repetition_penalty: float = 1.05, max_new_tokens: int | None = None, live_token: str = "",
-              request: gr.Request = None):
+              repetition_penalty: float = 1.05, max_new_tokens: int | None = None, speed: float = 1.0,
+              live_token: str = "", request: gr.Request = None):
         """Blend 2-4 voices of one checkpoint and speak with the blend (streamed). Two voices: spherical
         interpolation at the A-to-B position; 3-4 voices: normalised-direction interpolation with norm restore,
         weighted by the sliders (shares are normalised to 100 %). Blends use speaker embeddings (x-vector mode).
@@ -345,6 +360,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
@@ -357,7 +373,7 @@ class Handlers:
         role, engine, voice, desc = self._blend_voice(n_voices, slots, a_to_b, session)
         yield self.speaker.start(role, seed)
         yield from self._speak(role, engine, text, voice, language, None, seed, sampling, max_new, request,
-                               note=f"blend: {desc}", live_token=live_token)
+                               note=f"blend: {desc}", live_token=live_token, speed=speed)
 
     def blend_sweep(self, text: str, n_voices: int = 2, voice_1: str = "", file_1=None, weight_1: float = 50,
                     voice_2: str = "", file_2=None, weight_2: float = 50, voice_3: str = "", file_3=None,
@@ -365,7 +381,7 @@ class Handlers:
                     a_to_b: float = 50, language: str = "auto", session: dict | None = None,
                     seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
                     top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
-                    request: gr.Request = None):
+                    speed: float = 1.0, request: gr.Request = None):
         """Render the same sentence with the same seed at 0, 25, 50, 75 and 100 % from voice A to voice B
         (spherical interpolation), for A/B listening. Uses the first sentence group of the text and voices A and B.
 
@@ -393,6 +409,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each)
+            speed: playback speed of the five WAVs, 0.25-4.0 (the pitch is kept)
         Returns:
             five WAVs (0, 25, 50, 75, 100 %), the status line, the seed used
         """
@@ -419,7 +436,10 @@ class Handlers:
                 for t, vec in zip(blendlib.SWEEP, points)]
         t0 = time.perf_counter()
         done = {}
+        speed = check_speed(speed)
         for i, audio in enumerate(self.speaker.render_all(engine, jobs, request)):
+            if audio is not None and speed != 1.0:
+                audio = to_int16(change_speed(audio.astype(np.float32) / 32767.0, SR, speed))
             done[c.sweep[i]] = (SR, audio) if audio is not None else None
             yield {c.sweep[i]: done[c.sweep[i]],
                    c.status: self.status(f"Sweep {i + 1}/5 rendered", seed=seed, role=role,
@@ -468,8 +488,8 @@ class Handlers:
 
     def design(self, text: str, description: str, language: str = "auto", seed: float | None = None,
                randomize: bool = True, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-               repetition_penalty: float = 1.05, max_new_tokens: int | None = None, live_token: str = "",
-               request: gr.Request = None):
+               repetition_penalty: float = 1.05, max_new_tokens: int | None = None, speed: float = 1.0,
+               live_token: str = "", request: gr.Request = None):
         """Design a voice from a description (VoiceDesign model) and speak the text with it (streamed).
 
         Parameters:
@@ -483,6 +503,7 @@ class Handlers:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
@@ -496,7 +517,7 @@ class Handlers:
         yield self.speaker.start("voice_design", seed)
         engine = self.models.engine("voice_design")
         yield from self._speak("voice_design", engine, text, None, language, desc, seed, sampling, max_new, request,
-                               live_token=live_token)
+                               live_token=live_token, speed=speed)
 
     def stop(self, request: gr.Request = None):
         """Stop this session's generation and free its place in the engine.

@@ -86,6 +86,7 @@ def _player_column(app, c, max_frames, default_frames):
     with gr.Row():
         c.seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed", scale=2)
         c.randomize = gr.Checkbox(value=True, label="Randomise seed", scale=1)
+    c.speed = gr.Slider(0.25, 4.0, value=1.0, step=0.05, label="Speed (pitch kept)", elem_id="speed")
     with gr.Accordion("Advanced: sampling", open=False):
         c.temperature = gr.Slider(0.1, 1.5, value=DEFAULT_SAMPLING["temperature"], step=0.05, label="Temperature")
         c.top_k = gr.Slider(0, 200, value=DEFAULT_SAMPLING["top_k"], step=1, label="Top-k (0 = off)")
@@ -233,7 +234,7 @@ def _design_tab(c, langs, examples):
 
 def _wire(app, c):
     """Every event: handler, inputs (in the order of the handler's arguments), outputs, api_name."""
-    common = [c.seed, c.randomize, c.temperature, c.top_k, c.top_p, c.rep, c.max_new]
+    common = [c.seed, c.randomize, c.temperature, c.top_k, c.top_p, c.rep, c.max_new, c.speed]
     gen_out = [c.live, c.final, c.status, c.seed]
     dd_out = [c.p_voice, *c.slot_voice]
     slot_in = [x for i in range(4) for x in (c.slot_voice[i], c.slot_file[i], c.slot_weight[i])]

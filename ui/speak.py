@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from server.speed import StreamStretcher
 from tts_engine import EngineBusyError
 
 from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
@@ -85,6 +86,7 @@ class SpeechJob:
     seed: int
     sampling: dict
     max_new_tokens: int
+    speed: float = 1.0       # played this many times as fast, same pitch (one gapless stretch of the whole answer)
 
     def stream(self, engine, text: str):
         return engine.stream(text, voice=self.voice, language=self.language or "auto", instruct=self.instruct,
@@ -131,6 +133,8 @@ class Speaker:
         t0 = time.perf_counter()
         ttfa, compute, stopped, n = None, 0.0, False, 0
         stops_before = self.active.stop_count(session)
+        # speed: every sample (sentence pauses too) goes through one real-time stretcher, so the seams stay gapless
+        stretch = StreamStretcher(SR, job.speed) if job.speed != 1.0 else None
 
         def halted() -> bool:
             """The listener stopped: the page's player went away, or Stop was pressed in this session."""
@@ -161,7 +165,8 @@ class Speaker:
                     break
                 t_run = time.perf_counter()
                 if k > 0:
-                    update = emit(pause)
+                    gap = to_int16(stretch.push(pause.astype(np.float32))) if stretch else pause
+                    update = emit(gap) if len(gap) else {}
                     if update:
                         yield update
                 for chunk in stream:
@@ -170,6 +175,8 @@ class Speaker:
                             ahead = submit(k + 1)
                         except EngineBusyError:   # the queue is full: submit it after this group instead
                             busy = True
+                    if stretch is not None:
+                        chunk = stretch.push(chunk)
                     if len(chunk) == 0:
                         continue
                     pcm = to_int16(chunk)
@@ -192,6 +199,11 @@ class Speaker:
                     break
                 if ahead is None and k + 1 < len(pieces):
                     ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
+            if stretch is not None and not stopped:
+                tail = to_int16(stretch.finish())     # what the stretcher still holds
+                update = emit(tail) if len(tail) else {}
+                if update:
+                    yield update
         finally:
             for s in submitted:                   # the running and the queued-ahead request
                 s.cancel()

@@ -38,12 +38,15 @@ class TTSStream:
 
     `.cancel()` frees the request's place in the engine within one frame; `.position` is the number of
     requests ahead of it while it waits (None once it runs); after exhaustion `.codes` holds the generated
-    codes [frames, 16] (int64) and `.seed` the seed used. A failure raises `TTSError` from the iteration."""
+    codes [frames, 16] (int64) and `.seed` the seed used. A failure raises `TTSError` from the iteration.
+    On an engine driven by its caller (`TTSEngine.drive_in_caller`) each `next()` runs the engine's frame steps
+    in the calling thread until the next chunk is ready, and `cancel()` steps until the request has left."""
 
-    def __init__(self, seq: Sequence, engine: "TTSEngine", seed: int):
+    def __init__(self, seq: Sequence, engine: "TTSEngine", seed: int, driven: bool = False):
         self.seq = seq
         self.request = seq.request
         self._engine = engine
+        self._driven = driven
         self.seed = seed
         self.sample_rate = SAMPLE_RATE
         self._finished = False
@@ -54,6 +57,8 @@ class TTSStream:
     def __next__(self) -> np.ndarray:
         if self._finished:
             raise StopIteration
+        if self._driven:
+            self._engine.worker.run_until_output(self.seq)
         item = self.seq.out.get()
         if item is END:
             self._finished = True
@@ -67,12 +72,14 @@ class TTSStream:
         if not self._finished:
             self.seq.cancelled.set()
             self._engine.worker.wake.set()
+            if self._driven:   # nobody else steps this engine: free the row now
+                self._engine.worker.settle(self.seq)
 
     close = cancel
 
     def __del__(self):  # an abandoned stream (client gone) must not keep its slot
         try:
-            self.cancel()
+            self.seq.cancelled.set() if self._driven else self.cancel()   # (a driven engine frees it next step)
         except Exception:
             pass
 
@@ -242,9 +249,21 @@ class TTSEngine:
                                        non_streaming_mode, first_chunk_frames, max_chunk_frames)
         seq = Sequence(req)
         self.worker.submit(seq)   # EngineBusyError when the waiting queue is full
-        return TTSStream(seq, self, seed)
+        return TTSStream(seq, self, seed, driven=self.worker.driven)
 
     submit = stream
+
+    def drive_in_caller(self) -> None:
+        """Serve without the worker thread from now on: every stream's `next()` runs the engine's frame steps in
+        the calling thread until its next chunk is ready (streams open at once still batch: stepping one
+        advances all), and `cancel()` steps until the request has left. The same frame step as the worker
+        thread's (`EngineWorker.step`). For ZeroGPU's `@spaces.GPU` functions, where the GPU exists only in the
+        calling thread of a forked process. Raises TTSError once the worker thread has started."""
+        self.worker.drive_in_caller()
+
+    @property
+    def driven_by_caller(self) -> bool:
+        return self.worker.driven
 
     # --- internals ---------------------------------------------------------------------------------
     def _speaker_id(self, speaker: str) -> int:

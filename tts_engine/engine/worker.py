@@ -33,10 +33,13 @@ class EngineWorker:
         self.thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self.steps = 0
+        self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
+        if self.driven:   # the caller runs the steps (`run_until_output`)
+            return
         with self._start_lock:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="tts-engine-worker", daemon=True)
@@ -57,13 +60,39 @@ class EngineWorker:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            try:
-                with torch.inference_mode():
-                    self._step()
-            except Exception:  # a bug in the loop itself: fail everyone running, keep serving
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                for seq in list(self.scheduler.running):
-                    self._fail(seq, RuntimeError("internal engine error"))
+            self.step()
+
+    def step(self) -> None:
+        """One frame boundary for every sequence: the body of the worker thread's loop, and what a caller that
+        drives the engine itself runs (`run_until_output`, `settle`)."""
+        try:
+            with torch.inference_mode():
+                self._step()
+        except Exception:  # a bug in the loop itself: fail everyone running, keep serving
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            for seq in list(self.scheduler.running):
+                self._fail(seq, RuntimeError("internal engine error"))
+
+    # --- driven by the caller, in the caller's thread (no worker thread) -------------------------------------
+    def drive_in_caller(self) -> None:
+        """From now on the callers step this engine themselves, in their own thread, and no worker thread is ever
+        started (ZeroGPU: the GPU exists only in the calling thread of a `@spaces.GPU` function, and no thread may
+        be started for GPU work). A reader calls `run_until_output(seq)` before each read of `seq.out`, and
+        `settle(seq)` after cancelling it."""
+        with self._start_lock:
+            if self.thread is not None and self.thread.is_alive():
+                raise TTSError("this engine already runs its worker thread")
+            self.driven = True
+
+    def run_until_output(self, seq: Sequence) -> None:
+        """Run frame steps (for every running sequence, `seq` among them) until `seq` has something to read."""
+        while seq.out.empty() and not self.scheduler.idle():
+            self.step()
+
+    def settle(self, seq: Sequence) -> None:
+        """Run frame steps until a cancelled `seq` has left the engine (its row is free again)."""
+        while seq.status is not Status.FINISHED and not self.scheduler.idle():
+            self.step()
 
     # --- one frame boundary ----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -104,7 +133,7 @@ class EngineWorker:
             codes, done = self.runner.decode(rows)
         except Exception:
             if len(active) == 1:
-                self._fail(active[0], _user_error(*_exc()))
+                self._fail(active[0], _exc()[1])   # logged there (not a TTSError), then made readable
                 return
             # isolate the failing request: run each row alone (rows' state only advances on success)
             for s in active:
