@@ -17,10 +17,11 @@
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
 // rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
-// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1 it plays
-// at once. Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest:
-// B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed
-// as long as what came so far), plus a chunk. After an underrun it pauses and rebuffers the same way rather than
+// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1
+// it plays at once (with 0.3 s buffered first when r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
+// when the server sent it, else assumed as long as what came so far), plus a chunk. After an underrun it pauses
+// and rebuffers the same way rather than
 // stutter (metrics: underruns, stallMs, maxStallMs).
 //
 // Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
@@ -43,6 +44,7 @@
   const RING_SECONDS = Math.max(0.5, parseFloat(params.get('live_ring_s')) || 30);
   // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
   const RATE_SLACK = 1.2;
+  const CUSHION_BELOW_RATE = 1.8, CUSHION_S = 0.3;
 
   function token() {
     const b = new Uint8Array(16);
@@ -420,7 +422,9 @@
       const r = this.rate(run);
       if (r == null) return 0;
       const rp = Math.max(r / RATE_SLACK, 0.05);
-      if (rp >= 1) return 0;
+      // fast enough to play through, but with little to spare (under 1.8x real time): start with a small cushion
+      // against the jitter of a busy CPU; well ahead of real time: at once
+      if (rp >= 1) return r < CUSHION_BELOW_RATE ? CUSHION_S : 0;
       const got = run.received / SR;
       // (an expectation that proves short - more audio came than expected - is no longer trusted)
       const rest = run.expected != null && got < 0.9 * run.expected ? Math.max(run.expected - got, 1.0)
