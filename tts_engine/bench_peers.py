@@ -39,7 +39,8 @@ INTRO = """Written by `python -m tts_engine.bench --peers` (`tts_engine/bench_pe
 rerun on the same machine replaces its table). All engines run the **same random-weight checkpoint of the real 0.6B
 CustomVoice architecture** (converted for each peer), the same text ("Ladies and gentlemen, please remain calm.")
 and speaker, one stream, the same thread count, fixed lengths, **generation time only** (no model load; the prompt's
-prefill is included), streaming (first audio = call to first audio chunk). The runs are **interleaved**: every repeat
+prefill is included), streaming (first audio = call to first audio chunk; first chunk: ours 1 frame, the C engine's
+`--stream` 2 frames, vox 4 frames, each engine's own default). The runs are **interleaved**: every repeat
 walks every engine and precision once per length, in a rotated order, so a busy neighbour slows all engines alike;
 that is what makes a shared machine's figures comparable with each other (not with a quiet machine's). x real time
 = audio seconds / wall seconds; per cell the best run, then the median and the number of good runs. Ratios compare
@@ -238,6 +239,7 @@ def main(argv=None) -> int:
     table = markdown(summaries, skipped, a.frames)
     minutes = (time.perf_counter() - t_start) / 60
     body = _doc_body(a, info, key, started, minutes, bw, notes, table, load_start, argv)
+    body = body.replace(str(ROOT) + "/", "").replace(str(Path.home()), "~")
     print("\n" + body)
     if not a.no_write:
         a.results_dir.mkdir(parents=True, exist_ok=True)
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
         stem.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
         stem.with_suffix(".md").write_text(body + "\n")
         text = a.out.read_text(encoding="utf-8") if a.out.exists() else "# Benchmarks\n"
-        a.out.write_text(update_doc(text, key, body.replace(str(ROOT) + "/", "")), encoding="utf-8")
+        a.out.write_text(update_doc(text, key, body), encoding="utf-8")
         print(f"\nwrote {a.out} ({SECTION[3:]}: {key}) and {stem}.{{json,md}}", file=sys.stderr)
     return 0
 
