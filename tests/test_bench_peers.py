@@ -198,3 +198,30 @@ def test_module_bytes_counts_parameters_and_buffers_once():
     m.b = lin                                                # shared: counted once
     m.register_buffer("q", torch.zeros(4, 8, dtype=torch.int8))
     assert module_bytes(m) == 32 + 32
+
+
+class FakeEngine:
+    def __init__(self, name, precisions, xrt):
+        self.name, self.precisions, self.xrt, self.calls, self.profiles = name, precisions, xrt, [], 0
+        self.precision = precisions[0]
+
+    def run(self, precision, frames, rep):
+        self.calls.append((precision, frames, rep))
+        if precision == "broken":
+            return Run(self.name, precision, frames, rep=rep, error="crashed")
+        return _run(self.name, precision, self.xrt, frames=frames, rep=rep)
+
+    def profile(self, frames):
+        self.profiles += 1
+        return {"talker_ms": 10.0 + self.profiles, "code_predictor_ms": 20.0}
+
+
+def test_interleave_mixes_engines_and_profiles_ours_after_every_repeat():
+    ours = FakeEngine(OURS, ("bf16",), 0.3)
+    peer = FakeEngine("C engine", ("bf16", "broken"), 0.31)
+    runs, profiles = bench_peers.interleave([ours, peer], [24, 48], 2, profile_frames=8)
+    assert len(runs) == 2 * 2 * 3 and sum(not r.ok for r in runs) == 4
+    assert [(r.engine, r.precision) for r in runs[:3]] == [(OURS, "bf16"), ("C engine", "bf16"), ("C engine", "broken")]
+    assert ours.calls == [("bf16", 24, 0), ("bf16", 48, 0), ("bf16", 24, 1), ("bf16", 48, 1)]
+    assert [p["talker_ms"] for p in profiles["bf16"]] == [11.0, 12.0]
+    assert peer.profiles == 0
