@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,14 +42,17 @@ CustomVoice architecture** (converted for each peer), the same text ("Ladies and
 and speaker, one stream, the same thread count, fixed lengths, **generation time only** (no model load; the prompt's
 prefill is included), streaming (first audio = call to first audio chunk; first chunk: ours 1 frame, the C engine's
 `--stream` 2 frames, vox 4 frames, each engine's own default). The runs are **interleaved**: every repeat
-walks every engine and precision once per length, in a rotated order, so a busy neighbour slows all engines alike;
-that is what makes a shared machine's figures comparable with each other (not with a quiet machine's). x real time
+walks every engine and precision once per length, in a rotated order, so a busy neighbour hits every engine in
+every phase; that is what makes a shared machine's figures comparable with each other (not with a quiet machine's).
+It cannot make them equal: an engine whose idle threads spin (the C engine's pool, vox's `spin: true`) or that runs
+more threads than cores (the C engine's decoder thread beside its pool and OpenBLAS) loses more on an oversubscribed
+machine than one that yields, so only a quiet machine's ratios are the engines' own. x real time
 = audio seconds / wall seconds; per cell the best run, then the median and the number of good runs. Ratios compare
 best runs at the longest length. Precision classes go by weight bits: vox q4 keeps its code predictor in q8; the C
 engine's int8/int4 quantise activations too (W8A8 / W4A8) and decode codebooks 1-15 greedily; vox runs greedy; ours
 samples codebooks 1-15 as the official implementation does. GB/s = weight bytes read per frame / time per frame:
-ours measured from the loaded modules and the bench's per-part profile (taken after the interleaved runs), the
-C engine's estimated from its formats (bf16; int8 + a scale per row; Q4_0 18 bytes per 32 weights) and its own
+ours measured from the loaded modules and the bench's per-part profile (taken after every repeat; the least per
+part), the C engine's estimated from its formats (bf16; int8 + a scale per row; Q4_0 18 bytes per 32 weights) and its own
 per-frame split, vox's talker from its plan's stage bytes and its own split, its predictor estimated for q8."""
 
 
@@ -162,11 +166,12 @@ def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: 
         eng, prec = configs[i]
         t0 = time.perf_counter()
         r = eng.run(prec, frames, rep)
+        r.extra["load_average"] = _loadavg()
         runs.append(r)
         what = (f"{r.x_real_time:.3f}x real time, first audio {r.first_audio_s or float('nan'):.2f} s, "
                 f"{r.frames:g} frames" if r.ok else f"FAILED: {r.error}")
         print(f"[{k + 1}/{len(plan)}] repeat {rep + 1}, {frames} frames, {r.engine} {r.precision}: {what} "
-              f"({time.perf_counter() - t0:.0f} s, load average {_loadavg()})", file=sys.stderr, flush=True)
+              f"({time.perf_counter() - t0:.0f} s, load average {r.extra['load_average']})", file=sys.stderr, flush=True)
         if k + 1 == len(plan) or plan[k + 1][0] != rep:
             for e in engines:
                 if e.name == OURS and profile_frames:
@@ -238,7 +243,9 @@ def main(argv=None) -> int:
     summaries = summarize(runs, parts, wbytes)
     table = markdown(summaries, skipped, a.frames)
     minutes = (time.perf_counter() - t_start) / 60
-    body = _doc_body(a, info, key, started, minutes, bw, notes, table, load_start, argv)
+    loads = [float(x) for x in [load_start, _loadavg(), *(r.extra.get("load_average") for r in runs)]
+             if x not in (None, "?")]
+    body = _doc_body(a, info, key, started, minutes, bw, notes, table, loads, argv)
     body = body.replace(str(ROOT) + "/", "").replace(str(Path.home()), "~")
     print("\n" + body)
     if not a.no_write:
@@ -259,12 +266,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def _doc_body(a, info, key, started, minutes, bw, notes, table, load_start, argv) -> str:
-    cmd = "python -m tts_engine.bench --peers" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:])
-                                                        if x != "--peers")
-    shared = (f" 1-minute load average {load_start} at the start and {_loadavg()} at the end on {info['cpus']} CPUs"
-              + (": **the machine was shared** with other jobs, which the interleaving spreads over all engines."
-                 if max(float(load_start or 0), float(_loadavg() or 0)) > 0.75 * (info["cpus"] or 1) else "."))
+def _doc_body(a, info, key, started, minutes, bw, notes, table, loads, argv) -> str:
+    args, skip_next = [], False
+    for x in (argv if argv is not None else sys.argv[1:]):   # the command as run, less --peers and --note's text
+        if skip_next or x == "--peers" or x.startswith("--note="):
+            skip_next = False
+            continue
+        if x == "--note":
+            skip_next = True
+            continue
+        args.append(x)
+    cmd = shlex.join(["python", "-m", "tts_engine.bench", "--peers", *args])
+    shared = ""
+    if loads:
+        busy = max(loads) > 0.75 * (info["cpus"] or 1)
+        shared = (f" 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run on {info['cpus']} CPUs"
+                  + (": **the machine was shared** with other jobs, which the interleaving spreads over all engines."
+                     if busy else "."))
     lines = [f"Measured {started:%Y-%m-%d %H:%M} UTC, {minutes:.0f} min for the whole run. CPU: {info['model']}, "
              f"family {info['family']} model {info['model_no']}, {info['cpus']} CPUs; SIMD flags: "
              f"{machine.simd_flags(info)}. torch {torch.__version__}. **{a.threads} threads** per engine, one stream, "
