@@ -95,8 +95,7 @@ def update_doc(text: str, key: str, body: str) -> str:
     m = re.search(r"^## ", text[start + len(SECTION):], re.M)
     end = start + len(SECTION) + m.start() if m else len(text)
     section, rest = text[start:end], text[end:]
-    parts = re.split(r"^(?=### )", section, flags=re.M)
-    head, machines = parts[0], parts[1:]
+    machines = re.split(r"^(?=### )", section, flags=re.M)[1:]     # [0] is the heading + intro, rewritten
     head = f"{SECTION}\n\n{INTRO}\n\n"
     kept = [p if p.endswith("\n\n") else p.rstrip("\n") + "\n\n" for p in machines]
     for i, p in enumerate(kept):
