@@ -12,13 +12,14 @@ from tts_engine.voices.presets import PresetLibrary
 
 from . import layout, server
 from .config import AppConfig
+from .dialogue import DialogueHandler
 from .handlers import Handlers
 from .roles import Models, cache_root
 from .session import Files, Voices
 from .speak import ActiveStreams, Speaker
 
 
-class TTSApp(Handlers):
+class TTSApp(Handlers, DialogueHandler):
     def __init__(self, cfg: AppConfig | None = None):
         self.cfg = cfg = cfg or AppConfig()
         models = Models(cfg)

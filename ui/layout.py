@@ -13,6 +13,7 @@ import gradio as gr
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
+from . import dialogue_tab
 from . import live_player as lp
 from .handlers import api_doc, guard
 
@@ -58,6 +59,7 @@ def build(app) -> gr.Blocks:
                     _preset_tab(app, c, choices, default_voice, langs, examples)
                     _clone_tab(app, c, langs)
                     _blend_tab(c, voices.choices(None, blend=True), langs)
+                    dialogue_tab.build(app, c, langs)
                     if models.has("voice_design"):
                         _design_tab(c, langs, examples)
             with gr.Column(scale=2, min_width=320):
@@ -262,6 +264,7 @@ def _wire(app, c):
                      **kw))
     on(c.export_btn, app.blend_export, [c.n_voices] + slot_in + [c.ab, c.blend_name, c.blend_format, c.session],
        [c.export_file, c.session, c.status] + dd_out, "blend_export")
+    events.append(dialogue_tab.wire(app, c, live, common, gen_out))
     if app.models.has("voice_design"):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
     c.events = events
