@@ -16,10 +16,11 @@ from .dialogue import DialogueHandler
 from .handlers import Handlers
 from .roles import Models, cache_root
 from .session import Files, Voices
+from .transcribe import TranscribeHandler
 from .speak import ActiveStreams, Speaker
 
 
-class TTSApp(Handlers, DialogueHandler):
+class TTSApp(Handlers, DialogueHandler, TranscribeHandler):
     def __init__(self, cfg: AppConfig | None = None):
         self.cfg = cfg = cfg or AppConfig()
         models = Models(cfg)

@@ -15,6 +15,7 @@ from tts_engine.voices import blend as blendlib
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
 from . import dialogue_tab
 from . import live_player as lp
+from . import transcribe
 from .handlers import api_doc, guard
 
 log = logging.getLogger("qwen3_tts_live")
@@ -151,6 +152,7 @@ def _clone_tab(app, c, langs):
             with gr.Column():
                 c.ref_text = gr.Textbox("", label="Transcript of the clip", lines=3,
                                         placeholder="Exactly what is said in the clip")
+                transcribe.add_button(c)
                 c.xvec = gr.Checkbox(False, label="x-vector only (no transcript; lower similarity)")
                 c.voice_name = gr.Textbox("My voice", label="Name this voice", max_lines=1)
         with gr.Row():
@@ -259,6 +261,7 @@ def _wire(app, c):
                            gen_out + [c.voice_file, c.session] + dd_out, "clone"))
         on(c.load_btn, app.load_voice, [c.load_file, c.load_name, c.session], [c.session, c.status] + dd_out,
            "load_voice")
+        transcribe.wire(app, c, on)
     events.append(live(c.blend_btn, app.blend, blend_in, gen_out, "blend"))
     events.append(on(c.sweep_btn, app.blend_sweep, blend_in, c.sweep + [c.final, c.status, c.seed], "blend_sweep",
                      **kw))
