@@ -12,7 +12,6 @@ it; small (244 M parameters, ~1 GB in fp32) is the smallest size whose published
 and Korean are usable for a transcript that must match the clip, and it is a few times lighter than Qwen3-ASR.
 `TTS_ASR_MODEL` picks another Whisper (e.g. `openai/whisper-base`: faster, weaker outside English;
 `openai/whisper-large-v3-turbo`: better, ~3x the size)."""
-"""
 from __future__ import annotations
 
 import logging
