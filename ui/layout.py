@@ -13,7 +13,7 @@ import gradio as gr
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
-from . import dialogue_tab
+from . import dialogue_tab, history
 from . import live_player as lp
 from . import transcribe
 from .handlers import api_doc, guard
@@ -27,7 +27,7 @@ CSS = """
 #status {min-height: 2.2em; font-variant-numeric: tabular-nums;}
 .share {text-align: center; font-weight: 600; padding-top: 1.6em;}
 .sweep-row .block {min-width: 150px;}
-"""
+""" + history.CSS
 
 
 def load_examples(path: Path) -> dict:
@@ -56,7 +56,7 @@ def build(app) -> gr.Blocks:
                     "seconds of audio, or blend voices. Every generation ends with a lossless WAV.")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                with gr.Tabs():
+                with gr.Tabs() as c.tabs:
                     _preset_tab(app, c, choices, default_voice, langs, examples)
                     _clone_tab(app, c, langs)
                     _blend_tab(c, voices.choices(None, blend=True), langs)
@@ -98,6 +98,7 @@ def _player_column(app, c, max_frames, default_frames):
                               label="Max length per sentence group (frames of 80 ms)")
         gr.Markdown("Long text is split at sentence boundaries and streamed in order, with the same voice and "
                     "seed for every part.")
+    history.build(app, c)
 
 
 def _footer(models) -> str:
@@ -251,6 +252,7 @@ def _wire(app, c):
         last input (`live_token`), and the player learns when the server side is over."""
         ev = on(button, fn, inputs + [c.live_token], outputs, name, js=lp.TOKEN_JS, **kw)
         lp.after_event(ev)
+        history.record_after(app, c, ev, name)
         return ev
 
     events = [live(c.p_btn, app.preset, [c.p_text, c.p_voice, c.p_lang, c.p_instruct, c.session] + common, gen_out,
