@@ -25,7 +25,8 @@
 // output saw), state (idle | buffering | playing | ended | stopped | error), backend (worklet | scheduled),
 // maxSilenceMs (longest silence inside the stream's samples: below -60 dBFS, sound on both sides), stallMs (time
 // spent rebuffering after underruns: silence the stream did not contain), longestGapMs (the longest silence heard:
-// a silence inside the stream with the stalls at its edges, or a stall alone).
+// a silence inside the stream with the stalls at its edges, or a stall alone), longestJoinGapMs (the same at the
+// silences inside the stream only: pauses between dialogue lines and sentence groups).
 (() => {
   'use strict';
   if (window.liveTTS) return;
@@ -361,8 +362,9 @@
     }
 
     // The longest silence the listener heard (ms): a silence inside the stream plus the rebuffering stalls at its
-    // edges or within it, or a stall on its own.
-    longestGap(run) {
+    // edges or within it (joins only: the pauses of a dialogue, between sentence groups), or also a stall on its
+    // own (all).
+    longestGap(run, joinsOnly) {
       const slack = 240;   // 10 ms: a stall this close to a silence joins it
       let best = 0;
       const joined = new Set();
@@ -371,7 +373,7 @@
         run.stalls.forEach(([pos, d], k) => { if (pos >= a - slack && pos <= b + slack) { ms += d; joined.add(k); } });
         best = Math.max(best, ms);
       }
-      run.stalls.forEach(([, d], k) => { if (!joined.has(k)) best = Math.max(best, d); });
+      if (!joinsOnly) run.stalls.forEach(([, d], k) => { if (!joined.has(k)) best = Math.max(best, d); });
       return best;
     }
 
@@ -525,7 +527,8 @@
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
         error: run.error || null,
-        maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run),
+        maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run, false),
+        longestJoinGapMs: this.longestGap(run, true),
         log: run.log,
       };
       this.metrics = m;

@@ -2,12 +2,14 @@
 the settings and the audio), to play again, download, restore into the form for another take, and compare two
 of them A/B (assets/history.js plays them in the page).
 
-A take is recorded after a generating event ends (`record_after`: a `.then()` that reads the event's inputs and
-its result). The list lives in a `gr.State` (one per tab, never shared) and each take's WAV in the app's private
+A take is recorded when a generation puts its result into the player (`final.change`), with the values its
+handler was called with (`noting` keeps them per browser session when the handler starts) and the seed it used. The list lives in a `gr.State` (one per tab, never shared) and each take's WAV in the app's private
 file folder (`session.Files`: an unguessable folder per file, deleted after the file lifetime); a take that falls
 off the end of the list, and every take of a closed session (the State's `delete_callback`), is deleted at once."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import html
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import gradio as gr
 import numpy as np
 
 from .config import ROOT, SR
+from .speak import session_key
 
 MAX_TAKES = 20
 JS_FILE = ROOT / "assets" / "history.js"
@@ -88,6 +91,9 @@ def record(app, kind: str, history, final, seed, *values) -> list:
         audio = audio.mean(axis=1)
     if audio.dtype != np.int16:
         audio = (np.clip(audio.astype(np.float32), -1, 1) * 32767).astype(np.int16)
+    digest = hashlib.sha1(audio.tobytes()).hexdigest()
+    if history and history[0].get("digest") == digest:     # the same result reported again: one take
+        return history
     n = (history[0]["n"] + 1) if history else 1
     path = app.files.save_wav(audio, f"take_{n:02d}_{kind}") if int(rate) == SR else None
     if path is None:
@@ -96,7 +102,7 @@ def record(app, kind: str, history, final, seed, *values) -> list:
     v["seed"] = seed if seed is not None else v.get("seed")
     take = {"n": n, "kind": kind, "when": time.strftime("%H:%M:%S"), "seconds": round(len(audio) / SR, 2),
             "seed": v["seed"], "text": str(v.get(TEXT_FIELD[kind]) or ""), "voice": voice_of(kind, v),
-            "values": v, "path": path}
+            "values": v, "path": path, "digest": digest}
     history.insert(0, take)
     for old in history[MAX_TAKES:]:
         _drop_file(old.get("path"))
@@ -166,6 +172,7 @@ def restore(c, take: dict) -> dict:
 def build(app, c) -> None:
     """The Takes panel of the player column: the A/B buttons and the list (re-rendered when a take is added)."""
     c.history = gr.State([], delete_callback=forget)
+    _record_when_done(app, c)
     with gr.Accordion(f"Takes of this session (last {MAX_TAKES})", open=True, elem_id="takes"):
         gr.HTML(AB_HTML)
 
@@ -182,13 +189,38 @@ def build(app, c) -> None:
                           api_visibility="undocumented")
 
 
-def record_after(app, c, event, kind: str) -> None:
-    """Record a take once the generating `event` has ended well."""
-    if kind not in FIELDS:
-        return
-    comps = [component(c, n) for n in FIELDS[kind] + SETTINGS]
-    if any(x is None for x in comps):
-        return
-    event.then(lambda h, final, seed, *vals: record(app, kind, h, final, seed, *vals),
-               [c.history, c.final, c.seed, *comps], [c.history], show_progress="hidden",
-               api_visibility="undocumented")
+def noting(c, fn, kind: str, inputs: list):
+    """`fn` (a generating handler, a generator function) that first notes, for its browser session, which kind of
+    generation it is and the values it was called with (by component name), so that the result it puts into the
+    player becomes a take with exactly those settings. The signature, docstring and API of `fn` stay as they are."""
+    names = {id(component(c, n)): n for k in FIELDS for n in FIELDS[k] + SETTINGS if component(c, n) is not None}
+    pending = c.__dict__.setdefault("take_pending", {})
+
+    @functools.wraps(fn)
+    def gen(*args, **kwargs):
+        request = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, gr.Request)), None)
+        if kind in FIELDS and request is not None:
+            values = {names[id(comp)]: a for comp, a in zip(inputs, args) if id(comp) in names}
+            pending[session_key(request)] = (kind, values)
+        yield from fn(*args, **kwargs)
+    return gen
+
+
+def _record_when_done(app, c) -> None:
+    """A new result in the player (`final`) becomes a take of the generation this session started last."""
+    pending = c.__dict__.setdefault("take_pending", {})
+
+    def on_final(history, final, seed, request: gr.Request):
+        key = session_key(request)
+        noted = pending.pop(key, None) if final is not None else None
+        if noted is None:
+            return gr.skip()
+        kind, v = noted
+        new = record(app, kind, history, final, seed, *[v.get(n) for n in FIELDS[kind] + SETTINGS])
+        if new == list(history or []):     # the last take's result reported again: still waiting for this one
+            pending.setdefault(key, noted)
+            return gr.skip()
+        return new
+
+    c.final.change(on_final, [c.history, c.final, c.seed], [c.history], show_progress="hidden",
+                   api_visibility="undocumented")

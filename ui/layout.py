@@ -250,9 +250,9 @@ def _wire(app, c):
     def live(button, fn, inputs, outputs, name):
         """A generating event that the page's player listens to: its `js=` puts the click's token in as the
         last input (`live_token`), and the player learns when the server side is over."""
-        ev = on(button, fn, inputs + [c.live_token], outputs, name, js=lp.TOKEN_JS, **kw)
+        ev = on(button, history.noting(c, fn, name, inputs), inputs + [c.live_token], outputs, name, js=lp.TOKEN_JS,
+                **kw)
         lp.after_event(ev)
-        history.record_after(app, c, ev, name)
         return ev
 
     events = [live(c.p_btn, app.preset, [c.p_text, c.p_voice, c.p_lang, c.p_instruct, c.session] + common, gen_out,
