@@ -28,7 +28,8 @@ def prepare_reference(source, limits: Limits) -> tuple[tuple[np.ndarray, int], l
     return (wav, sr), notices
 
 
-def transcribe_reference(ref: tuple[np.ndarray, int], device=None, language: str | None = None) -> tuple[str | None, list[str]]:
+def transcribe_reference(ref: tuple[np.ndarray, int], device=None,
+                         language: str | None = None) -> tuple[str | None, list[str]]:
     """The words of a reference clip by the speech-recognition model (tts_engine/asr.py), for a caller that sent
     `ref_audio` without `ref_text` and asked for a transcript -> (text or None, notices). Without the model (or
     without words) the clone falls back to x-vector only, with a notice saying why."""

@@ -3,9 +3,10 @@ the settings and the audio), to play again, download, restore into the form for 
 of them A/B (assets/history.js plays them in the page).
 
 A take is recorded when a generation puts its result into the player (`final.change`), with the values its
-handler was called with (`noting` keeps them per browser session when the handler starts) and the seed it used. The list lives in a `gr.State` (one per tab, never shared) and each take's WAV in the app's private
-file folder (`session.Files`: an unguessable folder per file, deleted after the file lifetime); a take that falls
-off the end of the list, and every take of a closed session (the State's `delete_callback`), is deleted at once."""
+handler was called with (`noting` keeps them per browser session when the handler starts) and the seed it used.
+The list lives in a `gr.State` (one per tab, never shared) and each take's WAV in the app's private file folder
+(`session.Files`: an unguessable folder per file, deleted after the file lifetime); a take that falls off the end
+of the list, and every take of a closed session (the State's `delete_callback`), is deleted at once."""
 from __future__ import annotations
 
 import functools
@@ -201,7 +202,10 @@ def noting(c, fn, kind: str, inputs: list):
         request = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, gr.Request)), None)
         if kind in FIELDS and request is not None:
             values = {names[id(comp)]: a for comp, a in zip(inputs, args) if id(comp) in names}
+            pending.pop(session_key(request), None)
             pending[session_key(request)] = (kind, values)
+            while len(pending) > 1000:            # sessions whose last generation was stopped: oldest first
+                pending.pop(next(iter(pending)))
         yield from fn(*args, **kwargs)
     return gen
 
