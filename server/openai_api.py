@@ -1,8 +1,8 @@
 """OpenAI-compatible speech API, as vLLM-Omni serves Qwen3-TTS:
 
   POST /v1/audio/speech   {model, input, voice, response_format, speed, stream, language, instructions,
-                           task_type, ref_audio, ref_text, x_vector_only_mode, speaker_embedding,
-                           max_new_tokens, seed}
+                           task_type, ref_audio, ref_text, x_vector_only_mode, transcribe_ref_audio,
+                           speaker_embedding, max_new_tokens, seed}
   GET  /v1/audio/voices
 
 Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
@@ -30,7 +30,7 @@ from tts_engine import EngineBusyError, TTSError
 from . import audio_formats
 from .body_limit import BodySizeLimit
 from .limits import Limits
-from .reference import prepare_reference
+from .reference import prepare_reference, transcribe_reference
 from .registry import EngineRegistry
 from .speech_request import APIError, SpeechRequest, check_request, model_role
 from .speed import StreamStretcher, change_speed
@@ -157,8 +157,12 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             data = decode_ref_audio(req.ref_audio, limits)
             ref, notices = prepare_reference(data, limits)
             request_notices.extend(notices)
-            xvec = bool(req.x_vector_only_mode) or not (req.ref_text or "").strip()
-            return engine.clone_voice(ref, ref_text=req.ref_text, x_vector_only=xvec)
+            ref_text = req.ref_text
+            if req.transcribe_ref_audio and not req.x_vector_only_mode and not (ref_text or "").strip():
+                ref_text, notices = transcribe_reference(ref, getattr(registry, "device", None), req.language)
+                request_notices.extend(notices)
+            xvec = bool(req.x_vector_only_mode) or not (ref_text or "").strip()
+            return engine.clone_voice(ref, ref_text=ref_text, x_vector_only=xvec)
         if req.speaker_embedding is not None:
             return engine.voice_from_embedding(req.speaker_embedding)
         if req.voice:

@@ -3,7 +3,8 @@
 A session's voices (clones, loaded voice files, exported blends) live in a `gr.State` dict {name: Voice}:
 per browser tab, gone when the page closes; one session never sees another's. `Voices` turns a voice choice
 (`ryan`, `preset:emma`, `my:<name>`, `file`) into what `engine.stream` takes. `Files` writes voice files
-into a private temporary folder and deletes each after `limits.file_ttl_seconds`."""
+(and WAVs: dialogue lines, takes) into a private temporary folder and deletes each after
+`limits.file_ttl_seconds`."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +17,7 @@ from tts_engine import TTSError
 from tts_engine.voices.presets import PresetLibrary
 from tts_engine.voices.voice import Voice
 
-from .config import FILE_CHOICE, ROLE_LABEL
+from .config import FILE_CHOICE, ROLE_LABEL, SR
 from .roles import Models, speaker_label
 
 
@@ -123,12 +124,24 @@ class Files:
         self.dir = Path(tempfile.mkdtemp(prefix="qwen3-tts-live-"))
 
     def save_voice(self, voice: Voice, name: str, fmt: str) -> str:
-        self.prune()
         fmt = "json" if str(fmt).lower().lstrip(".") == "json" else "safetensors"
+        return str(voice.save(self._new_path(name, fmt, "voice")))
+
+    def save_wav(self, pcm, name: str) -> str:
+        """int16 mono samples at 24 kHz as a 16-bit WAV file (expires like the voice files)."""
+        import soundfile as sf
+
+        path = self._new_path(name, "wav", "audio")
+        sf.write(str(path), pcm, SR, subtype="PCM_16")
+        return str(path)
+
+    def _new_path(self, name: str, ext: str, fallback: str) -> Path:
+        """A fresh file `<name>.<ext>` in its own random subfolder (old ones pruned first)."""
+        self.prune()
         d = self.dir / uuid.uuid4().hex
         d.mkdir(parents=True)
-        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name).strip("_") or "voice"
-        return str(voice.save(d / f"{safe}.{fmt}"))
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name).strip("_") or fallback
+        return d / f"{safe}.{ext}"
 
     def prune(self) -> None:
         cutoff = time.time() - self.ttl_seconds
