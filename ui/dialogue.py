@@ -11,7 +11,7 @@ import gradio as gr
 from tts_engine import TTSError
 
 from .config import ROLE_LABEL
-from .handlers import check_sampling, check_seed
+from .handlers import check_sampling, check_seed, check_speed
 from .dialogue_script import MAX_SPEAKERS, check_lines, check_pause, parse_script, speakers
 from .live_player import expected_seconds
 from .speak import SpeechJob, session_key, sentence_parts
@@ -46,7 +46,7 @@ class DialogueHandler:
                  pause: float = 0.3, language: str = "auto", session: dict | None = None,
                  seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
                  top_p: float = 1.0, repetition_penalty: float = 1.05, max_new_tokens: int | None = None,
-                 live_token: str = "", request: gr.Request = None):
+                 speed: float = 1.0, live_token: str = "", request: gr.Request = None):
         """Speak a dialogue between up to 4 voices, line by line, streamed without gaps (each next line is
         generated while the one before plays), with a pause between turns. Ends with the whole WAV and one WAV
         per line.
@@ -70,6 +70,7 @@ class DialogueHandler:
             top_p: top-p
             repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each) per sentence group
+            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
             live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg), the whole dialogue as a lossless WAV, status line, seed used, one WAV per line (in order)
@@ -78,6 +79,7 @@ class DialogueHandler:
         lines = parse_script(script)
         names = check_lines(lines, self.limits.max_text_chars)
         pause_s = check_pause(pause)
+        speed = check_speed(speed)
         sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
         slots = [(speaker_1, voice_1), (speaker_2, voice_2), (speaker_3, voice_3), (speaker_4, voice_4)][:MAX_SPEAKERS]
         cast = self._cast(names, slots, session)
@@ -89,7 +91,7 @@ class DialogueHandler:
                 inst = None
                 ignored.add(line.speaker)
             job = SpeechJob(text=line.text, voice=voice, language=language, instruct=inst, seed=seed,
-                            sampling=sampling, max_new_tokens=max_new)
+                            sampling=sampling, max_new_tokens=max_new, speed=speed)
             parts += sentence_parts(self.models.engine(role), job, line=i, pause_s=pause_s if i else 0.0)
         first_role = cast[lines[0].speaker.lower()][0]
         notes = [f"{len(lines)} lines", " · ".join(f"{n} = {cast[n.lower()][2]} ({ROLE_LABEL[cast[n.lower()][0]]})"
@@ -100,7 +102,7 @@ class DialogueHandler:
         c = self.c
         yield {**self.speaker.start(first_role, seed), c.dlg_files: None}
         expected = sum(expected_seconds(x.text) for x in lines) + pause_s * (len(lines) - 1)
-        sink = self.live.open(live_token, session_key(request), expected)
+        sink = self.live.open(live_token, session_key(request), expected / speed)
 
         def line_files(audio):
             files = [self.files.save_wav(pcm, f"{i + 1:02d}_{lines[i].speaker}") for i, pcm in audio if len(pcm)]

@@ -24,7 +24,7 @@ from .speak import session_key
 MAX_TAKES = 20
 JS_FILE = ROOT / "assets" / "history.js"
 # what each generating event's take keeps: names in `c` (a list of components is named `name.i`)
-SETTINGS = ["seed", "temperature", "top_k", "top_p", "rep", "max_new"]
+SETTINGS = ["seed", "temperature", "top_k", "top_p", "rep", "max_new", "speed"]
 FIELDS = {
     "preset": ["p_text", "p_voice", "p_lang", "p_instruct"],
     "clone": ["c_text", "c_lang", "ref_text", "xvec", "voice_name"],
