@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tts_engine import EngineBusyError, TTSError
 
-from . import audio_formats, voices_api
+from . import audio_formats, speech_ws, voices_api
 from .body_limit import BodySizeLimit
 from .limits import Limits
 from .reference import prepare_reference
@@ -190,6 +190,14 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
             return v
         raise APIError(400, "a Base model needs `ref_audio`, `speaker_embedding` or a saved `voice`", param="voice")
+
+    def prepare(req: SpeechRequest):
+        """(engine, voice) of a request: what the WebSocket stream speaks each sentence with."""
+        role = pick_role(req)
+        engine = registry.get(role)
+        return engine, make_voice(role, engine, req, [])
+
+    speech_ws.install(app, prepare, SpeechRequest, limits)    # /v1/audio/speech/stream
 
     @app.post("/v1/audio/speech")
     def speech(req: SpeechRequest, request: Request):
