@@ -4,6 +4,8 @@
                            task_type, ref_audio, ref_text, x_vector_only_mode, speaker_embedding,
                            max_new_tokens, seed}
   GET  /v1/audio/voices
+  POST /v1/audio/voices, DELETE /v1/audio/voices/{name}   uploaded voices (server/voices_api.py)
+  WS   /v1/audio/speech/stream                           text in as it is written (server/speech_ws.py)
 
 Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
 `ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
