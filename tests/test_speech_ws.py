@@ -257,3 +257,29 @@ def test_errors_later_in_a_session_are_not_fatal(server):
         send(ws, type="input.text", text="New voice.")
         send(ws, type="input.done")
         assert sentences(collect(ws))[0]["done"]["error"] is False
+
+
+def test_a_failing_sentence_is_reported_and_the_next_ones_still_speak(server, monkeypatch):
+    from tts_engine import TTSError
+
+    url, registry = server
+    engine = registry.get("custom_voice")
+    real = engine.stream
+
+    def stream(text, **kw):
+        if text == "Bad one.":
+            raise TTSError("this sentence cannot be spoken")
+        return real(text, **kw)
+
+    monkeypatch.setattr(engine, "stream", stream)
+    with connect(url) as ws:
+        send(ws, type="session.config", voice="ryan", stream_audio=True, max_new_tokens=4)
+        send(ws, type="input.text", text="Good one. Bad one. Good again.")
+        send(ws, type="input.done")
+        msgs = collect(ws)
+    errors = [m for m in msgs if isinstance(m, dict) and m["type"] == "error"]
+    assert len(errors) == 1 and "cannot be spoken" in errors[0]["message"]
+    got = sentences(msgs)
+    assert [(s["start"]["sentence_text"], s["done"]["error"]) for s in got] == [
+        ("Good one.", False), ("Bad one.", True), ("Good again.", False)]
+    assert got[1]["audio"] == b"" and got[2]["audio"]
