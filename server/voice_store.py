@@ -141,6 +141,10 @@ class VoiceStore:
         token = owner_token or secrets.token_urlsafe(24)
         with self._lock:
             key = name.lower()
+            taken = self._voices.get(key)      # again under the lock: another upload may have won meanwhile
+            if taken is not None and not admin and not self._owns(taken[1], owner_token):
+                raise VoiceStoreError(403, f"voice {name!r} belongs to another client", param="name",
+                                      code="voice_not_owned")
             if key not in self._voices and len(self._voices) >= self.limits.max_voices:
                 raise VoiceStoreError(400, f"this server keeps at most {self.limits.max_voices} uploaded voices; "
                                       "delete one first", code="voice_limit_reached")
