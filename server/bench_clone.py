@@ -5,9 +5,10 @@
 
 A server on loopback (uvicorn, this process) with one Base checkpoint; the client posts the same request
 `repeats` times (`ref_audio` = presets/oliver.flac, 5 s, with its transcript; `stream=true`, pcm) and times
-request -> first audio bytes. Rows: the cache off (every request runs the speaker and codec encoders), the cache
-on (the first request fills it, the rest are timed), and the same voice uploaded once and named in `voice` (no
-encoder at all: the floor). Also the clone step alone (engine.clone_voice, miss vs hit). Median (min) of the
+request -> first audio bytes. Rows: the caches off (every request runs the speaker and codec encoders and
+primes the codec decoder with the reference codes), the caches on (the first request fills them, the rest are
+timed), the same voice uploaded once and named in `voice`, and a `speaker_embedding` request (x-vector voice: no
+reference codes, what a preset-like voice costs). Also the clone step alone (engine.clone_voice, miss vs hit). Median (min) of the
 repeats. Writes its section of docs/benchmarks.md with the CPU/GPU named.
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ def stats(xs: list[float]) -> str:
 def main(argv=None) -> int:
     from fastapi import FastAPI
 
+    from tts_engine.audio import load_audio
     from tts_engine.bench import checkpoint_for, write_markdown
 
     from .limits import Limits
@@ -112,25 +114,32 @@ def main(argv=None) -> int:
     r.raise_for_status()
     named = {k: v for k, v in body.items() if k not in ("task_type", "ref_audio", "ref_text")} | {"voice": "bench"}
 
-    cache = engine.reference_cache
-    cache.clear()
-    miss_first = first_audio(url, body)                                 # fills the cache
-    off, on, uploaded = [], [], []
+    caches = (engine.reference_cache, engine.worker.primed)
+    sizes = [c.max_entries for c in caches]
+    for c in caches:
+        c.clear()
+    miss_first = first_audio(url, body)                                 # fills both caches
+    emb = engine.clone_voice((load_audio(str(CLIP))), x_vector_only=True).embedding.tolist()
+    xvec = {k: v for k, v in body.items() if k not in ("ref_audio", "ref_text")} | {"speaker_embedding": emb}
+    off, on, uploaded, vector = [], [], [], []
     for _ in range(a.repeats):   # interleaved, so the load of a shared machine hits every row alike
-        cache.max_entries, saved = 0, dict(cache._items)               # before: no cache
-        cache.clear()
+        saved = [dict(c._items) for c in caches]
+        for c in caches:                                                # before: no caches
+            c.max_entries = 0
+            c.clear()
         off.append(first_audio(url, body))
-        cache.max_entries = 128                                         # after: the cache (filled)
-        for k, v in saved.items():
-            cache.put(k, v)
+        for c, n, items in zip(caches, sizes, saved):                   # after: the caches, filled
+            c.max_entries = n
+            for k, v in items.items():
+                c.put(k, v)
         on.append(first_audio(url, body))
         uploaded.append(first_audio(url, named))
-    rows = [("clone request, cache off (every request encodes the clip)", off),
-            ("clone request, cache on: the first one (miss)", [miss_first]),
-            ("clone request, cache on: repeats (hit)", on),
-            ("uploaded voice named in `voice` (no encoder: the floor)", uploaded)]
-
-    from tts_engine.audio import load_audio
+        vector.append(first_audio(url, xvec))
+    rows = [("clone request, caches off (encoders + decoder priming every time)", off),
+            ("clone request, caches on: the first one (miss)", [miss_first]),
+            ("clone request, caches on: repeats (hit)", on),
+            ("uploaded voice (same clip, ICL) named in `voice`", uploaded),
+            ("`speaker_embedding` request (x-vector: no reference codes; the preset-like floor)", vector)]
 
     wav, sr = load_audio(str(CLIP))
     engine.reference_cache.clear()

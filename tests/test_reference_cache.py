@@ -93,3 +93,35 @@ def test_lru_is_bounded_and_can_be_off():
     off = ReferenceCache(max_entries=0)
     off.put(keys[0], voice())
     assert len(off) == 0 and off.get(keys[0]) is None
+
+
+def test_an_icl_voice_primes_the_codec_decoder_once(engine, monkeypatch):
+    voice = engine.clone_voice(_clip(260.0), ref_text="A tone.")
+    frames = voice.ref_codes.shape[0]
+    codec = engine.model.speech_tokenizer.decoder
+    real = codec.decode_step
+    primings = []
+
+    def counting(codes, state):
+        if codes.shape[-1] == frames:
+            primings.append(codes.shape)
+        return real(codes, state)
+
+    monkeypatch.setattr(codec, "decode_step", counting)
+    engine.worker.primed.clear()
+    outs = []
+    for _ in range(3):
+        outs.append(engine.synthesize("Hello there.", voice=voice, seed=11, max_new_tokens=6, language="english"))
+    assert len(primings) == 1                       # the first request primed it; the others started from a copy
+    assert len(outs[0]) > 0 and all(np.array_equal(outs[0], o) for o in outs[1:])   # and sound exactly the same
+    engine.worker.primed.clear()
+    fresh = engine.synthesize("Hello there.", voice=voice, seed=11, max_new_tokens=6, language="english")
+    assert len(primings) == 2 and np.array_equal(fresh, outs[0])
+    # off: every request primes
+    engine.worker.primed.max_entries = 0
+    try:
+        engine.synthesize("Hello there.", voice=voice, seed=11, max_new_tokens=6, language="english")
+        engine.synthesize("Hello there.", voice=voice, seed=11, max_new_tokens=6, language="english")
+        assert len(primings) == 4
+    finally:
+        engine.worker.primed.max_entries = 32

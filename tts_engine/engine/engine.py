@@ -23,7 +23,7 @@ from ..errors import TTSError
 from ..model.prompt import Prompt
 from ..model.qwen3_tts import Qwen3TTSModel
 from ..model.sampling import SamplingParams
-from ..voices.reference_cache import ReferenceCache, reference_key
+from ..voices.reference_cache import DecoderPrimeCache, ReferenceCache, reference_key
 from ..voices.voice import Voice, check_embedding
 from .model_runner import ModelRunner
 from .request import Request
@@ -96,7 +96,8 @@ class TTSEngine:
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
         the eager path, `--eager` on the command lines); capture_graphs_at_start: capture every (batch, length)
         bucket now, as the engine's warm-up, instead of on first use inside a request; reference_cache: cloned
-        voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders (0: off). A capture or replay that
+        voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
+        decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both off). A capture or replay that
         raises turns graphs off for good with one log line (`graph_status` says why); the engine keeps serving."""
         self.model = model
         self.config = model.config
@@ -119,6 +120,7 @@ class TTSEngine:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
+        self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)
 
     @classmethod
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
