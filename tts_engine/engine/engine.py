@@ -97,8 +97,9 @@ class TTSEngine:
         the eager path, `--eager` on the command lines); capture_graphs_at_start: capture every (batch, length)
         bucket now, as the engine's warm-up, instead of on first use inside a request; reference_cache: cloned
         voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
-        decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both off). A capture or replay that
-        raises turns graphs off for good with one log line (`graph_status` says why); the engine keeps serving."""
+        decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both
+        off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
+        why); the engine keeps serving."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
