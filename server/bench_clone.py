@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import platform
 import statistics
 import threading
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     app = FastAPI()
     install(app, registry, Limits(max_new_tokens=a.frames))
     srv, url = serve(app)
+    load_before = os.getloadavg()[0]
     engine = registry.get("base")
     ref = "data:audio/flac;base64," + base64.b64encode(CLIP.read_bytes()).decode()
     body = {"input": "Hello there, this is a cloned voice.", "task_type": "Base", "ref_audio": ref,
@@ -163,7 +165,9 @@ def main(argv=None) -> int:
                f"({engine.precision}). Reference: presets/oliver.flac (5 s) with its transcript (in-context clone). "
                f"Request: `stream=true`, pcm, {a.frames} frames, {a.repeats} repeats; first audio = request sent to "
                f"first audio bytes at the client, through the HTTP server on loopback. Command: "
-               f"`python -m server.bench_clone --arch {a.arch}`.\n\n" + "\n".join(table))
+               f"`python -m server.bench_clone --arch {a.arch}`. Load average (1 min) at the start / end: "
+               f"{load_before:.1f} / {os.getloadavg()[0]:.1f} (for {os.cpu_count()} CPUs): on a shared machine "
+               "compare the rows of one run, which are interleaved.\n\n" + "\n".join(table))
     print(body_md)
     if not a.no_write:
         write_markdown(Path(a.out), f"## Reference cache: a repeated Base clone request — {a.arch}, {engine.precision}",

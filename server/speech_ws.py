@@ -12,8 +12,9 @@ Client -> server (JSON text messages):
   {"type": "input.done"}            end of an utterance: the rest of the buffer is spoken; the socket stays open
   {"type": "session.close"}         finish what was sent, then close
 Server -> client:
-  {"type": "audio.start", "utterance_index", "sentence_index", "sentence_text", "format", "sample_rate"}
-  binary frames (int16 mono PCM at 24 kHz; `wav`: a WAV header first; whole-file formats when not streaming)
+  {"type": "audio.start", "utterance_index", "sentence_index", "sentence_text", "format", "sample_rate", "channels"}
+  binary frames: with stream_audio, int16 mono PCM at 24 kHz as generated (`wav`, the default format: a WAV
+  header opens each sentence's audio); without, one frame per sentence holding a whole file of `response_format`
   {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error"}
   {"type": "session.done", "utterance_index", "total_sentences"}
   {"type": "error", "message"}      non-fatal, except a bad first session.config (the socket then closes)
@@ -186,7 +187,7 @@ class SpeechSocket:
         if granularity not in GRANULARITIES:
             await self._error(f"split_granularity must be one of {', '.join(GRANULARITIES)}")
             return False
-        fmt = str(cfg.get("response_format") or "pcm").lower()
+        fmt = str(cfg.get("response_format") or "wav").lower()      # vLLM-Omni's default
         allowed = audio_formats.STREAMABLE if stream_audio else tuple(audio_formats.available_formats())
         if fmt not in allowed:
             await self._error(f"response_format must be one of {', '.join(allowed)}"
@@ -275,7 +276,8 @@ class SpeechSocket:
 
     async def _speak(self, s: Sentence) -> None:
         await self._send_json({"type": "audio.start", "utterance_index": s.utterance, "sentence_index": s.index,
-                               "sentence_text": s.text, "format": s.fmt, "sample_rate": audio_formats.SAMPLE_RATE})
+                               "sentence_text": s.text, "format": s.fmt, "sample_rate": audio_formats.SAMPLE_RATE,
+                               "channels": 1})
         total, failed, parts = 0, s.error is not None, []
         if s.error:
             await self._error(f"sentence {s.index}: {s.error}")
