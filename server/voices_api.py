@@ -2,8 +2,10 @@
 
   POST   /v1/audio/voices          multipart: audio_sample (file; `audio` also accepted), name, consent,
                                    ref_text (`transcript`), speaker_description (`description`),
-                                   x_vector_only_mode -> {"success": true, "voice": {...,"owner_token"}}
-  DELETE /v1/audio/voices/{name}   -> {"success": true, "message": "Voice 'x' deleted successfully"}
+                                   x_vector_only_mode -> {"success": true, "voice": {...,"owner_token"}} plus
+                                   OpenAI's voice object fields (id = name, object, created_at, type)
+  DELETE /v1/audio/voices/{name}   -> {"success": true, "message": "Voice 'x' deleted successfully"} plus
+                                   OpenAI's {id, deleted, object}
   GET    /v1/audio/voices          (server/openai_api.py) lists them too: `uploaded_voices`, and their names in
                                    `voices` and `data` (see `listing`)
 
@@ -139,12 +141,17 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> VoiceStor
                 "speaker_description": desc or None, "mode": "x_vector" if xvec else "icl",
                 "model": registry.checkpoints.get("base")}
         info, token = store.add(name, voice, meta, token, admin)
-        return JSONResponse({"success": True, "voice": dict(info, owner_token=token)},
+        # vLLM-Omni's answer ({"success", "voice"}) and, beside it, OpenAI's voice object (the `openai` client's
+        # `client.audio.voices.create` returns it): the id is the name
+        return JSONResponse({"success": True, "voice": dict(info, owner_token=token), "id": info["name"],
+                             "object": "audio.voice", "name": info["name"], "created_at": info["created_at"],
+                             "type": "audio_sample", "owner_token": token},
                             headers={"X-Voice-Owner-Token": token})
 
     @app.delete("/v1/audio/voices/{name}")
     def delete_voice(name: str, request: Request):
         gone = store.delete(name, request.headers.get(OWNER_HEADER) or None, _admin(request, store))
-        return {"success": True, "message": f"Voice '{gone}' deleted successfully"}
+        return {"success": True, "message": f"Voice '{gone}' deleted successfully",   # vLLM-Omni
+                "id": gone, "deleted": True, "object": "audio.voice.deleted"}             # OpenAI
 
     return store

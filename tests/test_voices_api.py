@@ -89,8 +89,8 @@ def test_upload_list_speak_delete(server):
     assert sr == 24000 and len(wav) > 0
 
     r = delete(url, "Narrator One", token=v["owner_token"])
-    assert r.status_code == 200 and r.json() == {"success": True,
-                                                 "message": "Voice 'Narrator One' deleted successfully"}
+    assert r.status_code == 200
+    assert r.json()["success"] is True and r.json()["message"] == "Voice 'Narrator One' deleted successfully"
     assert "Narrator One" not in httpx.get(f"{url}/v1/audio/voices").json()["voices"]
     r = delete(url, "Narrator One", token=v["owner_token"])
     assert r.status_code == 404 and "not found" in r.json()["error"]["message"]
@@ -242,4 +242,44 @@ def test_repeated_clone_request_hits_the_reference_cache(server, monkeypatch):
     before = dict(calls)
     r = httpx.post(f"{url}/v1/audio/speech", json={"input": "No encoders.", "voice": "cached"}, timeout=120)
     assert r.status_code == 200 and calls == before
+    _clean(registry)
+
+
+def test_the_openai_client_uploads_uses_and_deletes_a_voice(server):
+    url, registry, _ = server
+    _clean(registry)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    v = client.audio.voices.create(audio_sample=("me.wav", _wav_bytes(240.0), "audio/wav"), consent="cons_1",
+                                   name="From OpenAI", extra_body={"ref_text": "A tone."},
+                                   extra_headers={"X-Voice-Owner-Token": "openai-owner"})
+    assert v.id == "From OpenAI" and v.object == "audio.voice" and v.type == "audio_sample"
+    assert v.owner_token == "openai-owner" and isinstance(v.created_at, int)
+    assert registry.uploaded.get("From OpenAI").ref_text == "A tone."
+    out = client.audio.speech.create(model="tts", voice=v.id, input="Spoken by an uploaded voice.")
+    assert sf.read(io.BytesIO(out.content))[1] == 24000
+    with pytest.raises(openai.PermissionDeniedError):
+        client.audio.voices.delete(v.id)
+    gone = client.audio.voices.delete(v.id, extra_headers={"X-Voice-Owner-Token": "openai-owner"})
+    assert gone.deleted is True and gone.id == "From OpenAI"
+    with pytest.raises(openai.NotFoundError):
+        client.audio.voices.delete(v.id, extra_headers={"X-Voice-Owner-Token": "openai-owner"})
+
+
+def test_a_voice_made_for_another_width_is_cloned_again_from_its_clip(server):
+    import torch
+
+    from tts_engine.voices.voice import Voice
+
+    url, registry, _ = server
+    _clean(registry)
+    wav, _ = sf.read(io.BytesIO(_wav_bytes(150.0)), dtype="float32")
+    pcm = torch.from_numpy((wav * 32767).astype(np.int16))
+    other = Voice(kind="xvector", embedding=torch.randn(32), hidden_size=32, ref_audio=pcm, ref_sr=24000)
+    registry.uploaded.add("wide", other, {"consent": "c"}, owner_token="t")
+    bare = Voice(kind="xvector", embedding=torch.randn(32), hidden_size=32)
+    registry.uploaded.add("bare", bare, {"consent": "c"}, owner_token="t")
+    r = httpx.post(f"{url}/v1/audio/speech", json={"input": "Refitted.", "voice": "wide"}, timeout=120)
+    assert r.status_code == 200 and r.content[:4] == b"RIFF"
+    r = httpx.post(f"{url}/v1/audio/speech", json={"input": "No clip kept.", "voice": "bare"}, timeout=120)
+    assert r.status_code == 400 and "needs 64" in r.json()["error"]["message"]
     _clean(registry)
