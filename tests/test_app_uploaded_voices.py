@@ -13,15 +13,20 @@ from ui.config import AppConfig
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
+def built(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     ck = {role: str(make_tiny(d / role, kind=role)) for role in ("custom_voice", "base")}
     cfg = AppConfig(checkpoints=ck | {"voice_design": ""}, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"),
                     limits=Limits(max_new_tokens=6))
     a = TTSApp(cfg)
-    a.build()
-    yield a
+    demo = a.build()
+    yield a, demo
     a.close()
+
+
+@pytest.fixture(scope="module")
+def app(built):
+    return built[0]
 
 
 def _clip(freq=180.0):
@@ -68,3 +73,17 @@ def test_clone_tab_repeats_hit_the_reference_cache(app, tmp_path, monkeypatch):
                              0, False, 0.9, 50, 1.0, 1.05, 4, ""))
         assert any(isinstance(o, dict) and o.get(app.c.voice_file) for o in out)     # cloned and saved each time
     assert len(calls) == 1
+
+
+def test_the_page_refreshes_its_voice_dropdowns_when_loaded(built):
+    app, demo = built
+    loads = [f for f in demo.fns.values() if f.api_name == "ui_voices"]
+    assert len(loads) == 1 and any(t[1] == "load" for t in loads[0].targets)
+    assert {o._id for o in loads[0].outputs} == {app.c.p_voice._id, *(d._id for d in app.c.slot_voice)}
+    voice = app.engine("base").clone_voice(_clip(300.0), x_vector_only=True, name="Late")
+    app.registry.uploaded.add("Late", voice, {}, owner_token="t")
+    try:
+        updates = loads[0].fn({})
+        assert "uploaded:Late" in [v for _, v in updates[app.c.p_voice]["choices"]]
+    finally:
+        app.registry.uploaded.delete("Late", "t")
