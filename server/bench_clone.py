@@ -8,8 +8,8 @@ A server on loopback (uvicorn, this process) with one Base checkpoint; the clien
 request -> first audio bytes. Rows: the caches off (every request runs the speaker and codec encoders and
 primes the codec decoder with the reference codes), the caches on (the first request fills them, the rest are
 timed), the same voice uploaded once and named in `voice`, and a `speaker_embedding` request (x-vector voice: no
-reference codes, what a preset-like voice costs). Also the clone step alone (engine.clone_voice, miss vs hit). Median (min) of the
-repeats. Writes its section of docs/benchmarks.md with the CPU/GPU named.
+reference codes, what a preset-like voice costs). Also the clone step alone (engine.clone_voice, miss vs hit).
+Median (min) of the repeats. Writes its section of docs/benchmarks.md with the CPU/GPU named.
 """
 from __future__ import annotations
 
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
                "compare the rows of one run, which are interleaved.\n\n" + "\n".join(table))
     print(body_md)
     if not a.no_write:
-        write_markdown(Path(a.out), f"## Reference cache: a repeated Base clone request — {a.arch}, {engine.precision}",
-                       body_md)
+        write_markdown(Path(a.out),
+                       f"## Reference cache: a repeated Base clone request — {a.arch}, {engine.precision}", body_md)
     return 0
 
 

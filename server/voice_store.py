@@ -135,7 +135,8 @@ class VoiceStore:
         except TTSError as e:
             raise VoiceStoreError(400, f"invalid voice name: {e}", param="name", code="invalid_voice_name") from None
 
-    def add(self, name: str, voice: Voice, meta: dict, owner_token: str | None, admin: bool = False) -> tuple[dict, str]:
+    def add(self, name: str, voice: Voice, meta: dict, owner_token: str | None,
+            admin: bool = False) -> tuple[dict, str]:
         """Keep `voice` under `name` (replacing the caller's own voice of that name). -> (public info, owner token)."""
         name = self.check_may_write(name, owner_token, admin)
         token = owner_token or secrets.token_urlsafe(24)

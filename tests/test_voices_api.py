@@ -75,7 +75,8 @@ def test_upload_list_speak_delete(server):
     v = body["voice"]
     assert v["name"] == "Narrator One" and v["consent"] == "consent-123" and v["ref_text"] == "A tone."
     assert v["speaker_description"] == "warm narrator" and v["mime_type"] == "audio/wav" and v["file_size"] > 0
-    assert isinstance(v["created_at"], int) and v["owner_token"] and r.headers["x-voice-owner-token"] == v["owner_token"]
+    assert isinstance(v["created_at"], int) and v["owner_token"]
+    assert r.headers["x-voice-owner-token"] == v["owner_token"]
 
     listed = httpx.get(f"{url}/v1/audio/voices").json()
     assert "Narrator One" in listed["voices"] and "ryan" in listed["voices"]

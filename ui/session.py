@@ -2,9 +2,9 @@
 
 A session's voices (clones, loaded voice files, exported blends) live in a `gr.State` dict {name: Voice}:
 per browser tab, gone when the page closes; one session never sees another's. `Voices` turns a voice choice
-(`ryan`, `preset:emma`, `uploaded:<name>`, `my:<name>`, `file`) into what `engine.stream` takes; `uploaded:` are the
-voices uploaded through `POST /v1/audio/voices` (server/voice_store.py), shared by every session. `Files` writes voice files
-into a private temporary folder and deletes each after `limits.file_ttl_seconds`."""
+(`ryan`, `preset:emma`, `uploaded:<name>`, `my:<name>`, `file`) into what `engine.stream` takes; `uploaded:` are
+the voices uploaded through `POST /v1/audio/voices` (server/voice_store.py), shared by every session. `Files`
+writes voice files into a private temporary folder and deletes each after `limits.file_ttl_seconds`."""
 from __future__ import annotations
 
 import shutil
