@@ -45,7 +45,7 @@ from .text_stream import GRANULARITIES, SentenceStream
 log = logging.getLogger("tts_server")
 LOOKAHEAD = 2                      # sentences in the engine per socket: the one spoken and the next
 CONFIG_TIMEOUT_S = 10.0            # for the first session.config
-IDLE_TIMEOUT_S = 300.0             # between messages afterwards
+IDLE_TIMEOUT_S = 300.0             # between messages afterwards, once everything sent has been spoken
 MAX_PENDING = 64                   # sentences waiting to be spoken per socket
 MAX_CONFIG_BYTES = 16 * 2**20      # session.config carries ref_audio (uvicorn's own message limit)
 MAX_TEXT_MESSAGE_BYTES = 128 * 1024
@@ -99,6 +99,8 @@ class SpeechSocket:
                 try:
                     msg = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
                 except asyncio.TimeoutError:
+                    if self.config is not None and self.pending and not speaker.done():
+                        continue                # still speaking what was sent: not idle
                     await self._error("timeout waiting for session.config" if self.config is None
                                       else "idle timeout: no message received")
                     break

@@ -283,3 +283,24 @@ def test_a_failing_sentence_is_reported_and_the_next_ones_still_speak(server, mo
     assert [(s["start"]["sentence_text"], s["done"]["error"]) for s in got] == [
         ("Good one.", False), ("Bad one.", True), ("Good again.", False)]
     assert got[1]["audio"] == b"" and got[2]["audio"]
+
+
+def test_timeouts_wait_for_the_config_and_never_cut_speech_short(server, monkeypatch):
+    from server import speech_ws
+
+    url, _ = server
+    monkeypatch.setattr(speech_ws, "CONFIG_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(speech_ws, "IDLE_TIMEOUT_S", 0.3)
+    with connect(url) as ws:                       # no config: an error, then the socket closes
+        assert "session.config" in json.loads(ws.recv(timeout=10))["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+    with connect(url) as ws:                       # idle only once everything sent has been spoken
+        send(ws, type="session.config", voice="ryan", stream_audio=True, max_new_tokens=40)
+        send(ws, type="input.text", text="One sentence that takes a while. And another one after it.")
+        send(ws, type="input.done")
+        msgs = collect(ws)
+        assert [s["done"]["error"] for s in sentences(msgs)] == [False, False]
+        assert "idle timeout" in json.loads(ws.recv(timeout=10))["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
