@@ -304,3 +304,23 @@ def test_timeouts_wait_for_the_config_and_never_cut_speech_short(server, monkeyp
         assert "idle timeout" in json.loads(ws.recv(timeout=10))["message"]
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
+
+
+def test_each_sentence_is_exactly_what_the_engine_says_for_it(server):
+    """Nothing inserted, dropped or reordered: with a seed, each sentence's audio over the socket is the engine's
+    own audio for that sentence (a request's audio depends only on its seed, not on what shares its batch)."""
+    from server.audio_formats import to_int16
+
+    url, registry = server
+    engine = registry.get("custom_voice")
+    texts = ["First things first.", "Then the second.", "And a third."]
+    with connect(url) as ws:
+        send(ws, type="session.config", voice="ryan", response_format="pcm", stream_audio=True, max_new_tokens=6,
+             seed=7, language="english")
+        send(ws, type="input.text", text=" ".join(texts))
+        send(ws, type="input.done")
+        got = sentences(collect(ws))
+    assert [s["start"]["sentence_text"] for s in got] == texts
+    for s, text in zip(got, texts):
+        alone = engine.synthesize(text, voice="ryan", seed=7, max_new_tokens=6, language="english")
+        assert s["audio"] == to_int16(alone).tobytes()
