@@ -199,7 +199,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         engine = registry.get(role)
         return engine, make_voice(role, engine, req, [])
 
-    speech_ws.install(app, prepare, SpeechRequest, limits)    # /v1/audio/speech/stream
+    speech_ws.install(app, prepare, SpeechRequest, limits, slots)    # /v1/audio/speech/stream
 
     @app.post("/v1/audio/speech")
     def speech(req: SpeechRequest, request: Request):

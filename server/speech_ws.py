@@ -317,10 +317,24 @@ class SpeechSocket:
             pass
 
 
-def install(app: FastAPI, prepare, request_model, limits: Limits) -> None:
+def install(app: FastAPI, prepare, request_model, limits: Limits, slots=None) -> None:
     """Add `/v1/audio/speech/stream`. `prepare(request) -> (engine, voice)` resolves a /v1/audio/speech request
-    the way the HTTP route does (role, checkpoint, voice); `request_model` is that route's request class."""
+    the way the HTTP route does (role, checkpoint, voice); `request_model` is that route's request class; `slots`
+    (openai_api.ClientSlots): an open socket takes one of its client's concurrent-request places."""
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(ws: WebSocket):
-        await SpeechSocket(ws, prepare, request_model, limits).run()
+        client = ws.client.host if ws.client else "unknown"
+        if slots is not None:
+            try:
+                slots.acquire(client)
+            except Exception as e:   # too many at once from this client
+                await ws.accept()
+                await ws.send_text(json.dumps({"type": "error", "message": _message(e)}))
+                await ws.close(code=1013)      # try again later
+                return
+        try:
+            await SpeechSocket(ws, prepare, request_model, limits).run()
+        finally:
+            if slots is not None:
+                slots.release(client)

@@ -324,3 +324,32 @@ def test_each_sentence_is_exactly_what_the_engine_says_for_it(server):
     for s, text in zip(got, texts):
         alone = engine.synthesize(text, voice="ryan", seed=7, max_new_tokens=6, language="english")
         assert s["audio"] == to_int16(alone).tobytes()
+
+
+def test_a_socket_takes_one_of_its_clients_places(server):
+    import contextlib
+
+    url, _ = server
+    limit = 8                      # the fixture's max_per_client
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(connect(url)) for _ in range(limit)]
+        for ws in socks:
+            send(ws, type="session.config", voice="ryan")
+        with connect(url) as extra:
+            m = json.loads(extra.recv(timeout=10))
+            assert m["type"] == "error" and "too many concurrent requests" in m["message"]
+            with pytest.raises(ConnectionClosed):
+                extra.recv(timeout=10)
+    deadline = time.time() + 10
+    while True:                    # the places are given back when the sockets close
+        try:
+            with connect(url) as ws:
+                send(ws, type="session.config", voice="ryan", max_new_tokens=4, stream_audio=True)
+                send(ws, type="input.text", text="Back.")
+                send(ws, type="input.done")
+                if json.loads(ws.recv(timeout=30))["type"] == "audio.start":
+                    break
+        except ConnectionClosed:
+            pass
+        assert time.time() < deadline, "the places were not given back"
+        time.sleep(0.1)
