@@ -67,6 +67,9 @@ def build(app) -> gr.Blocks:
                 _player_column(app, c, max_frames, default_frames)
         gr.Markdown(_footer(models))
         _wire(app, c)
+        # voices uploaded through the API since the page was built appear when it is (re)loaded
+        demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
+                  queue=False, show_progress="hidden", api_visibility="undocumented")
     return demo
 
 
