@@ -3,8 +3,9 @@
 One safetensors file per voice in the data folder (never pickle): the cloned voice (speaker embedding, and for
 in-context voices the reference codes and transcript) plus the reference clip itself (int16), so the voice can
 be cloned again for a Base checkpoint of another width. The JSON header holds what the list endpoint shows
-(name, consent, created_at, file_size, mime_type, ref_text, speaker_description) and the SHA-256 of the owner's
-token. File names are a hash of the voice name, so no name reaches the file system.
+(name, consent, created_at, file_size, mime_type, ref_text, ref_text_source = "asr" when Whisper wrote it,
+speaker_description) and the SHA-256 of the owner's token. File names are a hash of the voice name, so no name
+reaches the file system.
 
 Ownership: an upload returns an `owner_token` (or keeps the one the client sent in the `X-Voice-Owner-Token`
 header). Deleting a voice, or uploading another under its name, needs that token, or the server's admin key
@@ -74,7 +75,7 @@ def _token_hash(token: str) -> str:
 def public_info(meta: dict) -> dict:
     """The entry `GET /v1/audio/voices` lists under `uploaded_voices` (vLLM-Omni's fields, and ours)."""
     out = {k: meta[k] for k in ("name", "consent", "created_at", "file_size", "mime_type") if k in meta}
-    for k in ("ref_text", "speaker_description"):
+    for k in ("ref_text", "ref_text_source", "speaker_description"):
         if meta.get(k):
             out[k] = meta[k]
     out["mode"] = meta.get("mode")

@@ -2,7 +2,9 @@
 
   POST   /v1/audio/voices          multipart: audio_sample (file; `audio` also accepted), name, consent,
                                    ref_text (`transcript`), speaker_description (`description`),
-                                   x_vector_only_mode -> {"success": true, "voice": {...,"owner_token"}} plus
+                                   x_vector_only_mode, transcribe_ref_audio (no ref_text: Whisper writes it;
+                                   `ref_text_asr` and `notices` in the answer)
+                                   -> {"success": true, "voice": {...,"owner_token"}} plus
                                    OpenAI's voice object fields (id = name, object, created_at, type)
   DELETE /v1/audio/voices/{name}   -> {"success": true, "message": "Voice 'x' deleted successfully"} plus
                                    OpenAI's {id, deleted, object}
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse
 from tts_engine import TTSError
 
 from .limits import Limits
-from .reference import prepare_reference
+from .reference import prepare_reference, transcribe_reference
 from .registry import EngineRegistry
 from .voice_store import VoiceStore, VoiceStoreError
 
@@ -98,7 +100,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> VoiceStor
     def upload_voice(request: Request, name: str = Form(""), audio_sample: UploadFile | None = File(None),
                      audio: UploadFile | None = File(None), consent: str = Form(""), ref_text: str = Form(""),
                      transcript: str = Form(""), speaker_description: str = Form(""), description: str = Form(""),
-                     x_vector_only_mode: bool = Form(False)):
+                     x_vector_only_mode: bool = Form(False), transcribe_ref_audio: bool = Form(False)):
         upload = audio_sample or audio
         if upload is None:
             raise VoiceStoreError(400, "send the voice's clip as the multipart file `audio_sample`",
@@ -129,7 +131,12 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> VoiceStor
                                   param="name", code="base_model_missing")
         try:
             engine = registry.get("base")
-            (wav, sr), _notices = prepare_reference(data, limits)
+            (wav, sr), notices = prepare_reference(data, limits)
+            asr_text = None
+            if transcribe_ref_audio and not x_vector_only_mode and not text:   # only then is Whisper loaded
+                asr_text, asr_notices = transcribe_reference((wav, sr), getattr(registry, "device", None))
+                notices += asr_notices
+                text = asr_text = (asr_text or "")[: lim.max_ref_text_chars]
             xvec = bool(x_vector_only_mode) or not text
             voice = engine.clone_voice((wav, sr), ref_text=None if xvec else text, x_vector_only=xvec, name=name)
         except TTSError as e:
@@ -140,13 +147,19 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> VoiceStor
         meta = {"consent": consent, "file_size": len(data), "mime_type": mime, "ref_text": None if xvec else text,
                 "speaker_description": desc or None, "mode": "x_vector" if xvec else "icl",
                 "model": registry.checkpoints.get("base")}
+        if asr_text and not xvec:
+            meta["ref_text_source"] = "asr"
         info, token = store.add(name, voice, meta, token, admin)
         # vLLM-Omni's answer ({"success", "voice"}) and, beside it, OpenAI's voice object (the `openai` client's
         # `client.audio.voices.create` returns it): the id is the name
-        return JSONResponse({"success": True, "voice": dict(info, owner_token=token), "id": info["name"],
-                             "object": "audio.voice", "name": info["name"], "created_at": info["created_at"],
-                             "type": "audio_sample", "owner_token": token},
-                            headers={"X-Voice-Owner-Token": token})
+        body = {"success": True, "voice": dict(info, owner_token=token), "id": info["name"],
+                "object": "audio.voice", "name": info["name"], "created_at": info["created_at"],
+                "type": "audio_sample", "owner_token": token}
+        if transcribe_ref_audio:
+            body["ref_text_asr"] = asr_text if not xvec else None     # the transcript Whisper wrote, if used
+        if notices:
+            body["notices"] = notices
+        return JSONResponse(body, headers={"X-Voice-Owner-Token": token})
 
     @app.delete("/v1/audio/voices/{name}")
     def delete_voice(name: str, request: Request):

@@ -286,3 +286,71 @@ def test_a_voice_made_for_another_width_is_cloned_again_from_its_clip(server):
     r = httpx.post(f"{url}/v1/audio/speech", json={"input": "No clip kept.", "voice": "bare"}, timeout=120)
     assert r.status_code == 400 and "needs 64" in r.json()["error"]["message"]
     _clean(registry)
+
+
+# --- transcribe_ref_audio: the clip's transcript written by the speech-recognition model ------------------------
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory):
+    from tests.tiny_whisper import make_tiny_whisper
+
+    return make_tiny_whisper(tmp_path_factory.mktemp("tiny_whisper"))
+
+
+@pytest.fixture
+def asr_env(whisper_dir, monkeypatch):
+    """The tiny random Whisper as the server's ASR model, and no transcriber made yet in this process."""
+    from tts_engine import asr
+
+    monkeypatch.setenv("TTS_ASR_MODEL", str(whisper_dir))
+    monkeypatch.setattr(asr, "_shared", {})
+    return asr
+
+
+def test_upload_transcribed_by_asr_is_an_icl_voice(server, asr_env):
+    url, registry, _ = server
+    _clean(registry)
+    clip = _wav_bytes(freq=330.0)
+    wav, sr = sf.read(io.BytesIO(clip), dtype="float32")
+    words = asr_env.shared().transcribe(wav, sr).text           # what the app's transcriber gives for the clip
+    asr_env._shared.clear()
+    assert words
+    r = upload(url, "heard", ref_text="", clip=clip, transcribe_ref_audio="true")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ref_text_asr"] == words and any("transcribed" in n for n in body["notices"])
+    v = body["voice"]
+    assert v["mode"] == "icl" and v["ref_text"] == words and v["ref_text_source"] == "asr"
+    stored = registry.uploaded.get("heard")
+    assert stored.kind == "icl" and stored.ref_text == words
+    assert any(t.loaded for t in asr_env._shared.values())
+    listed = httpx.get(f"{url}/v1/audio/voices", timeout=30).json()["uploaded_voices"]
+    assert [u["ref_text_source"] for u in listed if u["name"] == "heard"] == ["asr"]
+
+
+def test_upload_with_transcript_or_not_asked_never_loads_the_asr(server, asr_env):
+    url, registry, _ = server
+    _clean(registry)
+    r = upload(url, "typed", ref_text="A tone.", transcribe_ref_audio="true")    # a typed transcript wins
+    assert r.status_code == 200, r.text
+    assert r.json()["voice"]["ref_text"] == "A tone." and "ref_text_source" not in r.json()["voice"]
+    assert registry.uploaded.get("typed").kind == "icl"
+    r = upload(url, "unasked", ref_text="")                                      # not asked: x-vector, as before
+    assert r.status_code == 200 and r.json()["voice"]["mode"] == "x_vector" and "ref_text_asr" not in r.json()
+    r = upload(url, "xv", ref_text="", transcribe_ref_audio="true", x_vector_only_mode="true")
+    assert r.status_code == 200 and r.json()["voice"]["mode"] == "x_vector"
+    assert not asr_env._shared                                  # no transcriber made, let alone loaded
+
+
+def test_upload_without_the_asr_model_falls_back_to_x_vector_with_a_notice(server, asr_env, tmp_path,
+                                                                             monkeypatch):
+    url, registry, _ = server
+    _clean(registry)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TTS_ASR_MODEL", str(tmp_path / "not-downloaded"))
+    r = upload(url, "unheard", ref_text="", transcribe_ref_audio="true")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["voice"]["mode"] == "x_vector" and "ref_text" not in body["voice"] and body["ref_text_asr"] is None
+    assert any("not available" in n and "x-vector" in n for n in body["notices"])
+    assert registry.uploaded.get("unheard").kind == "xvector"
