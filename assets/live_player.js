@@ -28,7 +28,11 @@
 // clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
 // ctx.getOutputTimestamp(), or render time + outputLatency), clickToFirstByteMs, underruns, samplesPlayed,
 // rms (of the samples the player itself played), analyserRms (loudest 2048-sample window an AnalyserNode on the
-// output saw), state (idle | buffering | playing | ended | stopped | error), backend (worklet | scheduled).
+// output saw), state (idle | buffering | playing | ended | stopped | error), backend (worklet | scheduled),
+// maxSilenceMs (longest silence inside the stream's samples: below -60 dBFS, sound on both sides), stallMs (time
+// spent rebuffering after underruns: silence the stream did not contain), longestGapMs (the longest silence heard:
+// a silence inside the stream with the stalls at its edges, or a stall alone), longestJoinGapMs (the same at the
+// silences inside the stream only: pauses between dialogue lines and sentence groups).
 (() => {
   'use strict';
   if (window.liveTTS) return;
@@ -249,9 +253,10 @@
       if (this.ctx && this.ctx.state !== 'running') this.ctx.resume().catch(() => {});
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
-        received: 0, chunks: 0, arrivals: [], stallMs: 0, maxStallMs: 0, stallAt: null, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
-        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
-        requestAt: null, early: false};
+        received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
+        expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
+        requestAt: null, early: false,
+        heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
       this.run = run;
@@ -370,6 +375,7 @@
       const dv = new DataView(b.buffer, b.byteOffset, b.length);
       const f = new Float32Array(n);
       for (let i = 0; i < n; i++) f[i] = dv.getInt16(2 * i, true) / 32768;
+      this.countSilence(run, f);
       // one engine chunk may come in several network reads: reads a few ms apart count as one chunk
       const now = performance.now();
       if (run.chunks > 0 && now - run.lastByteAt < 8) {
@@ -388,6 +394,36 @@
       run.lastByteAt = now;
       this.backend.push(f);
       this.decide(run);
+    }
+
+    // Silence inside the stream (a dialogue's pauses, gaps between sentence groups): runs of samples below -60 dBFS
+    // with sound on both sides (leading and trailing silence do not count), kept as [first, end) sample positions.
+    countSilence(run, f) {
+      for (let i = 0; i < f.length; i++, run.pos++) {
+        if (f[i] < 1e-3 && f[i] > -1e-3) { run.silentRun += 1; continue; }
+        if (run.heard && run.silentRun > 0) {
+          run.maxSilentRun = Math.max(run.maxSilentRun, run.silentRun);
+          if (run.silentRun >= 24) run.silences.push([run.pos - run.silentRun, run.pos]);
+        }
+        run.heard = true;
+        run.silentRun = 0;
+      }
+    }
+
+    // The longest silence the listener heard (ms): a silence inside the stream plus the rebuffering stalls at its
+    // edges or within it (joins only: the pauses of a dialogue, between sentence groups), or also a stall on its
+    // own (all).
+    longestGap(run, joinsOnly) {
+      const slack = 240;   // 10 ms: a stall this close to a silence joins it
+      let best = 0;
+      const joined = new Set();
+      for (const [a, b] of run.silences) {
+        let ms = (b - a) / SR * 1000;
+        run.stalls.forEach(([pos, d], k) => { if (pos >= a - slack && pos <= b + slack) { ms += d; joined.add(k); } });
+        best = Math.max(best, ms);
+      }
+      if (!joinsOnly) run.stalls.forEach(([, d], k) => { if (!joined.has(k)) best = Math.max(best, d); });
+      return best;
     }
 
     // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
@@ -445,11 +481,14 @@
           run.waitTimer = setTimeout(() => this.decide(run), wait);
         } else {
           run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
-          if (run.stallAt != null) {          // the end of a rebuffer: how long the listener heard nothing
-            const ms = performance.now() - run.stallAt;
-            run.stallMs += ms; run.maxStallMs = Math.max(run.maxStallMs, ms); run.stallAt = null;
-          }
           run.state = 'playing';
+          if (run.stalledAt != null) {        // the end of a rebuffer: how long the listener heard nothing
+            const d = performance.now() - run.stalledAt;
+            run.stallMs += d;
+            run.maxStallMs = Math.max(run.maxStallMs, d);
+            run.stalls.push([run.stalledPos, d]);
+            run.stalledAt = null;
+          }
           this.backend.play();
           this.watchRms(run);
         }
@@ -473,7 +512,8 @@
       if (!run) return;
       if (ev === 'first') this.firstSound(run);
       else if (ev === 'underrun' && run.state === 'playing') {
-        run.underruns += 1; run.state = 'buffering'; run.stallAt = performance.now();
+        run.underruns += 1; run.state = 'buffering';
+        run.stalledAt = performance.now(); run.stalledPos = this.backend.played();
         run.log.push([Math.round(performance.now() - run.clickTime), 'underrun', run.received / SR]);
         this.decide(run);
       } else if (ev === 'ended' && run.state === 'playing') this.finish(run, 'ended');
@@ -550,12 +590,13 @@
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
-        underruns: run.underruns, stallMs: Math.round(run.stallMs), maxStallMs: Math.round(run.maxStallMs),
-        samplesReceived: run.received, samplesPlayed: played,
+        underruns: run.underruns, maxStallMs: Math.round(run.maxStallMs), samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
         error: run.error || null,
+        maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run, false),
+        longestJoinGapMs: this.longestGap(run, true),
         log: run.log,
       };
       this.metrics = m;

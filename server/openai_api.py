@@ -1,9 +1,11 @@
 """OpenAI-compatible speech API, as vLLM-Omni serves Qwen3-TTS:
 
   POST /v1/audio/speech   {model, input, voice, response_format, speed, stream, language, instructions,
-                           task_type, ref_audio, ref_text, x_vector_only_mode, speaker_embedding,
-                           max_new_tokens, seed}
+                           task_type, ref_audio, ref_text, x_vector_only_mode, transcribe_ref_audio,
+                           speaker_embedding, max_new_tokens, seed}
   GET  /v1/audio/voices
+  POST /v1/audio/voices, DELETE /v1/audio/voices/{name}   uploaded voices (server/voices_api.py)
+  WS   /v1/audio/speech/stream                           text in as it is written (server/speech_ws.py)
 
 Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
 `ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
@@ -27,10 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tts_engine import EngineBusyError, TTSError
 
-from . import audio_formats
+from . import audio_formats, speech_ws, voices_api
 from .body_limit import BodySizeLimit
 from .limits import Limits
-from .reference import prepare_reference
+from .reference import prepare_reference, transcribe_reference
 from .registry import EngineRegistry
 from .speech_request import APIError, SpeechRequest, check_request, model_role
 from .speed import StreamStretcher, change_speed
@@ -102,6 +104,8 @@ def decode_ref_audio(s: str, limits: Limits) -> bytes:
 def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
     """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
     slots = ClientSlots(limits.max_per_client)
+    if isinstance(registry, EngineRegistry):    # uploaded voices: POST / DELETE /v1/audio/voices
+        voices_api.install(app, registry, limits)
     # base64 grows uploads by 4/3; leave room for the rest of the JSON body
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_upload_bytes * 4 // 3 + 64 * 1024)
 
@@ -132,7 +136,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             if registry.configured("custom_voice"):
                 if req.voice.strip().lower() in registry.get("custom_voice").speakers:
                     return "custom_voice"
-            if registry.voices.get(req.voice) is not None:
+            if registry.voices.get(req.voice) is not None or voices_api.find(registry, req.voice) is not None:
                 return "base"
             raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
         if req.instructions and registry.configured("voice_design"):
@@ -157,16 +161,28 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             data = decode_ref_audio(req.ref_audio, limits)
             ref, notices = prepare_reference(data, limits)
             request_notices.extend(notices)
-            xvec = bool(req.x_vector_only_mode) or not (req.ref_text or "").strip()
-            return engine.clone_voice(ref, ref_text=req.ref_text, x_vector_only=xvec)
+            ref_text = req.ref_text
+            if req.transcribe_ref_audio and not req.x_vector_only_mode and not (ref_text or "").strip():
+                ref_text, notices = transcribe_reference(ref, getattr(registry, "device", None), req.language)
+                request_notices.extend(notices)
+            xvec = bool(req.x_vector_only_mode) or not (ref_text or "").strip()
+            return engine.clone_voice(ref, ref_text=ref_text, x_vector_only=xvec)
         if req.speaker_embedding is not None:
             return engine.voice_from_embedding(req.speaker_embedding)
         if req.voice:
-            v = registry.voices.get(req.voice)
+            v = registry.voices.get(req.voice) or voices_api.voice_for(registry, req.voice, engine)
             if v is None:
                 raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
             return v
         raise APIError(400, "a Base model needs `ref_audio`, `speaker_embedding` or a saved `voice`", param="voice")
+
+    def prepare(req: SpeechRequest):
+        """(engine, voice) of a request: what the WebSocket stream speaks each sentence with."""
+        role = pick_role(req)
+        engine = registry.get(role)
+        return engine, make_voice(role, engine, req, [])
+
+    speech_ws.install(app, prepare, SpeechRequest, limits, slots)    # /v1/audio/speech/stream
 
     @app.post("/v1/audio/speech")
     def speech(req: SpeechRequest, request: Request):
@@ -248,4 +264,6 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         label = _precision(base) if base is not None else {}
         data += [{"id": n, "name": n, "model": registry.checkpoints.get("base"), "task_type": "Base", **label}
                  for n in registry.voices.names()]
-        return {"object": "list", "data": data, "voices": [d["id"] for d in data]}
+        uploaded_data, uploaded = voices_api.listing(registry, label)
+        data += uploaded_data
+        return {"object": "list", "data": data, "voices": [d["id"] for d in data], "uploaded_voices": uploaded}

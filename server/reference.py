@@ -26,3 +26,19 @@ def prepare_reference(source, limits: Limits) -> tuple[tuple[np.ndarray, int], l
     if float(np.abs(wav).max()) < SILENCE_PEAK:
         raise TTSError("the reference clip is silent")
     return (wav, sr), notices
+
+
+def transcribe_reference(ref: tuple[np.ndarray, int], device=None,
+                         language: str | None = None) -> tuple[str | None, list[str]]:
+    """The words of a reference clip by the speech-recognition model (tts_engine/asr.py), for a caller that sent
+    `ref_audio` without `ref_text` and asked for a transcript -> (text or None, notices). Without the model (or
+    without words) the clone falls back to x-vector only, with a notice saying why."""
+    from tts_engine import asr
+
+    try:
+        text = asr.shared(device=device).transcribe(ref[0], ref[1], language).text
+    except TTSError as e:
+        return None, [f"no transcript ({e}); cloned x-vector only"]
+    if not text:
+        return None, ["no words were recognised in ref_audio; cloned x-vector only"]
+    return text, ["ref_text transcribed from ref_audio"]

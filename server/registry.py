@@ -72,6 +72,7 @@ class EngineRegistry:
         self._locks = {r: threading.Lock() for r in ROLES}
         self.random_weights: set[str] = set()
         self.voices = VoiceLibrary()
+        self.uploaded = None     # server/voice_store.VoiceStore: voices uploaded through /v1/audio/voices
 
     def configured(self, role: str) -> bool:
         return bool(self.checkpoints.get(role))

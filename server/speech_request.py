@@ -41,6 +41,7 @@ class SpeechRequest(BaseModel):
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    transcribe_ref_audio: bool | None = None    # no ref_text: transcribe ref_audio for in-context cloning
     speaker_embedding: list[float] | None = None
     max_new_tokens: int | None = None
     seed: int | None = None

@@ -35,17 +35,20 @@ def serve(app, timeout: float = 30):
 
 
 @contextlib.contextmanager
-def tiny_api(folder, roles, limits, engine_kw: dict | None = None):
-    """Our speech API on tiny random checkpoints of `roles`, on loopback. Yields (url, registry, checkpoints)."""
+def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict | None = None):
+    """Our speech API on tiny random checkpoints of `roles`, on loopback. Yields (url, registry, checkpoints).
+    `voices`: VoiceStore arguments for uploaded voices (default: a `voices` folder under `folder`, no admin key)."""
     from fastapi import FastAPI
 
     from server.openai_api import install
     from server.registry import EngineRegistry
+    from server.voice_store import VoiceStore
     from tts_engine.tiny import make_tiny
 
     ck = {role: str(make_tiny(folder / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
           for role in roles}
     registry = EngineRegistry(ck, device="cpu", offline_fallback=False, engine_kw=engine_kw)
+    registry.uploaded = VoiceStore(**({"folder": folder / "voices", "admin_key": ""} | (voices or {})))
     app = FastAPI()
     install(app, registry, limits)
     try:

@@ -234,6 +234,11 @@ def write_markdown(path: Path, header: str, body: str) -> None:
 
 
 def main(argv=None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--peers" in args:  # the side-by-side CPU benchmark has its own options (python -m tts_engine.bench --peers -h)
+        from .bench_peers import main as peers_main
+
+        return peers_main([x for x in args if x != "--peers"])
     p = argparse.ArgumentParser(prog="python -m tts_engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], help="random-weight architecture "
                    "(default: 0.6b on a GPU, small on a CPU)")
@@ -257,6 +262,8 @@ def main(argv=None) -> int:
                    "print the top ops by self CPU time and write them to docs/benchmarks.md "
                    "(section 'CPU profile of one frame')")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--peers", action="store_true", help="instead: ours and the independent CPU engines side by side "
+                   "in one interleaved run (tts_engine/bench_peers.py; see python -m tts_engine.bench --peers -h)")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"

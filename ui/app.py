@@ -12,14 +12,16 @@ from tts_engine.voices.presets import PresetLibrary
 
 from . import layout, server, zerogpu
 from .config import AppConfig
+from .dialogue import DialogueHandler
 from .early_start import EarlyStarts
 from .handlers import Handlers
 from .roles import Models, cache_root
 from .session import Files, Voices
+from .transcribe import TranscribeHandler
 from .speak import ActiveStreams, Speaker
 
 
-class TTSApp(Handlers):
+class TTSApp(Handlers, DialogueHandler, TranscribeHandler):
     def __init__(self, cfg: AppConfig | None = None):
         self.cfg = cfg = cfg or AppConfig()
         self.zerogpu = zerogpu.enabled()     # Hugging Face ZeroGPU (the `spaces` package's own detection)

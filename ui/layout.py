@@ -13,8 +13,10 @@ import gradio as gr
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
+from . import dialogue_tab, history
 from . import live_player as lp
 from . import model_loader
+from . import transcribe
 from .handlers import api_doc, guard
 
 log = logging.getLogger("qwen3_tts_live")
@@ -26,7 +28,7 @@ CSS = """
 #status {min-height: 2.2em; font-variant-numeric: tabular-nums;}
 .share {text-align: center; font-weight: 600; padding-top: 1.6em;}
 .sweep-row .block {min-width: 150px;}
-"""
+""" + history.CSS
 
 
 def load_examples(path: Path) -> dict:
@@ -55,16 +57,20 @@ def build(app) -> gr.Blocks:
                     "seconds of audio, or blend voices. Every generation ends with a lossless WAV.")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                with gr.Tabs():
+                with gr.Tabs() as c.tabs:
                     _preset_tab(app, c, choices, default_voice, langs, examples)
                     _clone_tab(app, c, langs)
                     _blend_tab(c, voices.choices(None, blend=True), langs)
+                    dialogue_tab.build(app, c, langs)
                     if models.has("voice_design"):
                         _design_tab(c, langs, examples)
             with gr.Column(scale=2, min_width=320):
                 _player_column(app, c, max_frames, default_frames)
         gr.Markdown(_footer(models))
         _wire(app, c)
+        # voices uploaded through the API since the page was built appear when it is (re)loaded
+        demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
+                  queue=False, show_progress="hidden", api_visibility="undocumented")
     return demo
 
 
@@ -97,6 +103,7 @@ def _player_column(app, c, max_frames, default_frames):
                               label="Max length per sentence group (frames of 80 ms)")
         gr.Markdown("Long text is split at sentence boundaries and streamed in order, with the same voice and "
                     "seed for every part.")
+    history.build(app, c)
 
 
 def _footer(models) -> str:
@@ -151,6 +158,7 @@ def _clone_tab(app, c, langs):
             with gr.Column():
                 c.ref_text = gr.Textbox("", label="Transcript of the clip", lines=3,
                                         placeholder="Exactly what is said in the clip")
+                transcribe.add_button(c)
                 c.xvec = gr.Checkbox(False, label="x-vector only (no transcript; lower similarity)")
                 c.voice_name = gr.Textbox("My voice", label="Name this voice", max_lines=1)
         with gr.Row():
@@ -247,8 +255,9 @@ def _wire(app, c):
     def live(button, fn, inputs, outputs, name):
         """A generating event that the page's player listens to: its `js=` puts the click's token in as the
         last input (`live_token`), and the player learns when the server side is over."""
-        inputs = inputs + [c.live_token]   # the page player's request may start it first (ui/early_start.py)
-        ev = on(button, app.early.attachable(name, fn, inputs), inputs, outputs, name, js=lp.token_js(name), **kw)
+        full = inputs + [c.live_token]   # the page player's request may start it first (ui/early_start.py)
+        ev = on(button, app.early.attachable(name, history.noting(c, fn, name, inputs), full), full, outputs, name,
+                js=lp.token_js(name), **kw)
         lp.after_event(ev)
         return ev
 
@@ -260,11 +269,13 @@ def _wire(app, c):
                            gen_out + [c.voice_file, c.session] + dd_out, "clone"))
         on(c.load_btn, app.load_voice, [c.load_file, c.load_name, c.session], [c.session, c.status] + dd_out,
            "load_voice")
+        transcribe.wire(app, c, on)
     events.append(live(c.blend_btn, app.blend, blend_in, gen_out, "blend"))
     events.append(on(c.sweep_btn, app.blend_sweep, blend_in, c.sweep + [c.final, c.status, c.seed], "blend_sweep",
                      **kw))
     on(c.export_btn, app.blend_export, [c.n_voices] + slot_in + [c.ab, c.blend_name, c.blend_format, c.session],
        [c.export_file, c.session, c.status] + dd_out, "blend_export")
+    events.append(dialogue_tab.wire(app, c, live, common, gen_out))
     if app.models.has("voice_design"):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
     c.events = events

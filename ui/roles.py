@@ -112,6 +112,9 @@ class Models:
                                        dtype=cfg.dtype, offline_fallback=False,
                                        engine_kw=cfg.engine_kw())
         self.registry.random_weights |= {r for r, i in self.roles.items() if i.random}
+        if "base" in self.roles:   # voices uploaded through POST /v1/audio/voices, also offered on the page
+            from server.voice_store import VoiceStore
+            self.registry.uploaded = VoiceStore(os.environ.get("TTS_VOICES_DIR") or cache_root(cfg) / "voices")
 
     def _init_remote(self, url: str) -> None:
         """--backend URL: every role is served by a remote OpenAI-compatible speech server."""

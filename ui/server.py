@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import gradio as gr
 
-from . import live_player, model_loader
+from . import history, live_player, model_loader
 from .layout import CSS
 
 
 def launch_kwargs(app) -> dict:
     return dict(theme=gr.themes.Soft(primary_hue="indigo", secondary_hue="pink"), css=CSS,
-                max_file_size=app.limits.max_upload_bytes, allowed_paths=[str(app.cfg.presets_dir)])
+                max_file_size=app.limits.max_upload_bytes,
+                allowed_paths=[str(app.cfg.presets_dir), str(app.files.dir)])   # + the session's takes (history.py)
 
 
 def create_server(app, demo: gr.Blocks):
@@ -27,5 +28,5 @@ def create_server(app, demo: gr.Blocks):
     live_player.install(api, app.live, starter=app.early)
     kw = launch_kwargs(app)
     return gr.mount_gradio_app(api, demo, path="/", theme=kw["theme"], css=kw["css"],
-                               head=live_player.HEAD + model_loader.HEAD, max_file_size=kw["max_file_size"],
-                               allowed_paths=kw["allowed_paths"])
+                               head=live_player.HEAD + model_loader.HEAD + history.head(),
+                               max_file_size=kw["max_file_size"], allowed_paths=kw["allowed_paths"])

@@ -2,8 +2,10 @@
 
 A session's voices (clones, loaded voice files, exported blends) live in a `gr.State` dict {name: Voice}:
 per browser tab, gone when the page closes; one session never sees another's. `Voices` turns a voice choice
-(`ryan`, `preset:emma`, `my:<name>`, `file`) into what `engine.stream` takes. `Files` writes voice files
-into a private temporary folder and deletes each after `limits.file_ttl_seconds`."""
+(`ryan`, `preset:emma`, `uploaded:<name>`, `my:<name>`, `file`) into what `engine.stream` takes; `uploaded:` are
+the voices uploaded through `POST /v1/audio/voices` (server/voice_store.py), shared by every session. `Files`
+writes voice files (and WAVs: dialogue lines, takes) into a private temporary folder and deletes each after
+`limits.file_ttl_seconds`."""
 from __future__ import annotations
 
 import shutil
@@ -16,8 +18,13 @@ from tts_engine import TTSError
 from tts_engine.voices.presets import PresetLibrary
 from tts_engine.voices.voice import Voice
 
-from .config import FILE_CHOICE, ROLE_LABEL
+from server import voices_api
+
+from .config import FILE_CHOICE, ROLE_LABEL, SR
 from .roles import Models, speaker_label
+
+
+UPLOADED = "uploaded:"     # the choice prefix of a voice uploaded through the API
 
 
 def remember(session: dict | None, name: str, voice: Voice) -> dict:
@@ -39,6 +46,7 @@ class Voices:
         ch = [(speaker_label(s), s) for s in self.models.speakers()]
         if self.models.has("base"):
             ch += [(f"{p.name} · {p.language.title()} · preset clip (Base)", f"preset:{p.id}") for p in self.presets]
+            ch += [(f"☁️ {n} · uploaded voice (Base)", f"{UPLOADED}{n}") for n in self._uploaded_names()]
         for name, v in (session or {}).items():
             kind = "blend" if v.kind == "embedding" else "clone"
             ch.append((f"🎤 {name} · your {kind} ({ROLE_LABEL.get(self.models.role_of(v, check=False), '?')})",
@@ -54,6 +62,10 @@ class Voices:
         voice = Voice.load(path)
         self.models.role_of(voice)
         return voice
+
+    def _uploaded_names(self) -> list[str]:
+        store = voices_api.store_of(self.models.registry)
+        return store.names() if store is not None else []
 
     def _is_preset_clip(self, key: str) -> bool:
         if key.startswith("preset:"):
@@ -71,6 +83,12 @@ class Voices:
         if key == FILE_CHOICE:
             v = self.load_file(file)
             return self.models.role_of(v), v
+        if key.startswith(UPLOADED):
+            engine = self.models.engine("base")
+            v = voices_api.voice_for(self.models.registry, key[len(UPLOADED):], engine)
+            if v is None:
+                raise TTSError(f"there is no uploaded voice named {key[len(UPLOADED):]!r} (any more): reload the page")
+            return "base", v
         if self._is_preset_clip(key):
             pid = key.split(":", 1)[-1]
             self.presets.get(pid)   # unknown id -> readable error before loading anything
@@ -100,6 +118,8 @@ class Voices:
     def role_of_key(self, key, session: dict | None = None) -> str | None:
         """Which model a voice choice needs, without loading anything (None when unknown)."""
         key = str(key or "").strip()
+        if key.startswith(UPLOADED):
+            return "base" if self.models.has("base") else None
         if key.startswith("preset:") or (key.lower() in self.presets and self.models.has("base")):
             return "base"
         if key.startswith("my:") or key in (session or {}):
@@ -123,12 +143,24 @@ class Files:
         self.dir = Path(tempfile.mkdtemp(prefix="qwen3-tts-live-"))
 
     def save_voice(self, voice: Voice, name: str, fmt: str) -> str:
-        self.prune()
         fmt = "json" if str(fmt).lower().lstrip(".") == "json" else "safetensors"
+        return str(voice.save(self._new_path(name, fmt, "voice")))
+
+    def save_wav(self, pcm, name: str) -> str:
+        """int16 mono samples at 24 kHz as a 16-bit WAV file (expires like the voice files)."""
+        import soundfile as sf
+
+        path = self._new_path(name, "wav", "audio")
+        sf.write(str(path), pcm, SR, subtype="PCM_16")
+        return str(path)
+
+    def _new_path(self, name: str, ext: str, fallback: str) -> Path:
+        """A fresh file `<name>.<ext>` in its own random subfolder (old ones pruned first)."""
+        self.prune()
         d = self.dir / uuid.uuid4().hex
         d.mkdir(parents=True)
-        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name).strip("_") or "voice"
-        return str(voice.save(d / f"{safe}.{fmt}"))
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name).strip("_") or fallback
+        return d / f"{safe}.{ext}"
 
     def prune(self) -> None:
         cutoff = time.time() - self.ttl_seconds

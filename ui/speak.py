@@ -4,6 +4,8 @@
 Long text is spoken in sentence groups (`chunk_text`), one voice and one seed for all of them. The next group
 is submitted to the engine as soon as the current one produces its first chunk, so it is already generating
 when the current one ends: the listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
+The loop itself runs a list of `Part`s (text, engine, job, the pause before it, the line it belongs to): a
+dialogue (ui/dialogue.py) is the same loop over parts of several voices, engines and pauses.
 
 Every sample the listener hears leaves through `emit` (one place): it goes into the final WAV, to the
 optional `sink` (the page's own live player: `write(pcm_int16)`, `close()`, and a `cancelled` property that
@@ -94,6 +96,26 @@ class SpeechJob:
                              first_chunk_frames=FIRST_CHUNK_FRAMES)
 
 
+@dataclass
+class Part:
+    """One request of a generation: `text` spoken by `job` (voice, seed, sampling) on `engine`, after
+    `pause_s` of silence (none before the first part). `line`: the dialogue line it belongs to (per-line WAVs)."""
+    text: str
+    engine: object
+    job: SpeechJob
+    pause_s: float = 0.0
+    line: int = 0
+
+    def submit(self):
+        return self.job.stream(self.engine, self.text)
+
+
+def sentence_parts(engine, job: SpeechJob, line: int = 0, pause_s: float = 0.0) -> list[Part]:
+    """`job.text` as sentence groups, `SENTENCE_PAUSE_S` apart (the first after `pause_s`)."""
+    return [Part(piece, engine, job, pause_s if k == 0 else SENTENCE_PAUSE_S, line)
+            for k, piece in enumerate(chunk_text(job.text))]
+
+
 class Speaker:
     """Runs `SpeechJob`s and turns their progress into Gradio updates {component: value} for the outputs
     `live`, `final`, `status` and `seed` of `c` (filled in by the layout)."""
@@ -124,11 +146,20 @@ class Speaker:
     def speak(self, role: str, engine, job: SpeechJob, request=None, *, note: str = "",
               extra_final: dict | None = None, sink: Sink | None = None) -> Iterator[dict]:
         """Stream `job` (sentence group by sentence group) and end with the lossless WAV and the status."""
+        yield from self.speak_parts(role, sentence_parts(engine, job), request, note=note, extra_final=extra_final,
+                                    sink=sink)
+
+    def speak_parts(self, role: str, pieces: list[Part], request=None, *, note: str = "",
+                    extra_final: dict | None = None, sink: Sink | None = None,
+                    on_done: Callable[[list[tuple[int, np.ndarray]]], dict] | None = None) -> Iterator[dict]:
+        """Stream `pieces` in order, each submitted ahead while the one before plays, and end with the lossless
+        WAV and the status. `on_done(lines)`, with each line's audio [(line, int16 samples)] (pauses excluded),
+        adds to the final update."""
         c = self.c
-        pieces = chunk_text(job.text)
+        job = pieces[0].job                   # the seed and the status line's figures
         session = session_key(request)
-        pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
         parts: list[np.ndarray] = []          # everything emitted, in order: the final WAV
+        spans: list[tuple[int, int, int]] = []    # (line, first sample, end sample) of each part's speech
         submitted: list = []                  # engine handles, group by group
         t0 = time.perf_counter()
         ttfa, compute, stopped, n = None, 0.0, False, 0
@@ -150,7 +181,7 @@ class Speaker:
             return {c.live: (SR, pcm)} if self.live_audio and sink is None else {}
 
         def submit(k: int):
-            s = job.stream(engine, pieces[k])
+            s = pieces[k].submit()
             submitted.append(s)
             self.active.add(session, s)
             return s
@@ -164,11 +195,13 @@ class Speaker:
                     stopped = True
                     break
                 t_run = time.perf_counter()
-                if k > 0:
-                    gap = to_int16(stretch.push(pause.astype(np.float32))) if stretch else pause
+                if k > 0 and pieces[k].pause_s > 0:
+                    pause = np.zeros(int(round(SR * pieces[k].pause_s)), np.float32)
+                    gap = to_int16(stretch.push(pause) if stretch else pause)
                     update = emit(gap) if len(gap) else {}
                     if update:
                         yield update
+                spans.append((pieces[k].line, n, n))
                 for chunk in stream:
                     if ahead is None and k + 1 < len(pieces) and not busy and not halted():
                         try:                      # gapless: the next group generates while this one plays
@@ -183,6 +216,7 @@ class Speaker:
                     if ttfa is None:
                         ttfa = time.perf_counter() - t0
                     update = emit(pcm)
+                    spans[-1] = (spans[-1][0], spans[-1][1], n)
                     running = compute + time.perf_counter() - t_run
                     update[c.status] = self.status("Streaming", ttfa=ttfa, compute=running, audio_s=n / SR,
                                                    seed=job.seed, piece=k + 1, pieces=len(pieces), note=note,
@@ -222,6 +256,8 @@ class Speaker:
                                            pieces=len(pieces), piece=len(pieces), note=note, role=role)}
         final[c.seed] = job.seed
         final.update(extra_final or {})
+        if on_done is not None:
+            final.update(on_done(_line_audio(parts, spans)))
         yield final
 
     def render_all(self, engine, jobs: list[SpeechJob], request=None) -> Iterator[np.ndarray | None]:
@@ -242,3 +278,15 @@ class Speaker:
                 s.cancel()
                 self.active.discard(session, s)
 
+
+def _line_audio(parts: list[np.ndarray], spans: list[tuple[int, int, int]]) -> list[tuple[int, np.ndarray]]:
+    """Each line's speech, in order, cut out of everything emitted (the pauses between lines left out, those
+    between the sentence groups of a line kept)."""
+    audio = np.concatenate(parts) if parts else np.zeros(0, np.int16)
+    out: list[tuple[int, np.ndarray]] = []
+    for line, a, b in spans:
+        if out and out[-1][0] == line:
+            out[-1] = (line, out[-1][1], b)
+        else:
+            out.append((line, a, b))
+    return [(line, audio[a:b]) for line, a, b in out]

@@ -23,6 +23,7 @@ from ..errors import TTSError
 from ..model.prompt import Prompt
 from ..model.qwen3_tts import Qwen3TTSModel
 from ..model.sampling import SamplingParams
+from ..voices.reference_cache import DecoderPrimeCache, ReferenceCache, reference_key
 from ..voices.voice import Voice, check_embedding
 from .model_runner import ModelRunner
 from .request import Request
@@ -95,19 +96,24 @@ class TTSStream:
 
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
-                 max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True):
+                 max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
+                 reference_cache: int = 128):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
         the eager path, `--eager` on the command lines); capture_graphs_at_start: capture every (batch, length)
-        bucket now, as the engine's warm-up, instead of on first use inside a request. A capture or replay that
-        raises turns graphs off for good with one log line (`graph_status` says why); the engine keeps serving."""
+        bucket now, as the engine's warm-up, instead of on first use inside a request; reference_cache: cloned
+        voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
+        decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both
+        off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
+        why); the engine keeps serving."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
         self.max_batch = max_batch or (16 if gpu else 4)
         self.max_seq_len = max_seq_len or 4096   # prompt + frames per row (4096 ~ 5 min of audio)
         self._lock = threading.Lock()   # serialises voice cloning (speaker/codec encoders)
+        self.reference_cache = ReferenceCache(reference_cache)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
         if use_cuda_graphs is None:
@@ -122,6 +128,7 @@ class TTSEngine:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
+        self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)
 
     @classmethod
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,
@@ -219,14 +226,21 @@ class TTSEngine:
         wav, sr = load_audio(ref_audio)
         if wav.shape[0] < sr * 0.1:
             raise TTSError("the reference clip is too short (at least 0.1 s is needed, 3-10 s works best)")
+        key = reference_key(wav, sr, ref_text, x_vector_only)
+        if (hit := self.reference_cache.get(key, name)) is not None:
+            return hit
         with self._lock, torch.inference_mode():
+            if (hit := self.reference_cache.get(key, name)) is not None:   # cloned meanwhile by another thread
+                return hit
             target = int(self.config.speaker_encoder.get("sample_rate", 24000))
             wav_se = wav if sr == target else resample(wav, sr, target)
             emb = self.model.speaker_encoder.embed(torch.from_numpy(wav_se).float()).float().cpu()
             codes = None if x_vector_only else self.model.speech_tokenizer.encode(wav, sr)
-        return Voice(kind="xvector" if x_vector_only else "icl", name=name, embedding=emb, ref_codes=codes,
-                     ref_text=None if x_vector_only else ref_text.strip(), model_type=self.kind,
-                     hidden_size=self.hidden_size)
+            voice = Voice(kind="xvector" if x_vector_only else "icl", name=name, embedding=emb, ref_codes=codes,
+                          ref_text=None if x_vector_only else ref_text.strip(), model_type=self.kind,
+                          hidden_size=self.hidden_size)
+            self.reference_cache.put(key, dataclasses.replace(voice, name="", meta={}))
+        return voice
 
     def voice_from_embedding(self, vector, name: str = "", meta: dict | None = None) -> Voice:
         return Voice(kind="embedding", name=name, embedding=check_embedding(vector, self.hidden_size),

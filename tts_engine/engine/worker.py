@@ -31,6 +31,7 @@ class EngineWorker:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.primed = None    # voices.reference_cache.DecoderPrimeCache: decoder states after ICL reference codes
         self._start_lock = threading.Lock()
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
@@ -116,15 +117,27 @@ class EngineWorker:
     def _prefill(self, seq: Sequence) -> None:
         req = seq.request
         codec = self.speech_tokenizer.decoder
-        seq.decoder_state = codec.init_state(1, self.runner.device, self.runner.dtype)
         if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
-            codec.decode_step(req.ref_codes.to(self.runner.device).T[None], seq.decoder_state)
+            seq.decoder_state = self._primed_state(req.ref_codes, codec)
+        else:
+            seq.decoder_state = codec.init_state(1, self.runner.device, self.runner.dtype)
         self.runner.prefill(seq.row, req.prompt, req.params)
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
         seq.pending = []
         if req.params.max_new_tokens <= 1:  # the first drawn id is never completed into a frame
             self._end(seq)
+
+    def _primed_state(self, ref_codes: torch.Tensor, codec):
+        """The decoder state after `ref_codes` [T, 16]: a copy of the cached one when these codes were seen."""
+        key = self.primed.key(ref_codes) if self.primed is not None and self.primed.max_entries > 0 else None
+        if key is not None and (cached := self.primed.get(key)) is not None:
+            return cached.clone()
+        state = codec.init_state(1, self.runner.device, self.runner.dtype)
+        codec.decode_step(ref_codes.to(self.runner.device).T[None], state)
+        if key is not None:
+            self.primed.put(key, state.clone())
+        return state
 
     def _decode(self, active: list[Sequence]) -> None:
         active.sort(key=lambda s: s.row)

@@ -1,0 +1,148 @@
+"""The history of takes and a dialogue in a real browser (headless chromium) on the real app (tiny random checkpoints):
+three takes are generated and listed; the first plays again (and A/B switches to the third at the same position),
+its WAV downloads, and Restore puts its text and seed back into the form. Then a three-line dialogue between two
+voices plays through the page's live player with no silence inside it longer than the chosen pause + 80 ms: the
+player's own metrics, a silence in the samples it received together with any rebuffering at its edges. (A rebuffering
+elsewhere, when the shared CPU generates slower than real time, is the player's buffering policy, the same for one
+voice; it is printed, and the player's own tests cover it.)"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests import browser as B
+
+B.require_browser()
+
+TEXTS = ["The first take, to be heard again.", "A second take.", "And a third take for the comparison."]
+DIALOGUE = ("Ryan: Good morning, did you sleep well?\n"
+            "Vivian: Not at all, the neighbours were singing.\n"
+            "Ryan: Then let us buy them a piano.")
+PAUSE_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from server.limits import Limits
+    from tests.serving import serve
+    from ui import AppConfig, TTSApp
+    from ui.server import create_server
+
+    d = tmp_path_factory.mktemp("browser_takes")
+    app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=d,
+                           checkpoints={"custom_voice": "x", "base": "", "voice_design": ""},
+                           limits=Limits(max_new_tokens=40)))
+    app.preload()
+    demo = app.build()
+    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
+    with serve(create_server(app, demo)) as url:
+        yield url, app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def drv():
+    d = B.chrome()
+    yield d
+    d.quit()
+
+
+def _set_text(drv, css, text):
+    box = drv.find_element("css selector", css)
+    drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input', "
+                       "{bubbles: true}))", box, text)
+    time.sleep(0.3)
+
+
+def _status(drv) -> str:
+    return drv.execute_script("const s = document.querySelector('#status'); return s ? s.innerText : '';")
+
+
+def _js(drv, script, *args):
+    return drv.execute_script(script, *args)
+
+
+def _tab(drv, label):
+    for b in drv.find_elements("css selector", "button[role='tab']"):
+        if label in b.text:
+            b.click()
+            time.sleep(0.5)
+            return
+    raise AssertionError(f"no tab {label!r}")
+
+
+def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
+    url, app = served
+    B.open_page(drv, url + "/")
+    seeds = []
+    for k, text in enumerate(TEXTS, 1):
+        _set_text(drv, "#preset-text textarea", text)
+        B.play_once(drv)
+        B.wait(lambda: _status(drv).startswith("Done"), 30, "the status line to say Done")
+        B.wait(lambda: drv.find_elements("css selector", f"#take-{k}"), 15, f"take #{k} in the list")
+        seeds.append(int(drv.find_element("css selector", "#seed input").get_attribute("value")))
+    labels = [e.text for e in drv.find_elements("css selector", ".take .take-label")]
+    assert [lab.split(" · ")[0] for lab in labels] == ["#3", "#2", "#1"]                  # newest first
+    assert f"seed {seeds[0]}" in labels[2] and "ryan" in labels[2]
+    assert TEXTS[0] in drv.find_element("css selector", "#take-1 .take-text").text
+
+    # replay the first take (A), then switch to the third (B): it continues at the same position
+    _js(drv, "document.querySelector('#take-1 .take-ab[data-slot=A]').scrollIntoView()")
+    B.click(drv, "#take-1 .take-ab[data-slot='A']")
+    B.click(drv, "#take-3 .take-ab[data-slot='B']")
+    assert "take #1" in drv.find_element("css selector", "#takes-play-a").text
+    B.click(drv, "#takes-play-a")
+    a = B.wait(lambda: (lambda s: s if s and s["take"] == 1 and s["at"] > 0.3 else None)(
+        _js(drv, "window.takesAB.refresh(); return window.takesAB.state")), 15, "take #1 to play again")
+    assert a["playing"] == "A"
+    dur = _js(drv, "return document.getElementById('take-audio-1').duration")
+    assert dur > 0.5, dur                                     # the take's WAV was served and decoded
+    B.click(drv, "#takes-play-b")
+    b = B.wait(lambda: (lambda s: s if s and s["take"] == 3 and s["at"] > 0 else None)(
+        _js(drv, "window.takesAB.refresh(); return window.takesAB.state")), 5, "take #3 to play")
+    assert b["playing"] == "B" and b["at"] >= a["at"] - 0.05
+    assert _js(drv, "return document.getElementById('take-audio-1').paused") is True
+    B.click(drv, "#takes-play-b")                              # the playing one again: pause
+    B.wait(lambda: _js(drv, "return document.getElementById('take-audio-3').paused"), 5, "B to pause")
+    # download: the link gives the take's WAV
+    head = drv.execute_async_script("const done = arguments[arguments.length - 1];"
+                                    "fetch(document.querySelector('#take-1 a.take-dl').href)"
+                                    ".then(r => r.arrayBuffer()).then(b => done(Array.from(new Uint8Array(b))"
+                                    ".slice(0, 4).concat([b.byteLength]))).catch(e => done(String(e)));")
+    assert head[:4] == list(b"RIFF") and head[4] > 44 + 0.5 * 48000, head
+
+    # restore the first take's settings, from another tab: text, seed (randomise off), the Preset tab shown
+    _tab(drv, "Dialogue")
+    _set_text(drv, "#preset-text textarea", "something else")
+    B.click(drv, "#take-1-restore")
+    B.wait(lambda: _js(drv, "return document.querySelector('#preset-text textarea').value") == TEXTS[0], 10,
+           "the first take's text back in the form")
+    assert int(drv.find_element("css selector", "#seed input").get_attribute("value")) == seeds[0]
+    assert "Restored take #1" in _status(drv)
+    assert drv.find_element("css selector", "#preset-text textarea").is_displayed()
+    randomize = _js(drv, "for (const l of document.querySelectorAll('label')) if (l.innerText.includes("
+                         "'Randomise seed')) { const i = l.querySelector('input') || document.getElementById("
+                         "l.htmlFor); if (i) return i.checked; } return null;")
+    assert randomize is False
+
+    # a three-line dialogue between two voices: no silence inside longer than the pause + 80 ms
+    _tab(drv, "Dialogue")
+    _set_text(drv, "#dialogue-script textarea", DIALOGUE)
+    pause = float(drv.find_element("css selector", "#dialogue-pause input[type='number']").get_attribute("value"))
+    assert pause == PAUSE_S
+    m = B.play_once(drv, "#dialogue-generate", timeout=120)
+    B.wait(lambda: _status(drv).startswith("Done"), 30, "the dialogue's status line to say Done")
+    gap_ms = m["longestJoinGapMs"]
+    print(f"\n[browser] dialogue: {m['secondsPlayed']:.2f} s played, longest silence heard at a join {gap_ms:.0f} ms "
+          f"(in the stream {m['maxSilenceMs']:.0f} ms; anywhere {m['longestGapMs']:.0f} ms; {m['stallMs']:.0f} ms "
+          f"rebuffering in {m['underruns']} underruns); "
+          f"click -> sound {m['clickToSoundMs']:.0f} ms; server: {_status(drv).splitlines()[0][:160]}")
+    assert m["maxSilenceMs"] >= PAUSE_S * 1000 - 1, m                        # the pauses are there
+    assert gap_ms <= PAUSE_S * 1000 + 80, (m["log"], m)
+    assert "3 lines" in _status(drv) and "Ryan = ryan" in _status(drv) and "Vivian = vivian" in _status(drv)
+    files = drv.find_elements("css selector", "#dialogue-files a")
+    assert len({f.get_attribute("href") for f in files if f.get_attribute("href")}) == 3
+    B.wait(lambda: drv.find_elements("css selector", "#take-4"), 15, "the dialogue as take #4")
+    labels = [e.text for e in drv.find_elements("css selector", ".take .take-label")]
+    assert "Dialogue" in drv.find_element("css selector", "#take-4 .take-label").text, labels
