@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Qwen3-TTS Live: the Gradio app (preset voices, cloning, blending, voice design), streaming as it speaks.
 
-    python app.py                       # http://0.0.0.0:7860, CustomVoice + Base 0.6B, loaded on first use
+    python app.py                       # http://0.0.0.0:7860, CustomVoice + Base 0.6B, loading in the background
     python app.py --tiny                # tiny random checkpoints: no download, the audio is noise
     python app.py --help                # every flag; each has an environment variable too
 
@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=int(env("TTS_CONCURRENCY") or 0) or None,
                    help="generations running at once (default 16 on GPU, 4 on CPU) [TTS_CONCURRENCY]")
     p.add_argument("--preload", action="store_true", default=_env_bool("TTS_PRELOAD"),
-                   help="load and warm up every model before serving [TTS_PRELOAD]")
+                   help="load and warm up every model at start-up, in the background while the page is already "
+                        "served (without it: the models of the default tab) [TTS_PRELOAD]")
     p.add_argument("--share", action="store_true", default=_env_bool("TTS_SHARE"),
                    help="also open a public gradio.live link (off by default) [TTS_SHARE]")
     p.add_argument("--ssl-certfile", default=env("TTS_SSL_CERTFILE"),
@@ -110,8 +111,8 @@ def main(argv=None) -> None:
     if app.zerogpu:   # Hugging Face ZeroGPU: load now, serve through demo.launch() (see ui/zerogpu.py)
         zerogpu.serve(app, a.host, a.port, ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile)
         return
-    if app.cfg.preload:
-        app.preload()
+    # the page is served at once; the models load meanwhile (those of the default tab, or all with --preload)
+    app.load_in_background(None if not app.cfg.preload else list(app.roles))
     demo = app.build()
     demo.queue(default_concurrency_limit=app.concurrency, max_size=app.limits.max_queue)
     if a.share:  # a public link needs Gradio's own launcher; the HTTP API is then not served

@@ -2,21 +2,27 @@
 //
 // How a run goes. A capture-phase click listener on the document sees a click on a Generate button
 // (class `live-generate`) before Gradio does. Inside that click it resumes the AudioContext (browsers start audio
-// only inside a user gesture), makes an unguessable single-use token and starts `fetch("live/<token>?session=…")`.
-// Gradio's own click handler then runs the event, whose `js=` hook asks `liveTTS.takeToken()` for the token and
-// sends it to Python as the event's last input; the Python handler writes the audio into the slot that the
-// route streams (ui/live_player.py). Stop (class `live-stop`) aborts the fetch, which cancels the generation on
-// the server, and silences the player at once.
+// only inside a user gesture) and makes an unguessable single-use token. Gradio's own click handler then runs the
+// event, whose `js=` hook calls `liveTTS.takeToken(formValues, endpoint)`: the player starts
+// `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
+// starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
+// hands the token to Python as the event's last input, so the Gradio event reports on the same run. (A hook
+// without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
+// event's handler.) Stop (class `live-stop`) aborts the fetch, which cancels the generation on the server, and
+// silences the player at once.
 //
 // Two ways to play. Where AudioWorklet exists (secure contexts: HTTPS, localhost) an AudioWorkletNode with a
 // ring buffer (live_player_worklet.js). Elsewhere (plain HTTP on a LAN address) scheduled
 // AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
-// rate (header X-Live-Rate) until it has measured this stream's own arrival rate. When r >= 1 it plays at once.
-// Otherwise it waits ("buffering") until the buffer B covers the shortfall of the rest: B >= R (1/r - 1), R the
-// audio still to come (from X-Live-Expected-Seconds when the server sent it, else assumed as long as what came
-// so far), with a margin. After an underrun it pauses and rebuffers the same way rather than stutter.
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
+// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1
+// it plays at once (with 0.3 s buffered first when r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
+// when the server sent it, else assumed as long as what came so far), plus a chunk. After an underrun it pauses
+// and rebuffers the same way rather than
+// stutter (metrics: underruns, stallMs, maxStallMs).
 //
 // Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
 // clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
@@ -40,6 +46,9 @@
   const STOP_SEL = 'button.live-stop, .live-stop button';
   // the worklet's ring holds this much; more waits on the page's side (`?live_ring_s=` for tests)
   const RING_SECONDS = Math.max(0.5, parseFloat(params.get('live_ring_s')) || 30);
+  // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
+  const RATE_SLACK = 1.2;
+  const CUSHION_BELOW_RATE = 1.8, CUSHION_S = 0.3;
 
   function token() {
     const b = new Uint8Array(16);
@@ -244,16 +253,28 @@
       if (this.ctx && this.ctx.state !== 'running') this.ctx.resume().catch(() => {});
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
-        received: 0, chunks: 0, firstByteAt: null, headersAt: null, rateHint: null, expected: null,
-        streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
+        received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
+        expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
+        requestAt: null, early: false,
         heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
       this.run = run;
       this.handoff = tok;
       this.publish();
-      this.fetchRun(run);
+      // the event's js= hook normally comes within a few ms with the form values; without it, read only
+      run.fetchTimer = setTimeout(() => this.beginFetch(run, null, null), 60);
       return tok;
+    }
+
+    // Start the run's stream request (once): a POST with the form values (the server may start generating from
+    // it), or a GET that waits for the Gradio event's handler.
+    beginFetch(run, form, api) {
+      if (run.requestAt != null || this.run !== run || run.state !== 'buffering') return;
+      clearTimeout(run.fetchTimer);
+      run.requestAt = performance.now();
+      run.early = form != null && !!api;
+      this.fetchRun(run, run.early ? form : null, api);
     }
 
     // What the output carries right now (tests: after Stop it must be silence): an AnalyserNode window's RMS and
@@ -268,8 +289,20 @@
         backendBuffered: this.backend ? this.backend.buffered() : 0, contextTime: this.ctx.currentTime};
     }
 
-    // Gradio's js= hook: the token of the click that triggered this event (once).
-    takeToken() { const t = this.handoff || ''; this.handoff = null; return t; }
+    // Gradio's js= hook: the token of the click that triggered this event (once). `form` (the event's input
+    // values, without the token) and `api` (its endpoint) go with the stream request, which may then start the
+    // generation before the Gradio event reaches the server.
+    takeToken(form, api) {
+      const t = this.handoff || '';
+      this.handoff = null;
+      const run = this.run;
+      if (t && run && run.token === t) {
+        let ok = Array.isArray(form) && typeof api === 'string';
+        if (ok) { try { JSON.stringify(form); } catch (e) { ok = false; } }
+        this.beginFetch(run, ok ? form : null, ok ? api : null);
+      }
+      return t;
+    }
 
     // The Gradio event finished (a JS-only .then()): a run that never got a response is over.
     serverDone() {
@@ -281,22 +314,35 @@
       }, 3000);
     }
 
-    async fetchRun(run) {
-      await this.ready;
-      if (this.run !== run) return;
-      this.backend.clear();
+    async fetchRun(run, form, api) {
       const session = window.__gradio_session_hash__ || '';
       const url = new URL(run.token, BASE);
       url.searchParams.set('session', session);
+      const init = {signal: run.controller.signal, cache: 'no-store'};
+      if (form) {
+        url.searchParams.set('api', api);
+        init.method = 'POST';
+        init.headers = {'Content-Type': 'application/json'};
+        init.body = JSON.stringify({data: form});
+      }
+      const pending = fetch(url.href, init);   // sent before anything else: the server starts generating now
+      pending.catch(() => {});
+      await this.ready;
+      if (this.run !== run) { run.controller.abort(); return; }
+      this.backend.clear();
       let resp;
       try {
-        resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
+        resp = await pending;
       } catch (err) {
         if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
       }
       run.headersAt = performance.now();
-      if (!resp.ok) { this.finish(run, resp.status === 404 ? 'idle' : 'error', 'HTTP ' + resp.status); return; }
+      if (!resp.ok) {
+        // 404: no stream for this click; 422: its input was refused (the Gradio event shows why)
+        this.finish(run, resp.status === 404 || resp.status === 422 ? 'idle' : 'error', 'HTTP ' + resp.status);
+        return;
+      }
       run.rateHint = parseFloat(resp.headers.get('X-Live-Rate')) || null;
       run.expected = parseFloat(resp.headers.get('X-Live-Expected-Seconds')) || null;
       const reader = resp.body.getReader();
@@ -335,10 +381,13 @@
       if (run.chunks > 0 && now - run.lastByteAt < 8) {
         run.lastChunk += n;
         if (run.chunks === 1) run.firstChunkSamples += n;
+        run.arrivals[run.arrivals.length - 1][1] += n;
       } else {
         run.chunks += 1;
         run.lastChunk = n;
         if (run.chunks === 1) run.firstChunkSamples = n;
+        run.arrivals.push([now, n]);             // [when the chunk came, its samples]
+        if (run.arrivals.length > 8) run.arrivals.shift();
       }
       run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
@@ -378,11 +427,21 @@
     }
 
     // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null).
+    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the rate of
+    // its last three chunks (their audio over the time since the chunk before them), so that a stream slowed
+    // down by a busy CPU (browser, server and engine may share two cores) is believed at once.
     rate(run) {
       const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
       if (run.chunks >= 2 && wall >= 0.15) {
-        const measured = (run.received - run.firstChunkSamples) / SR / wall;
+        let measured = (run.received - run.firstChunkSamples) / SR / wall;
+        const a = run.arrivals;
+        if (!run.streamDone && a.length >= 3) {   // the last three chunks' audio over the time they took
+          const k = Math.max(0, a.length - 4);
+          let n = 0;
+          for (let i = k + 1; i < a.length; i++) n += a[i][1];
+          const dt = (a[a.length - 1][0] - a[k][0]) / 1000;
+          if (dt > 0.05) measured = Math.min(measured, n / SR / dt);
+        }
         if (run.rateHint == null || wall >= 1.5) return measured;
         const w = wall / 1.5;
         return w * measured + (1 - w) * run.rateHint;
@@ -393,14 +452,21 @@
       return run.rateHint;
     }
 
-    // The buffer (seconds) needed so that playback, once started, reaches the end without a gap.
+    // The buffer (seconds) needed so that playback, once started, reaches the end without a gap ("can play
+    // through"), planning for generation RATE_SLACK times slower than measured (contention comes and goes).
     needed(run) {
       const r = this.rate(run);
-      if (r == null || r >= 1.02) return 0;
+      if (r == null) return 0;
+      const rp = Math.max(r / RATE_SLACK, 0.05);
+      // fast enough to play through, but with little to spare (under 1.8x real time): start with a small cushion
+      // against the jitter of a busy CPU; well ahead of real time: at once
+      if (rp >= 1) return r < CUSHION_BELOW_RATE ? CUSHION_S : 0;
       const got = run.received / SR;
-      const rest = run.expected != null ? Math.max(run.expected - got, 0.5) : Math.max(got, 2.0);
+      // (an expectation that proves short - more audio came than expected - is no longer trusted)
+      const rest = run.expected != null && got < 0.9 * run.expected ? Math.max(run.expected - got, 1.0)
+        : Math.max(got * (run.expected != null ? 0.5 : 1), 2.0);
       // + one chunk's wait: audio comes in chunks, so the next one may land up to a chunk interval late
-      return rest * (1 / Math.max(r, 0.05) - 1) * 1.15 + 0.2 + (run.maxChunk || 0) / SR / Math.max(r, 0.05);
+      return rest * (1 / rp - 1) + 0.2 + (run.maxChunk || 0) / SR / rp;
     }
 
     decide(run) {
@@ -416,9 +482,10 @@
         } else {
           run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
           run.state = 'playing';
-          if (run.stalledAt != null) {
+          if (run.stalledAt != null) {        // the end of a rebuffer: how long the listener heard nothing
             const d = performance.now() - run.stalledAt;
             run.stallMs += d;
+            run.maxStallMs = Math.max(run.maxStallMs, d);
             run.stalls.push([run.stalledPos, d]);
             run.stalledAt = null;
           }
@@ -517,12 +584,13 @@
       const m = {
         token: run.token.slice(0, 6), state: run.state, backend: be ? be.kind : null,
         secureContext: window.isSecureContext, contextState: this.ctx ? this.ctx.state : null,
+        clickToRequestMs: run.requestAt != null ? run.requestAt - run.clickTime : null, early: run.early,
         clickToHeadersMs: run.headersAt != null ? run.headersAt - run.clickTime : null,
         clickToFirstByteMs: run.firstByteAt != null ? run.firstByteAt - run.clickTime : null,
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
-        underruns: run.underruns, samplesReceived: run.received, samplesPlayed: played,
+        underruns: run.underruns, maxStallMs: Math.round(run.maxStallMs), samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
         rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,

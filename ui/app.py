@@ -13,6 +13,7 @@ from tts_engine.voices.presets import PresetLibrary
 from . import layout, server, zerogpu
 from .config import AppConfig
 from .dialogue import DialogueHandler
+from .early_start import EarlyStarts
 from .handlers import Handlers
 from .roles import Models, cache_root
 from .session import Files, Voices
@@ -36,6 +37,10 @@ class TTSApp(Handlers, DialogueHandler, TranscribeHandler):
                          speaker=speaker_cls(c, self.status, models.loaded, active, live_audio=cfg.gradio_live_audio),
                          limits=cfg.limits, c=c)
         self.concurrency = models.default_concurrency()
+        # a click's generation starts from the player's request or the Gradio event, whichever comes first
+        # (not on ZeroGPU: there the generation must run inside the Gradio event, in its @spaces.GPU call)
+        self.early = EarlyStarts(c, self.status, models.loader, self.live, max_runs=self.concurrency,
+                                 enabled=cfg.early_start and not self.zerogpu)
 
     # the parts tests and scripts reach for most
     @property
@@ -54,13 +59,20 @@ class TTSApp(Handlers, DialogueHandler, TranscribeHandler):
         return self.models.engine(role)
 
     def build(self) -> gr.Blocks:
-        return layout.build(self)
+        demo = layout.build(self)
+        self.early.bind(demo)
+        return demo
 
     def launch_kwargs(self) -> dict:
         return server.launch_kwargs(self)
 
     def preload(self) -> None:
+        """Load and warm up every model now (blocking)."""
         self.models.preload()
+
+    def load_in_background(self, roles: list[str] | None = None) -> None:
+        """Load the models of `roles` (default: those of the default tab) in a background thread."""
+        self.models.load_in_background(roles)
 
     def close(self) -> None:
         self.models.close()

@@ -42,7 +42,7 @@ class AppConfig:
     presets_dir: Path = ROOT / "presets"
     examples_file: Path = ROOT / "assets" / "examples.json"
     concurrency: int | None = None     # generation events running at once (engine batch)
-    preload: bool = False              # load the engines (and warm up) before serving
+    preload: bool = False              # load every role's engine (and warm up) at start-up, not just the default tab's
     limits: Limits = field(default_factory=Limits.from_env)
     backend: str | None = None         # a remote OpenAI-compatible speech server instead of local engines
     # stream audio chunks through Gradio's own streaming gr.Audio (`live` output). That player needs ffmpeg;
@@ -51,6 +51,9 @@ class AppConfig:
     quantize: str | None = None        # None/"none", "int8", "int4", "auto" (the CPU default of `python app.py`)
     eager: bool = False                # no CUDA graphs on a GPU
     engine_options: dict = field(default_factory=dict)   # more TTSEngine arguments (ZeroGPU: max_batch, max_seq_len)
+    # the page player's own request may start a click's generation (ui/early_start.py); never on ZeroGPU, where
+    # generation must run inside the Gradio event (its @spaces.GPU call)
+    early_start: bool = True
 
     def engine_kw(self) -> dict:
         """What every local engine is built with, besides device and dtype."""

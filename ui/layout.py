@@ -15,6 +15,7 @@ from tts_engine.voices import blend as blendlib
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
 from . import dialogue_tab, history
 from . import live_player as lp
+from . import model_loader
 from . import transcribe
 from .handlers import api_doc, guard
 
@@ -84,7 +85,7 @@ def _player_column(app, c, max_frames, default_frames):
         c.live = gr.Audio(label="Live", interactive=False, visible=False, elem_id="live-audio", buttons=[])
     c.live_token = gr.Textbox("", visible=False, elem_id="live-token")   # set by the page's player (js=)
     c.status = gr.Markdown("Ready.", elem_id="status")
-    gr.HTML(lp.STATUS_HTML, elem_id="live-player")   # "playing · click → sound N ms", written by the player
+    gr.HTML(model_loader.STATE_HTML + lp.STATUS_HTML, elem_id="live-player")   # "playing · click → sound N ms", written by the player
     c.stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop-btn", elem_classes=[lp.STOP_CLASS])
     c.final = gr.Audio(label="Full result (lossless WAV)", format="wav", interactive=False, elem_id="final-audio",
                        buttons=["download"])
@@ -254,8 +255,9 @@ def _wire(app, c):
     def live(button, fn, inputs, outputs, name):
         """A generating event that the page's player listens to: its `js=` puts the click's token in as the
         last input (`live_token`), and the player learns when the server side is over."""
-        ev = on(button, history.noting(c, fn, name, inputs), inputs + [c.live_token], outputs, name, js=lp.TOKEN_JS,
-                **kw)
+        full = inputs + [c.live_token]   # the page player's request may start it first (ui/early_start.py)
+        ev = on(button, app.early.attachable(name, history.noting(c, fn, name, inputs), full), full, outputs, name,
+                js=lp.token_js(name), **kw)
         lp.after_event(ev)
         return ev
 

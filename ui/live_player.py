@@ -28,6 +28,7 @@ registry afterwards (`len(streams) == 0`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -72,6 +73,7 @@ class _Slot:
         self.writer_done = False             # the handler closed it: no more data
         self.cancelled = False               # the reader went away or the slot expired: stop generating
         self.refused = False                 # the handler's session did not match the route's
+        self.failed: str | None = None       # the click's run ended without opening it (its error, or "")
         self.first_write: float | None = None
         self.last_write: float | None = None
         self.expected_s: float | None = None
@@ -165,6 +167,7 @@ class LiveStreams:
         self._lock = threading.Lock()
         self._slots: dict[str, _Slot] = {}
         self._spent: dict[str, float] = {}    # token -> when it was opened by a handler (single use)
+        self._failed: dict[str, tuple[float, str]] = {}   # token -> (when, why): its run ended without a stream
         self.rate: float | None = None        # audio seconds generated per wall second, recent streams (EMA)
 
     def __len__(self) -> int:
@@ -205,6 +208,21 @@ class LiveStreams:
             s.wake_reader()
             return LiveSink(self, s)
 
+    def abandon(self, token: str | None, reason: str = "") -> None:
+        """The click's run ended without opening its stream (it failed its input checks, say): a route waiting
+        for it, now or later, answers at once (422 with `reason`, or 404) instead of waiting `handler_wait_s`."""
+        token = (token or "").strip()
+        if not token or not TOKEN_RE.match(token):
+            return
+        with self._lock:
+            s = self._slots.get(token)
+            if s is not None and s.has_writer:
+                return
+            self._failed[token] = (time.monotonic(), reason)
+            if s is not None:
+                s.failed = reason
+                s.wake_reader()
+
     # --- route side --------------------------------------------------------------------------------------
     async def attach(self, token: str, session: str, disconnected=None) -> _Slot:
         """Become the reader of `token`; returns once the handler has written its first chunk (or closed).
@@ -219,6 +237,8 @@ class LiveStreams:
             self._expire_locked(now)
             s = self._slots.get(token)
             if s is None:
+                if token in self._failed:
+                    raise self._failure(self._failed[token][1])
                 if token in self._spent:
                     raise LiveRefused(404, "no such stream")
                 s = self._slots[token] = _Slot(token, session, threading.Condition(self._lock), now)
@@ -235,6 +255,9 @@ class LiveStreams:
                 with self._lock:
                     if s.refused:
                         raise LiveRefused(404, "no such stream")
+                    if s.failed is not None and not s.has_writer:
+                        self._drop_locked(s)
+                        raise self._failure(s.failed)
                     if s.cancelled:
                         raise LiveRefused(404, "the stream was cancelled")
                     if s.has_writer and (s.chunks or s.writer_done):
@@ -250,6 +273,10 @@ class LiveStreams:
             with self._lock:
                 self._cancel_locked(s)
             raise
+
+    @staticmethod
+    def _failure(reason: str) -> LiveRefused:
+        return LiveRefused(422, reason) if reason else LiveRefused(404, "no stream for this click")
 
     async def _wait(self, ev: asyncio.Event) -> None:
         try:
@@ -322,6 +349,9 @@ class LiveStreams:
         for t, when in list(self._spent.items()):
             if now - when > self.spent_ttl_s:
                 del self._spent[t]
+        for t, (when, _) in list(self._failed.items()):
+            if now - when > self.spent_ttl_s:
+                del self._failed[t]
 
     def _learn_rate_locked(self, s: _Slot) -> None:
         if s.first_write is None or s.last_write is None:
@@ -333,9 +363,15 @@ class LiveStreams:
             self.rate = r if self.rate is None or r < self.rate else 0.7 * self.rate + 0.3 * r
 
 
-def install(app, streams: LiveStreams, prefix: str = "/live") -> LiveStreams:
+MAX_FORM_BYTES = 1 << 20   # the form values a POST may carry
+
+
+def install(app, streams: LiveStreams, prefix: str = "/live", starter=None) -> LiveStreams:
     """Add `GET {prefix}/{token}?session=…` (the PCM stream) and the player's JS files
-    (`{prefix}/player.js`, `{prefix}/worklet.js`) to a FastAPI app. Call before mounting Gradio at `/`."""
+    (`{prefix}/player.js`, `{prefix}/worklet.js`) to a FastAPI app. Call before mounting Gradio at `/`.
+    With `starter` (ui.early_start.EarlyStarts) also `POST {prefix}/{token}?session=…&api=<endpoint>` with the
+    click's form values as JSON `{"data": [...]}`: it starts the generation at once (unless the Gradio event
+    did already, or the starter declines) and streams the same PCM."""
     for route_name, file in JS_FILES.items():
         path = ASSETS / file
 
@@ -358,7 +394,22 @@ def install(app, streams: LiveStreams, prefix: str = "/live") -> LiveStreams:
         return StreamingResponse(streams.read(slot), media_type="application/octet-stream",
                                  headers=streams.headers(slot))
 
+    async def live_start(token: str, request: Request, session: str = "", api: str = ""):
+        if starter is not None and TOKEN_RE.match(token or ""):
+            body = await request.body()
+            data = None
+            if len(body) <= MAX_FORM_BYTES:
+                try:
+                    data = json.loads(body or b"{}").get("data")
+                except (ValueError, AttributeError):
+                    data = None
+            started, why = starter.start(api, token, session, data)
+            if not started:
+                log.info("live stream %s…: not started early (%s); waiting for the Gradio event", token[:6], why)
+        return await live(token, request, session)
+
     app.add_api_route(prefix + "/{token}", live, methods=["GET"], include_in_schema=False)
+    app.add_api_route(prefix + "/{token}", live_start, methods=["POST"], include_in_schema=False)
     return streams
 
 
@@ -369,6 +420,16 @@ HEAD = '<script src="live/player.js"></script>'
 # Without the player (a script blocker, gradio_client) the input stays "" and the handler streams nowhere.
 TOKEN_JS = ("(...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? window.liveTTS.takeToken() : '';"
             " return args; }")
+
+
+def token_js(api: str) -> str:
+    """`js=` of a generating event whose generation the player's own request may start (ui/early_start.py): the
+    player gets the event's form values (`args`, the last one the token's place) with the endpoint's name and
+    sends them with its stream request."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+", api):
+        raise ValueError(f"bad endpoint name {api!r}")
+    return ("(...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? "
+            f"window.liveTTS.takeToken(args.slice(0, -1), '{api}') : ''; return args; }}")
 # `js=` of a JS-only `.then()` after a generating event: tells the player that the server side is over (a run
 # that never got its stream, e.g. the handler refused the input, stops waiting).
 DONE_JS = "() => { if (window.liveTTS) window.liveTTS.serverDone(); }"

@@ -89,11 +89,15 @@ def prepare_role(role: str, checkpoint: str, cfg: AppConfig) -> RoleInfo:
 
 
 class Models:
-    """The roles this server runs and their engines (loaded on first use)."""
+    """The roles this server runs and their engines: loaded in the background (`load_in_background`, the
+    `loader` says where each stands) or else on first use."""
 
     def __init__(self, cfg: AppConfig):
+        from .model_loader import ModelLoader
+
         self.cfg = cfg
         self.roles: dict[str, RoleInfo] = {}
+        self.loader = ModelLoader(load=self._load, warm_up=self.warm_up)
         if cfg.backend:
             self._init_remote(cfg.backend)
             return
@@ -160,10 +164,29 @@ class Models:
         return role in self.roles
 
     def engine(self, role: str):
+        """The role's engine: loaded (and warmed up) by the background loader, which this waits for."""
         if role not in self.roles:
             raise TTSError(f"this server runs no {ROLE_LABEL[role]} model"
                            + (" (start it with --voice-design-model)" if role == "voice_design" else ""))
+        if not self.cfg.backend and not self.registry.loaded(role):
+            self.loader.start([role])   # loads in the loader: its progress shows on the page and in the status line
+        self.loader.wait(role)
         return self.registry.get(role)
+
+    def _load(self, role: str):
+        return self.registry.get(role)
+
+    def default_roles(self) -> list[str]:
+        """The models the page's default tab (Preset voices) uses: CustomVoice speakers, then the Base model of
+        the preset clips."""
+        return [r for r in ("custom_voice", "base") if r in self.roles]
+
+    def load_in_background(self, roles: list[str] | None = None) -> None:
+        """Start loading `roles` (default: `default_roles()`) in a background thread; the page is served
+        meanwhile, and a request for a role still loading waits for it."""
+        if self.cfg.backend:
+            return   # nothing to load here: a remote server serves every role
+        self.loader.start(self.default_roles() if roles is None else [r for r in roles if r in self.roles])
 
     def loaded(self, role: str) -> bool:
         return self.registry.loaded(role)
@@ -200,20 +223,23 @@ class Models:
         return role
 
     def preload(self) -> None:
-        """Load every engine and run one short synthesis on each (first requests then start warm)."""
+        """Load every engine and run one short synthesis on each, now (first requests then start warm)."""
         if self.cfg.backend:
             return   # nothing to load here: a remote server serves every role
-        for role in self.roles:
-            t = time.perf_counter()
-            eng = self.engine(role)
-            voice = None
-            if role == "custom_voice":
-                voice = eng.speakers[0]
-            elif role == "base":
-                voice = eng.voice_from_embedding(np.ones(eng.hidden_size, np.float32))
-            eng.synthesize("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,
-                           seed=0, max_new_tokens=8)
-            log.info("%s ready in %.1f s", ROLE_LABEL[role], time.perf_counter() - t)
+        self.loader.load_now(list(self.roles))
+
+    def warm_up(self, role: str) -> None:
+        """One short synthesis on a loaded engine: the first real request then starts warm."""
+        t = time.perf_counter()
+        eng = self.registry.get(role)
+        voice = None
+        if role == "custom_voice":
+            voice = eng.speakers[0]
+        elif role == "base":
+            voice = eng.voice_from_embedding(np.ones(eng.hidden_size, np.float32))
+        eng.synthesize("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,
+                       seed=0, max_new_tokens=8)
+        log.info("%s warmed up in %.1f s", ROLE_LABEL[role], time.perf_counter() - t)
 
     def close(self) -> None:
         self.registry.close()

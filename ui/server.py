@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from . import history, live_player
+from . import history, live_player, model_loader
 from .layout import CSS
 
 
@@ -23,8 +23,10 @@ def create_server(app, demo: gr.Blocks):
 
     api = FastAPI(title="Qwen3-TTS Live")
     install(api, app.models.registry, app.limits)
-    live_player.install(api, app.live)   # GET /live/{token}: the page's player's PCM stream, and its JS files
+    model_loader.install(api, app.models.loader)   # GET /live/models: the page's "models ready" indicator
+    # GET/POST /live/{token}: the page's player's PCM stream (POST may start the click's generation), its JS files
+    live_player.install(api, app.live, starter=app.early)
     kw = launch_kwargs(app)
     return gr.mount_gradio_app(api, demo, path="/", theme=kw["theme"], css=kw["css"],
-                               head=live_player.HEAD + history.head(),
+                               head=live_player.HEAD + model_loader.HEAD + history.head(),
                                max_file_size=kw["max_file_size"], allowed_paths=kw["allowed_paths"])

@@ -128,7 +128,7 @@ class Speaker:
     def start(self, role: str, seed: int) -> dict:
         """First update of a generation: clear the lossless player, show the seed (and 'loading' if cold)."""
         if not self.loaded(role):
-            msg = self.status(f"Loading the {ROLE_LABEL[role]} model (first use)…", role=role)
+            msg = self.status(f"Loading the {ROLE_LABEL[role]} model…", role=role)
         else:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
@@ -251,7 +251,8 @@ class Speaker:
                                                           seed=job.seed, role=role)}
         else:
             final = {c.final: (SR, np.concatenate(parts)),
-                     c.status: self.status("Done", ttfa=ttfa, compute=compute, audio_s=n / SR, seed=job.seed,
+                     c.status: self.status("Stopped" if stopped else "Done", ttfa=ttfa, compute=compute,
+                                           audio_s=n / SR, seed=job.seed,
                                            pieces=len(pieces), piece=len(pieces), note=note, role=role)}
         final[c.seed] = job.seed
         final.update(extra_final or {})

@@ -1,0 +1,130 @@
+"""Measure (not a test) click-to-first-sound of the app as it is really started, in headless Chromium.
+
+Starts `python app.py --tiny --port PORT` (the models load in the background while the page is served), waits
+until the server answers and then `--delay` seconds more, opens the page and clicks Generate `--clicks` times
+on the Preset tab (each run played to its end), then plays the long-text example `--long` times. Prints, per
+click, the player's own figures (click -> request sent, first byte, first sound; whether the player's request
+started the generation; rebuffers and the silence inside them) and a summary: the median click-to-sound, the
+first click against the median of the next four, and the long text's rebuffers.
+
+    python -m tests.click_to_sound --port 7941 --delay 20 --clicks 5 --long 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tests import browser as B
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def long_text() -> str:
+    ex = json.loads((ROOT / "assets" / "examples.json").read_text(encoding="utf-8"))
+    return max((e["text"] for e in ex["preset"]), key=len)   # the five-sentence example
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def wait_answering(url: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(url + "/", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic()
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"the server did not answer within {timeout} s")
+
+
+def row(k, m) -> str:
+    f = lambda x: "-" if m.get(x) is None else f"{m[x]:.0f}"   # noqa: E731
+    return (f"| {k} | {f('clickToRequestMs')} | {'yes' if m.get('early') else 'no'} | {f('clickToFirstByteMs')} | "
+            f"{f('clickToSoundMs')} | {m.get('secondsPlayed', 0):.1f} | {m.get('underruns')} | "
+            f"{m.get('stallMs', '-')} (max {m.get('maxStallMs', '-')}) |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, default=7941)
+    p.add_argument("--delay", type=float, default=20.0, help="seconds between the server answering and the first click")
+    p.add_argument("--clicks", type=int, default=5)
+    p.add_argument("--long", type=int, default=3, help="runs of the long-text example")
+    p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py to run (to compare versions)")
+    a = p.parse_args(argv)
+
+    url = f"http://127.0.0.1:{a.port}"
+    cache = tempfile.mkdtemp(prefix="click-to-sound-")
+    t_start = time.monotonic()
+    srv = subprocess.Popen([sys.executable, str(a.root / "app.py"), "--tiny", "--host", "127.0.0.1",
+                            "--port", str(a.port), "--cache-dir", cache, *a.extra], cwd=a.root,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    drv = None
+    try:
+        t_answer = wait_answering(url, 300)
+        print(f"server answering {t_answer - t_start:.1f} s after start")
+        drv = B.chrome()
+        B.open_page(drv, url + "/")
+        state = drv.execute_script("return window.liveModels")
+        print("models at page load:", state and state.get("summary"))
+        time.sleep(max(0.0, t_answer + a.delay - time.monotonic()))
+        print("models at the first click:", drv.execute_script("return window.liveModels && window.liveModels.summary"))
+        print("\n| click | request sent (ms) | started by the player's request | first byte (ms) | first sound (ms) "
+              "| played (s) | rebuffers | silence in them (ms) |\n|---|---|---|---|---|---|---|---|")
+        clicks = []
+        for k in range(a.clicks):
+            m = B.play_once(drv)
+            clicks.append(m)
+            print(row(k + 1, m), flush=True)
+            time.sleep(0.5)
+        longs = []
+        if a.long:
+            box = drv.find_element("css selector", "#preset-text textarea")
+            drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))",
+                               box, long_text())
+            time.sleep(0.5)
+            for k in range(a.long):
+                m = B.play_once(drv, timeout=180)
+                longs.append(m)
+                print(row(f"long {k + 1}", m), flush=True)
+                time.sleep(0.5)
+        t = [m["clickToSoundMs"] for m in clicks]
+        print(f"\nCPU: {cpu_name()}; load average at the end: {os.getloadavg()[0]:.1f}")
+        if t:
+            print(f"click -> first sound: median {statistics.median(t):.0f} ms over {len(t)} clicks; first click "
+                  f"{t[0]:.0f} ms" + (f", median of the next {len(t) - 1}: {statistics.median(t[1:]):.0f} ms "
+                                      f"(ratio {t[0] / statistics.median(t[1:]):.2f})" if len(t) > 1 else ""))
+        if longs:
+            print(f"long text: rebuffers {[m['underruns'] for m in longs]}, silence in them (ms) "
+                  f"{[m.get('stallMs') for m in longs]}")
+    finally:
+        if drv is not None:
+            drv.quit()
+        srv.terminate()
+        try:
+            srv.wait(20)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+
+
+if __name__ == "__main__":
+    main()

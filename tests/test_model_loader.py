@@ -1,0 +1,103 @@
+"""ui/model_loader.py with stand-in load and warm-up steps: roles load one after another in the background, a
+request waits for a role still loading (and says which), failures are reported and do not block, a role queued
+after the thread finished still loads, and the blocking `load_now` raises a failure."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ui.model_loader import FAILED, READY, ModelLoader
+
+
+class Steps:
+    def __init__(self, fail=()):
+        self.release = {r: threading.Event() for r in ("custom_voice", "base", "voice_design")}
+        self.order: list[str] = []
+        self.fail = set(fail)
+
+    def load(self, role):
+        self.order.append(role)
+        assert self.release[role].wait(10)
+        if role in self.fail:
+            raise RuntimeError(f"{role} weights are broken")
+
+    def warm(self, role):
+        self.order.append(role + ":warm")
+
+
+def _until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_roles_load_in_order_and_requests_wait_for_them():
+    steps = Steps()
+    loader = ModelLoader(steps.load, steps.warm)
+    loader.start(["custom_voice", "base"])
+    assert _until(lambda: loader.roles["custom_voice"].stage == "loading the weights")
+    snap = loader.snapshot()
+    assert snap["loading"] and not snap["ready"]
+    assert "Loading the CustomVoice model: step 1/2" in loader.summary() and "then 1 more" in loader.summary()
+
+    waited = {}
+
+    def request():
+        waited["ok"] = loader.wait("custom_voice", timeout=10)
+        waited["at"] = time.monotonic()
+    t = threading.Thread(target=request)
+    t.start()
+    assert _until(lambda: loader.waiting_for(t.ident) is not None)
+    assert loader.waiting_for(t.ident).role == "custom_voice"
+    time.sleep(0.1)
+    assert t.is_alive(), "the request must wait while its model loads"
+    released = time.monotonic()
+    steps.release["custom_voice"].set()
+    t.join(5)
+    assert waited["ok"] and waited["at"] >= released
+    assert loader.roles["custom_voice"].stage == READY
+    assert loader.wait("voice_design") is True          # never queued here: no wait
+    steps.release["base"].set()
+    assert _until(lambda: loader.snapshot()["ready"])
+    assert steps.order == ["custom_voice", "custom_voice:warm", "base", "base:warm"]
+    assert loader.summary() == "✅ Models ready: CustomVoice, Base"
+
+
+def test_a_failure_is_reported_and_does_not_block():
+    steps = Steps(fail={"custom_voice"})
+    loader = ModelLoader(steps.load, steps.warm)
+    steps.release["custom_voice"].set()
+    steps.release["base"].set()
+    loader.start(["custom_voice", "base"])
+    assert loader.wait("custom_voice", timeout=5)
+    assert loader.roles["custom_voice"].stage == FAILED
+    assert _until(lambda: loader.roles["base"].stage == READY)
+    snap = loader.snapshot()
+    assert not snap["ready"] and not snap["loading"]
+    assert "CustomVoice model failed to load: RuntimeError: custom_voice weights are broken" in loader.summary()
+
+
+def test_a_role_queued_after_the_thread_ended_still_loads():
+    steps = Steps()
+    for r in steps.release.values():
+        r.set()
+    loader = ModelLoader(steps.load, steps.warm)
+    loader.start(["custom_voice"])
+    assert _until(lambda: loader._thread is None)
+    loader.start(["voice_design"])
+    assert loader.wait("voice_design", timeout=5) and loader.roles["voice_design"].stage == READY
+
+
+def test_load_now_blocks_and_raises_a_failure():
+    steps = Steps(fail={"base"})
+    for r in steps.release.values():
+        r.set()
+    loader = ModelLoader(steps.load, steps.warm)
+    with pytest.raises(RuntimeError, match="base weights are broken"):
+        loader.load_now(["custom_voice", "base"])
+    assert loader.roles["custom_voice"].stage == READY
