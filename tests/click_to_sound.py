@@ -59,7 +59,7 @@ def row(k, m) -> str:
     f = lambda x: "-" if m.get(x) is None else f"{m[x]:.0f}"   # noqa: E731
     return (f"| {k} | {f('clickToRequestMs')} | {'yes' if m.get('early') else 'no'} | {f('clickToFirstByteMs')} | "
             f"{f('clickToSoundMs')} | {m.get('secondsPlayed', 0):.1f} | {m.get('underruns')} | "
-            f"{m.get('stallMs', '-')} (max {m.get('maxStallMs', '-')}) |")
+            f"{f('stallMs')} (max {f('maxStallMs')}) |")
 
 
 def main(argv=None) -> None:
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
                                       f"(ratio {t[0] / statistics.median(t[1:]):.2f})" if len(t) > 1 else ""))
         if longs:
             print(f"long text: rebuffers {[m['underruns'] for m in longs]}, silence in them (ms) "
-                  f"{[m.get('stallMs') for m in longs]}")
+                  f"{[round(m.get('stallMs') or 0) for m in longs]}")
     finally:
         if drv is not None:
             drv.quit()
