@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import platform
 import statistics
 import threading
 import time
@@ -28,20 +27,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = ROOT / "presets" / "oliver.flac"
 TRANSCRIPT = "Good morning. I hope you slept well, because today we have a great deal of work to do."
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    name = platform.processor() or "CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def serve(app):
@@ -79,7 +64,7 @@ def main(argv=None) -> int:
     from fastapi import FastAPI
 
     from tts_engine.audio import load_audio
-    from tts_engine.bench import checkpoint_for, write_markdown
+    from tts_engine.bench import checkpoint_for, device_name, write_markdown
 
     from .limits import Limits
     from .openai_api import install
@@ -161,7 +146,7 @@ def main(argv=None) -> int:
     table += [f"| {name} | {stats(xs)} |" for name, xs in rows]
     table += [f"| `engine.clone_voice` alone (speaker + codec encoders), miss | {stats(miss)} |",
               f"| `engine.clone_voice` alone, hit (hash of the clip) | {stats(hit)} |"]
-    body_md = (f"Device: **{device_name()}**. Checkpoint: random-weight {a.arch} Base architecture "
+    body_md = (f"Device: **{device_name(engine.model.device)}**. Checkpoint: random-weight {a.arch} Base architecture "
                f"({engine.precision}). Reference: presets/oliver.flac (5 s) with its transcript (in-context clone). "
                f"Request: `stream=true`, pcm, {a.frames} frames, {a.repeats} repeats; first audio = request sent to "
                f"first audio bytes at the client, through the HTTP server on loopback. Command: "

@@ -9,6 +9,7 @@ from tts_engine import TTSEngine
 from tts_engine.tiny import make_tiny
 from tts_engine.voices.reference_cache import ReferenceCache, reference_key
 from tts_engine.voices.voice import Voice
+from tests.encoder_calls import count_encoders
 
 
 @pytest.fixture(scope="module")
@@ -23,27 +24,9 @@ def _clip(freq=200.0, seconds=1.0, sr=24000):
     return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), sr
 
 
-def _count_encoders(engine, monkeypatch) -> dict:
-    calls = {"speaker": 0, "codec": 0}
-    se, st = engine.model.speaker_encoder, engine.model.speech_tokenizer
-    embed, encode = se.embed, st.encode
-
-    def counting_embed(*a, **k):
-        calls["speaker"] += 1
-        return embed(*a, **k)
-
-    def counting_encode(*a, **k):
-        calls["codec"] += 1
-        return encode(*a, **k)
-
-    monkeypatch.setattr(se, "embed", counting_embed)
-    monkeypatch.setattr(st, "encode", counting_encode)
-    return calls
-
-
 def test_repeated_clone_skips_both_encoders_and_gives_the_same_voice(engine, monkeypatch):
     engine.reference_cache.clear()
-    calls = _count_encoders(engine, monkeypatch)
+    calls = count_encoders(engine, monkeypatch)
     clip = _clip()
     a = engine.clone_voice(clip, ref_text="A tone.", name="first")
     assert calls == {"speaker": 1, "codec": 1}
@@ -61,7 +44,7 @@ def test_repeated_clone_skips_both_encoders_and_gives_the_same_voice(engine, mon
 
 def test_the_key_separates_clip_transcript_and_mode(engine, monkeypatch):
     engine.reference_cache.clear()
-    calls = _count_encoders(engine, monkeypatch)
+    calls = count_encoders(engine, monkeypatch)
     clip = _clip()
     engine.clone_voice(clip, ref_text="A tone.")
     engine.clone_voice(clip, ref_text="Another transcript.")     # new transcript: codes again

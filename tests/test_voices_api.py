@@ -19,6 +19,7 @@ import soundfile as sf
 from server.limits import Limits
 from server.voice_store import StoreLimits, VoiceStore
 from tests.serving import tiny_api
+from tests.encoder_calls import count_encoders
 
 ADMIN = "admin-secret"
 
@@ -205,29 +206,11 @@ def test_a_store_skips_files_it_cannot_read(tmp_path):
     assert VoiceStore(tmp_path).names() == []
 
 
-def _count_encoders(engine, monkeypatch) -> dict:
-    calls = {"speaker": 0, "codec": 0}
-    se, st = engine.model.speaker_encoder, engine.model.speech_tokenizer
-    embed, encode = se.embed, st.encode
-
-    def counting_embed(*a, **k):
-        calls["speaker"] += 1
-        return embed(*a, **k)
-
-    def counting_encode(*a, **k):
-        calls["codec"] += 1
-        return encode(*a, **k)
-
-    monkeypatch.setattr(se, "embed", counting_embed)
-    monkeypatch.setattr(st, "encode", counting_encode)
-    return calls
-
-
 def test_repeated_clone_request_hits_the_reference_cache(server, monkeypatch):
     url, registry, _ = server
     engine = registry.get("base")
     engine.reference_cache.clear()
-    calls = _count_encoders(engine, monkeypatch)
+    calls = count_encoders(engine, monkeypatch)
     ref = "data:audio/wav;base64," + base64.b64encode(_wav_bytes(freq=310.0)).decode()
     body = {"input": "Cloned twice.", "task_type": "Base", "ref_audio": ref, "ref_text": "A tone.",
             "language": "english", "seed": 1}
