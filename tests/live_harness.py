@@ -30,8 +30,8 @@ class FakeGenerator:
 
     def generate(self, text: str, token: str, request: gr.Request = None):
         session = getattr(request, "session_hash", None) or ""
-        run = {"token": token, "session": session, "written_s": 0.0, "cancelled": False, "done": False,
-               "sink": False}
+        run = {"token": token, "session": session, "written_s": 0.0, "cancelled": False, "closed": False,
+               "done": False, "sink": False}
         with self.lock:
             self.runs.append(run)
         if not text.strip():
@@ -62,6 +62,9 @@ class FakeGenerator:
                 wait = t0 + self.first_chunk_s + n / SR / self.rate - time.perf_counter()
                 if wait > 0 and n < n_total:
                     time.sleep(wait)
+        except GeneratorExit:
+            run["closed"] = True     # Gradio closed the job (its page went away) before the sink saw the cancel
+            raise
         finally:
             if sink is not None:
                 sink.close()

@@ -127,7 +127,8 @@ def test_reload_cancels_the_generation(harness, drv):
     run = fake.runs[-1]
     B.open_page(drv, url + "/")                    # a reload: the page's fetch goes away with it
     B.wait(lambda: run["done"], 5, "the generation to stop")
-    assert run["cancelled"] and run["written_s"] < 10, run
+    # either path stops it early: the aborted fetch cancels the slot, or Gradio closes the job of the page that left
+    assert (run["cancelled"] or run["closed"]) and run["written_s"] < 10, run
     assert B.wait(lambda: len(fake.streams) == 0, 3, "no slot left")
 
 
