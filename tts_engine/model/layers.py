@@ -23,10 +23,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, computed in fp32 and cast back before the weight (the official
+    order). fp32 input skips the two no-op casts (fewer calls per frame, the same arithmetic)."""
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 _inv_freq_cache: dict = {}
@@ -48,6 +55,28 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., hd] -> [-sin[..., :hd/2], sin[..., hd/2:]]: with it `apply_rope` needs no negation per call."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit (negating a factor is exact), as a swap of the two halves
+    (one flip of a size-2 dim) times the pre-signed sin: 2 calls fewer than chunk/neg/cat."""
+    hd = x.shape[-1]
+    swapped = x.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed
+
+
+def small_query_attention(device: torch.device, dtype: torch.dtype, T: int) -> bool:
+    """Decode-time attention (1-2 query positions) on a CPU in a 16-bit dtype runs as two small matmuls and a
+    softmax (`Attention._attend_small`): PyTorch's CPU flash kernel is slow for so few queries in bf16 (its cost
+    grows ~20 us per key and layer; 2-3x the matmul form at 17 keys, ~8x at 1000). fp32 keeps
+    scaled_dot_product_attention (bit-for-bit parity), and so does a GPU (CUDA graphs)."""
+    return device.type == "cpu" and dtype != torch.float32 and T <= 2
 
 
 class KVCache:
@@ -79,39 +108,50 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderStackConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.qkv_proj = None   # q, k, v in one matmul: set by `fuse_projections` (quantised engines only)
+        self.qkv_proj = None   # q, k, v in one matmul: set by `fuse_projections`
+        self.qk_norm_weight = None   # [H + Hkv, hd]: q_norm's weight per query head, k_norm's per key head
 
     def fuse_projections(self) -> None:
-        """Replace q_proj, k_proj, v_proj by one Linear with their rows stacked (one matmul instead of three)."""
+        """Replace q_proj, k_proj, v_proj by one Linear with their rows stacked (one matmul instead of three), and
+        let q and k be normed together (the same per-head arithmetic, one call instead of two). Peak memory grows
+        by one layer's q/k/v while the stacked copy is built; the three are dropped after. Idempotent."""
+        if self.qkv_proj is not None:
+            return
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.qkv_proj.weight = nn.Parameter(w, requires_grad=False)
         del self.q_proj, self.k_proj, self.v_proj
+        self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.n_heads, self.hd),
+                                         self.k_norm.weight.detach().expand(self.n_kv, self.hd)])
 
     def forward(self, x, cos, sin, k_cache, v_cache, rows, write_pos, attn_mask, read_len, r_idx=None,
                 write_start: int | None = None):
-        """x [B, T, D]; cos/sin [B, 1, T, hd]; k_cache/v_cache [R, Hkv, L, hd] (one layer);
-        rows: cache rows of this batch, a slice (contiguous rows: cache views, no copies) or an index tensor [B];
-        write_pos [B, T] positions where the new keys go; r_idx [B, T] the cache row of each new key (index
-        rows only; built once per stack call by `DecoderStack.run`); write_start: when every row writes at the
-        same positions write_start..write_start+T-1 (the code predictor), a host int (a plain slice copy);
-        attn_mask [B, 1, T, read_len] bool (True = attend); only the first read_len cache positions are read."""
+        """x [B, T, D]; cos and sin (pre-signed: `signed_sin`) [B, 1, T, hd]; k_cache/v_cache [R, Hkv, L, hd]
+        (one layer); rows: cache rows of this batch, a slice (contiguous rows: cache views, no copies) or an
+        index tensor [B]; write_pos [B, T] positions where the new keys go; r_idx [B, T] the cache row of each
+        new key (index rows only; built once per stack call by `DecoderStack.run`); write_start: when every row
+        writes at the same positions write_start..write_start+T-1 (the code predictor), a host int (a plain
+        slice copy); attn_mask: as `DecoderStack.positions` makes it for this (device, dtype, T); only the
+        first read_len cache positions are read."""
         B, T, _ = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv, self.hd
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
+            qk = rms_norm(qkv[:, :, :H + Hkv], self.qk_norm_weight, self.eps).transpose(1, 2)  # [B, H+Hkv, T, hd]
+            q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)
+            v = qkv[:, :, H + Hkv:].transpose(1, 2)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.view(B, T, self.n_heads, self.hd)).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # [B, Hkv, T, hd]
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q = self.q_norm(self.q_proj(x).view(B, T, H, hd)).transpose(1, 2)  # [B, H, T, hd]
+            k = self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)).transpose(1, 2)  # [B, Hkv, T, hd]
+            v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # scatter the new keys/values into the static cache at (row, :, pos)
         if isinstance(rows, slice):
             k_cache, v_cache = k_cache[rows], v_cache[rows]            # views [B, Hkv, L, hd]
@@ -126,8 +166,25 @@ class Attention(nn.Module):
             v_cache[r_idx, :, write_pos] = v.transpose(1, 2)
         keys = k_cache[rows, :, :read_len]    # [B, Hkv, S, hd] (a view when rows is a slice)
         vals = v_cache[rows, :, :read_len]
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+        if small_query_attention(x.device, x.dtype, T):
+            out = self._attend_small(q, keys, vals, attn_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, enable_gqa=H != Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
+
+    def _attend_small(self, q, keys, vals, add_mask):
+        """softmax(q k^T / sqrt(hd) + add_mask) v for a few query positions, the query heads of one key head
+        stacked as rows of one matmul: q [B, H, T, hd], keys/vals [B, Hkv, S, hd], add_mask None (every key
+        visible) or [B, 1, g*T, S] fp32 (0 / -inf) -> [B, H, T, hd]. Scores in the activation dtype as the
+        official eager attention computes them, softmax in fp32."""
+        B, H, T, hd = q.shape
+        Hkv = keys.shape[1]
+        qg = q.reshape(B, Hkv, (H // Hkv) * T, hd)       # query head h = kv * g + i reads key head kv
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(hd ** -0.5)   # [B, Hkv, g*T, S]
+        if add_mask is not None:
+            scores.add_(add_mask)
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, vals).view(B, H, T, hd)
 
 
 class MLP(nn.Module):
@@ -136,10 +193,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = None   # gate and up in one matmul: set by `fuse_projections` (quantised engines only)
+        self.gate_up_proj = None   # gate and up in one matmul: set by `fuse_projections`
 
     def fuse_projections(self) -> None:
-        """Replace gate_proj and up_proj by one Linear with their rows stacked (one matmul instead of two)."""
+        """Replace gate_proj and up_proj by one Linear with their rows stacked (one matmul instead of two).
+        Idempotent."""
+        if self.gate_up_proj is not None:
+            return
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
         self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
@@ -148,7 +208,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(F.silu(gate).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -177,13 +237,22 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def positions(self, start: torch.Tensor, T: int, read_len: int, dtype: torch.dtype):
-        """start [B] -> (pos [B, T], cos, sin [B, 1, T, hd] in `dtype`, causal mask [B, 1, T, read_len])."""
+        """start [B] -> (pos [B, T], cos, signed sin [B, 1, T, hd] in `dtype`, mask). The mask is the causal
+        mask [B, 1, T, read_len] bool for scaled_dot_product_attention, or, where `small_query_attention`
+        holds, None when every row sees all read_len keys (one check on the host: a CPU tensor) or else the
+        additive fp32 mask [B, 1, g*T, read_len] of `Attention._attend_small`."""
         t = torch.arange(T, device=start.device)
         pos = start[:, None] + t[None, :]                                   # [B, T]
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         key_idx = torch.arange(read_len, device=start.device)
         mask = (key_idx[None, None, :] <= pos[:, :, None])[:, None]        # [B, 1, T, S]
-        return pos, cos, sin, mask
+        if small_query_attention(start.device, dtype, T):
+            if bool(mask.all()):
+                mask = None
+            else:
+                g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+                mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf")).repeat(1, 1, g, 1)
+        return pos, cos, signed_sin(sin), mask
 
     def run(self, x: torch.Tensor, cache: KVCache, rows, start: torch.Tensor,
             read_len: int, positions=None, write_start: int | None = None) -> torch.Tensor:

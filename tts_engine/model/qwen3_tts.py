@@ -110,6 +110,8 @@ class Qwen3TTSModel:
         if text_embedding_on_cpu and device.type != "cpu":
             # 151936 x 2048 (622 MB bf16) read only to build prompts: keep it in host memory
             self.talker.model.text_embedding.to("cpu")
+        if device.type == "cpu" and (self.quantize is not None or dtype != torch.float32):
+            self.talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
         # last rewrite of the talker's layers: int8/int4 weights are born here, the dense ones dropped
         self.quantized_layers = quantize_talker(self.talker, self.quantize)
         self.prompts = PromptBuilder(self.config, self.talker)
