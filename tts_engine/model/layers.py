@@ -72,10 +72,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 def small_query_attention(device: torch.device, dtype: torch.dtype, T: int) -> bool:
-    """Decode-time attention (1-2 query positions) on a CPU in a 16-bit dtype runs as two small matmuls and a
-    softmax (`Attention._attend_small`): PyTorch's CPU flash kernel is slow for so few queries in bf16 (its cost
-    grows ~20 us per key and layer; 2-3x the matmul form at 17 keys, ~8x at 1000). fp32 keeps
-    scaled_dot_product_attention (bit-for-bit parity), and so does a GPU (CUDA graphs)."""
+    """Decode-time attention (1-2 query positions) on a CPU in a 16-bit dtype runs as two small fp32 matmuls and
+    a softmax (`Attention._attend_small`): PyTorch's CPU flash kernel is slow for so few queries in bf16 (its
+    cost grows ~20 us per key and layer at one thread on a Zen 4: 2-3x the matmul form at 17 keys, 4-15x at
+    100-400). fp32 keeps scaled_dot_product_attention (bit-for-bit parity), and so does a GPU (CUDA graphs)."""
     return device.type == "cpu" and dtype != torch.float32 and T <= 2
 
 
@@ -173,18 +173,19 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
 
     def _attend_small(self, q, keys, vals, add_mask):
-        """softmax(q k^T / sqrt(hd) + add_mask) v for a few query positions, the query heads of one key head
-        stacked as rows of one matmul: q [B, H, T, hd], keys/vals [B, Hkv, S, hd], add_mask None (every key
-        visible) or [B, 1, g*T, S] fp32 (0 / -inf) -> [B, H, T, hd]. Scores in the activation dtype as the
-        official eager attention computes them, softmax in fp32."""
+        """softmax(q k^T / sqrt(hd) + add_mask) v for a few query positions, in fp32, the query heads of one
+        key head stacked as rows of one matmul: q [B, H, T, hd], keys/vals [B, Hkv, S, hd], add_mask None (every
+        key visible) or [B, 1, g*T, S] fp32 (0 / -inf) -> [B, H, T, hd] in q's dtype. fp32 because the 16-bit
+        batched matmul of a CPU loops over the heads one call each, while the fp32 one is a single BLAS batch
+        (faster here, and closer to fp32 than the bf16 flash kernel)."""
         B, H, T, hd = q.shape
         Hkv = keys.shape[1]
-        qg = q.reshape(B, Hkv, (H // Hkv) * T, hd)       # query head h = kv * g + i reads key head kv
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(hd ** -0.5)   # [B, Hkv, g*T, S]
+        qg = q.reshape(B, Hkv, (H // Hkv) * T, hd).float()     # query head h = kv * g + i reads key head kv
+        scores = torch.matmul(qg, keys.float().transpose(-1, -2)).mul_(hd ** -0.5)   # [B, Hkv, g*T, S]
         if add_mask is not None:
             scores.add_(add_mask)
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        return torch.matmul(probs, vals).view(B, H, T, hd)
+        out = torch.matmul(scores.softmax(dim=-1), vals.float())                    # [B, Hkv, g*T, hd]
+        return out.to(q.dtype).view(B, H, T, hd)
 
 
 class MLP(nn.Module):
