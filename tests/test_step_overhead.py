@@ -4,6 +4,8 @@ the same), the small-query attention of CPU 16-bit decoding agrees with scaled_d
 engine's codes do not depend on how its rows are batched."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,3 +146,85 @@ def test_engine_serves_batched_rows_of_different_lengths(tmp_path_factory, dtype
         assert s.codes.shape == (9, 16) and int(s.codes.min()) >= 0
     assert len({tuple(s.codes[:, 0].tolist()) for s in streams}) > 1
     assert again.codes.shape == (9, 16)   # a row freed by a batch serves again
+
+
+@pytest.fixture(scope="module")
+def tiny_cv(tmp_path_factory):
+    from tts_engine.tiny import make_tiny
+
+    return str(make_tiny(tmp_path_factory.mktemp("step_cv") / "cv", kind="custom_voice", size="0b6", seed=0))
+
+
+def _greedy_codes(eng):
+    s = eng.stream("Hello there, this is one test.", voice=eng.speakers[0], greedy=True, max_new_tokens=8,
+                   sampling={"ignore_eos": True})
+    list(s)
+    return s.codes
+
+
+def test_compiled_predictor_failures_fall_back_to_eager(tiny_cv, monkeypatch, caplog):
+    """A compile that raises leaves the engine serving eagerly with one log line; a compiled pass that raises
+    later turns it off for good, and the request still gets its codes (the eager ones)."""
+    import logging
+
+    from tts_engine import TTSEngine
+    from tts_engine.model import compiled_predictor
+
+    def broken_compile(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no C++ compiler here")
+        return run
+
+    monkeypatch.setattr(compiled_predictor.torch, "compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
+    try:
+        assert eng.compiled_predictor_status.startswith("off (RuntimeError: no C++ compiler here")
+        assert eng.model.talker.code_predictor.compiled is None
+        assert any("serving eagerly" in r.message for r in caplog.records)
+        eager = _greedy_codes(eng)
+        # a pass that raises mid-request (after a warm-up that worked)
+        cp = eng.model.talker.code_predictor
+        cp.compiled = compiled_predictor.CompiledPredictorPass(cp, torch.device("cpu"), torch.bfloat16)
+        cp.compiled.ok = True
+        assert torch.equal(_greedy_codes(eng), eager)
+        assert not cp.compiled.ok and cp.compiled.status.startswith("off (RuntimeError")
+    finally:
+        eng.close()
+
+
+def test_compiled_predictor_is_off_by_default_and_for_fp32(tiny_cv, monkeypatch):
+    from tts_engine import TTSEngine
+
+    monkeypatch.delenv("TTS_COMPILE_PREDICTOR", raising=False)
+    eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1)
+    assert eng.compiled_predictor_status == "off" and eng.model.talker.code_predictor.compiled is None
+    eng.close()
+    eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="fp32", max_batch=1, compile_predictor=True)
+    assert eng.compiled_predictor_status.startswith("off (CPU 16-bit or quantised")
+    eng.close()
+
+
+@pytest.mark.skipif(os.environ.get("TTS_TEST_COMPILE") != "1",
+                    reason="a real inductor compile takes 1-3 min on 2 cores; TTS_TEST_COMPILE=1 runs it")
+def test_compiled_predictor_gives_the_eager_codes(tiny_cv, tmp_path, monkeypatch):
+    from tts_engine import TTSEngine
+    from tts_engine.model import compiled_predictor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compiled_predictor, "COMPILE_BUDGET_S", 3600.0)
+    eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
+    try:
+        assert eng.compiled_predictor_status.startswith("on"), eng.compiled_predictor_status
+        cp = eng.model.talker.code_predictor
+        compiled = _greedy_codes(eng)
+        with torch.inference_mode():
+            x = torch.randn(1, 2, eng.model.talker.cfg.hidden_size).bfloat16()
+            got = cp.step(x, eng.runner.cp_cache, None, 0, 0)
+            keep, cp.compiled = cp.compiled, None
+            want = cp.step(x, eng.runner.cp_cache, None, 0, 0)
+        assert ((got - want).norm() / want.norm()) < 2e-2
+        assert torch.equal(compiled, _greedy_codes(eng))
+        cp.compiled = keep
+    finally:
+        eng.close()

@@ -97,7 +97,7 @@ class TTSStream:
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
-                 reference_cache: int = 128):
+                 reference_cache: int = 128, compile_predictor: bool | None = None):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -106,7 +106,8 @@ class TTSEngine:
         voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
         decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both
         off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
-        why); the engine keeps serving."""
+        why); the engine keeps serving. compile_predictor: one-stream code-predictor passes through a compiled
+        graph on a CPU (tts_engine/model/compiled_predictor.py; default: env TTS_COMPILE_PREDICTOR, off)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -126,6 +127,12 @@ class TTSEngine:
             self.start_graphs(GraphedFrames(self.runner), capture_now=capture_graphs_at_start)
         else:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
+        from ..model import compiled_predictor
+
+        if compile_predictor if compile_predictor is not None else compiled_predictor.wanted():
+            self.compiled_predictor_status = self.runner.compile_predictor()
+        else:
+            self.compiled_predictor_status = "off"
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
         self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)

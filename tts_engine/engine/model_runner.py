@@ -82,6 +82,25 @@ class ModelRunner:
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
         self.graph_status = "off"
 
+    def compile_predictor(self) -> str:
+        """Serve one-row code-predictor passes through a compiled graph (`model.compiled_predictor`), compiled now
+        as a warm-up; CPU engines with fused projections only (16-bit or quantised). -> its status line. A failure
+        leaves the eager path serving."""
+        from ..model.compiled_predictor import CompiledPredictorPass
+
+        cp = self.talker.code_predictor
+        if self.device.type != "cpu" or cp.model.layers[0].self_attn.qkv_proj is None:
+            return "off (CPU 16-bit or quantised engines only)"
+        try:
+            cp.compiled = CompiledPredictorPass(cp, self.device, self.dtype)
+        except Exception as e:   # e.g. no C++ compiler: never an outage
+            log.warning("compiled code predictor not used: %s", e)
+            return f"off ({type(e).__name__})"
+        if not cp.compiled.warm_up(self.cp_cache):
+            status, cp.compiled = cp.compiled.status, None
+            return status
+        return cp.compiled.status
+
     def disable_graphs(self, reason: str) -> None:
         """Serve eagerly from now on (a capture or a replay raised): one log line, never an outage."""
         if self.graphs is not None:

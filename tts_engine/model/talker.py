@@ -58,6 +58,7 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
         self._pos_cache: dict = {}   # (B, start, T, device, dtype) -> DecoderStack.positions(...)
+        self.compiled = None         # a CompiledPredictorPass serving one-row passes (optional, CPU)
 
     def new_cache(self, rows: int, device, dtype) -> KVCache:
         c = self.cfg
@@ -68,6 +69,11 @@ class CodePredictor(nn.Module):
         """x [B, T, talker D] inputs at positions start..start+T-1 (same for every row, since every row
         runs the same 15 steps each frame) -> logits of codebook head+1 for the last position [B, V] (fp32)."""
         B, T = x.shape[0], x.shape[1]
+        if self.compiled is not None and self.compiled.ok and rows is None and B == 1:
+            try:
+                return self.lm_head[head](self.compiled.run(x, cache, start)[:, -1]).float()
+            except Exception as e:   # one log line, then the eager path for good
+                self.compiled.disable(e)
         positions = self._positions(B, start, T, x.device, x.dtype)
         h = self.model.run(self.small_to_mtp_projection(x), cache, slice(0, B) if rows is None else rows,
                            positions[0][:, 0], start + T, positions=positions,

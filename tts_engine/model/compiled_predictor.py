@@ -1,0 +1,120 @@
+"""Optional: one code-predictor pass compiled by torch.compile (inductor, CPU), for one stream.
+
+The code predictor runs 15 passes per frame over 5 small layers; eagerly each pass is ~1,500 small aten calls
+around its 21 weight matmuls. Compiled, the norms, RoPE, cache writes and attention of a pass become a few
+fused C++ loops around the same matmul kernels. One graph serves all 15 passes: the position is a tensor and
+the cache is the static 17-slot predictor cache (slots past the position are masked), so there are two graphs
+in all (the first pass reads 2 positions, the others 1), for a batch of one row. Batches of several rows keep
+the eager path (a graph per batch size would compile inside a request).
+
+Off by default; TTS_COMPILE_PREDICTOR=1 (or `enable_compiled_predictor`) turns it on. Compiling happens once at
+engine load (the warm-up) and is cached on disk under ~/.cache/qwen3-tts-live/inductor (inductor's FX-graph and
+C++ caches), so later starts load it. Any failure (a compile error, a warm-up over COMPILE_BUDGET_S, a pass that
+raises later) logs one line and leaves the eager path serving; it never takes the engine down.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .layers import rms_norm, signed_sin, rope_cos_sin, apply_rope
+
+log = logging.getLogger("tts_engine")
+ENV = "TTS_COMPILE_PREDICTOR"   # 1 / on: compile the predictor pass at load (CPU, 16-bit or quantised modes)
+COMPILE_BUDGET_S = 60.0         # a warm-up compile slower than this is not used (it stays cached for next time)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "inductor"
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "on", "true", "yes")
+
+
+class CompiledPredictorPass:
+    """`run(x, cache, start)` = `CodePredictor.model.run(projection(x), ...)` for one row at positions
+    start..start+T-1, as a compiled graph. Numerics: those of the eager fused CPU path up to fp32/bf16 rounding
+    of fused arithmetic (inductor keeps intermediates in fp32)."""
+
+    def __init__(self, cp, device: torch.device, dtype: torch.dtype):
+        self.cp = cp
+        c = cp.cfg
+        self.S = c.num_code_groups + 1
+        self.H, self.Hkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        pos = torch.arange(self.S, device=device)[None]
+        cos, sin = rope_cos_sin(pos, self.hd, c.rope_theta, dtype)          # [1, 1, S, hd]
+        self.cos, self.sin = cos[0, 0], signed_sin(sin)[0, 0]              # [S, hd]
+        self.key_idx = torch.arange(self.S, device=device)
+        self.positions = [torch.arange(s, s + 2 if s == 0 else s + 1, device=device) for s in range(self.S)]
+        self.fn = torch.compile(self._pass, dynamic=False, fullgraph=True)
+        self.ok = False
+        self.status = "off"
+
+    def _pass(self, x, pos, k_cache, v_cache):
+        """x [1, T, talker D], pos [T] int64, k_cache/v_cache [layers, 1, Hkv, S, hd] -> normed hidden [1, T, D]."""
+        m = self.cp.model
+        H, Hkv, hd = self.H, self.Hkv, self.hd
+        g = H // Hkv
+        x = self.cp.small_to_mtp_projection(x)
+        B, T, _ = x.shape
+        cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]       # [1, 1, T, hd]
+        visible = self.key_idx[None, :] <= pos[:, None]                       # [T, S]
+        add_mask = torch.zeros(T, self.S, device=x.device).masked_fill(~visible, float("-inf"))
+        add_mask = add_mask.repeat(g, 1)[None, None]                          # [1, 1, g*T, S]
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            qkv = a.qkv_proj(layer.input_layernorm(x)).view(B, T, H + 2 * Hkv, hd)
+            qk = rms_norm(qkv[:, :, :H + Hkv], a.qk_norm_weight, a.eps).transpose(1, 2)
+            q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)
+            v = qkv[:, :, H + Hkv:].transpose(1, 2)
+            k_cache[i].index_copy_(2, pos, k)
+            v_cache[i].index_copy_(2, pos, v)
+            qg = q.reshape(B, Hkv, g * T, hd).float()
+            scores = torch.matmul(qg, k_cache[i].float().transpose(-1, -2)) * (hd ** -0.5) + add_mask
+            out = torch.matmul(scores.softmax(dim=-1), v_cache[i].float()).to(x.dtype).view(B, H, T, hd)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.norm(x)
+
+    def warm_up(self, cache) -> bool:
+        """Compile both graphs (2 positions, 1 position) on the engine's predictor cache row 0, timing it;
+        -> whether the compiled pass is in use."""
+        from torch._inductor import config as inductor_config
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+        inductor_config.fx_graph_cache = True
+        t0 = time.perf_counter()
+        try:
+            D = self.cp.model.codec_embedding[0].weight.shape[1]
+            w = self.cp.model.norm.weight
+            with torch.inference_mode():
+                for T, s in ((2, 0), (1, 2)):
+                    x = torch.zeros(1, T, D, device=w.device, dtype=w.dtype)
+                    self.fn(x, self.positions[s], cache.k[:, :1], cache.v[:, :1])
+        except Exception as e:   # a compile error: the eager path serves
+            self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+            log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
+            return False
+        took = time.perf_counter() - t0
+        if took > COMPILE_BUDGET_S:
+            self.status = f"off (warm-up took {took:.0f} s > {COMPILE_BUDGET_S:.0f} s; cached for the next start)"
+            log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
+            return False
+        self.ok = True
+        self.status = f"on (warm-up {took:.1f} s)"
+        log.info("code predictor pass compiled (inductor, one row): warm-up %.1f s", took)
+        return True
+
+    def run(self, x, cache, start: int):
+        """Normed hidden [1, T, D] of positions start..start+T-1 (row 0 of `cache`)."""
+        return self.fn(x, self.positions[start], cache.k[:, :1], cache.v[:, :1])
+
+    def disable(self, e: BaseException) -> None:
+        self.ok = False
+        self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        log.warning("compiled code predictor failed, serving eagerly from now on: %s", self.status)
