@@ -219,10 +219,10 @@ def test_compiled_predictor_gives_the_eager_codes(tiny_cv, tmp_path, monkeypatch
         cp = eng.model.talker.code_predictor
         compiled = _greedy_codes(eng)
         with torch.inference_mode():
-            x = torch.randn(1, 2, eng.model.talker.cfg.hidden_size).bfloat16()
-            got = cp.step(x, eng.runner.cp_cache, None, 0, 0)
+            x = torch.randn(1, 1, eng.model.talker.cfg.hidden_size).bfloat16()
+            got = cp.step(x, eng.runner.cp_cache, None, 4, 3)
             keep, cp.compiled = cp.compiled, None
-            want = cp.step(x, eng.runner.cp_cache, None, 0, 0)
+            want = cp.step(x, eng.runner.cp_cache, None, 4, 3)
         assert ((got - want).norm() / want.norm()) < 2e-2
         assert torch.equal(compiled, _greedy_codes(eng))
         cp.compiled = keep

@@ -2,10 +2,10 @@
 
 The code predictor runs 15 passes per frame over 5 small layers; eagerly each pass is ~1,500 small aten calls
 around its 21 weight matmuls. Compiled, the norms, RoPE, cache writes and attention of a pass become a few
-fused C++ loops around the same matmul kernels. One graph serves all 15 passes: the position is a tensor and
-the cache is the static 17-slot predictor cache (slots past the position are masked), so there are two graphs
-in all (the first pass reads 2 positions, the others 1), for a batch of one row. Batches of several rows keep
-the eager path (a graph per batch size would compile inside a request).
+fused C++ loops around the same matmul kernels. One graph serves 14 of the 15 passes: the position is a tensor
+and the cache is the static 17-slot predictor cache (slots past the position are masked). The first pass (two
+positions: the talker's hidden and codebook 0) stays eager, which halves the compile; batches of several rows
+keep the eager path too (a graph per batch size would compile inside a request).
 
 Off by default; TTS_COMPILE_PREDICTOR=1 (or `enable_compiled_predictor`) turns it on. Compiling happens once at
 engine load (the warm-up) and is cached on disk under ~/.cache/qwen3-tts-live/inductor (inductor's FX-graph and
@@ -50,7 +50,7 @@ class CompiledPredictorPass:
         cos, sin = rope_cos_sin(pos, self.hd, c.rope_theta, dtype)          # [1, 1, S, hd]
         self.cos, self.sin = cos[0, 0], signed_sin(sin)[0, 0]              # [S, hd]
         self.key_idx = torch.arange(self.S, device=device)
-        self.positions = [torch.arange(s, s + 2 if s == 0 else s + 1, device=device) for s in range(self.S)]
+        self.positions = [torch.tensor([s], device=device) for s in range(self.S)]
         self.fn = torch.compile(self._pass, dynamic=False, fullgraph=True)
         self.ok = False
         self.status = "off"
@@ -82,8 +82,8 @@ class CompiledPredictorPass:
         return m.norm(x)
 
     def warm_up(self, cache) -> bool:
-        """Compile both graphs (2 positions, 1 position) on the engine's predictor cache row 0, timing it;
-        -> whether the compiled pass is in use."""
+        """Compile the one-position graph on the engine's predictor cache row 0, timing it; -> whether the
+        compiled pass is in use."""
         from torch._inductor import config as inductor_config
 
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
@@ -93,8 +93,8 @@ class CompiledPredictorPass:
             D = self.cp.model.codec_embedding[0].weight.shape[1]
             w = self.cp.model.norm.weight
             with torch.inference_mode():
-                for T, s in ((2, 0), (1, 2)):
-                    x = torch.zeros(1, T, D, device=w.device, dtype=w.dtype)
+                x = torch.zeros(1, 1, D, device=w.device, dtype=w.dtype)
+                for s in (2, 3):   # a second position: the graph does not specialise on it
                     self.fn(x, self.positions[s], cache.k[:, :1], cache.v[:, :1])
         except Exception as e:   # a compile error: the eager path serves
             self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
@@ -111,8 +111,10 @@ class CompiledPredictorPass:
         return True
 
     def run(self, x, cache, start: int):
-        """Normed hidden [1, T, D] of positions start..start+T-1 (row 0 of `cache`)."""
-        return self.fn(x, self.positions[start], cache.k[:, :1], cache.v[:, :1])
+        """Normed hidden [1, 1, D] of position `start` (row 0 of `cache`); x [1, 1, talker D]. A call that would
+        recompile (no compile inside a request) raises instead: the caller falls back to eager."""
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self.fn(x, self.positions[start], cache.k[:, :1], cache.v[:, :1])
 
     def disable(self, e: BaseException) -> None:
         self.ok = False

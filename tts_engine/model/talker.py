@@ -69,7 +69,7 @@ class CodePredictor(nn.Module):
         """x [B, T, talker D] inputs at positions start..start+T-1 (same for every row, since every row
         runs the same 15 steps each frame) -> logits of codebook head+1 for the last position [B, V] (fp32)."""
         B, T = x.shape[0], x.shape[1]
-        if self.compiled is not None and self.compiled.ok and rows is None and B == 1:
+        if self.compiled is not None and self.compiled.ok and rows is None and B == 1 and T == 1:
             try:
                 return self.lm_head[head](self.compiled.run(x, cache, start)[:, -1]).float()
             except Exception as e:   # one log line, then the eager path for good
