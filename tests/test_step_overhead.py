@@ -180,7 +180,7 @@ def test_compiled_predictor_failures_fall_back_to_eager(tiny_cv, monkeypatch, ca
         eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
     try:
         assert eng.compiled_predictor_status.startswith("off (RuntimeError: no C++ compiler here")
-        assert eng.model.talker.code_predictor.compiled is None
+        assert not eng.model.talker.code_predictor.compiled.ok
         assert any("serving eagerly" in r.message for r in caplog.records)
         eager = _greedy_codes(eng)
         # a pass that raises mid-request (after a warm-up that worked)
@@ -189,6 +189,44 @@ def test_compiled_predictor_failures_fall_back_to_eager(tiny_cv, monkeypatch, ca
         cp.compiled.ok = True
         assert torch.equal(_greedy_codes(eng), eager)
         assert not cp.compiled.ok and cp.compiled.status.startswith("off (RuntimeError")
+    finally:
+        eng.close()
+
+
+def test_compiled_pass_starts_in_the_background_and_matches_the_eager_step(tiny_cv, monkeypatch):
+    """With a warm-up slower than the budget the engine starts eagerly and turns the pass on when the compile is
+    done. The graph's function itself (run here without inductor) computes the eager step's logits."""
+    import threading
+
+    from tts_engine import TTSEngine
+    from tts_engine.model import compiled_predictor
+
+    release = threading.Event()
+
+    def slow_identity_compile(fn, **kw):
+        def run(*a, **k):
+            release.wait(30)
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(compiled_predictor.torch, "compile", slow_identity_compile)
+    monkeypatch.setattr(compiled_predictor, "COMPILE_BUDGET_S", 0.2)
+    eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
+    try:
+        cp = eng.model.talker.code_predictor
+        assert eng.compiled_predictor_status.startswith("compiling") and not cp.compiled.ok
+        eager = _greedy_codes(eng)           # served eagerly meanwhile
+        release.set()
+        cp.compiled.thread.join(30)
+        assert eng.compiled_predictor_status.startswith("on") and cp.compiled.ok
+        with torch.inference_mode():
+            x = torch.randn(1, 1, eng.model.talker.cfg.hidden_size).bfloat16()
+            got = cp.step(x, eng.runner.cp_cache, None, 4, 3)
+            keep, cp.compiled = cp.compiled, None
+            want = cp.step(x, eng.runner.cp_cache, None, 4, 3)
+            cp.compiled = keep
+        assert ((got - want).norm() / want.norm()) < 1e-2
+        assert _greedy_codes(eng).shape == eager.shape
     finally:
         eng.close()
 

@@ -129,10 +129,9 @@ class TTSEngine:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
         from ..model import compiled_predictor
 
+        self._compiled_predictor_status = "off"
         if compile_predictor if compile_predictor is not None else compiled_predictor.wanted():
-            self.compiled_predictor_status = self.runner.compile_predictor()
-        else:
-            self.compiled_predictor_status = "off"
+            self._compiled_predictor_status = self.runner.compile_predictor()
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
         self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)
@@ -165,6 +164,12 @@ class TTSEngine:
             self.runner.disable_graphs(f"capture failed: {type(e).__name__}: {e}".splitlines()[0][:300])
             return
         self.runner.graph_status = f"on ({len(graphs.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s)"
+
+    @property
+    def compiled_predictor_status(self) -> str:
+        """"off", "compiling ...", "on (warm-up N s)" or "off (why)": the optional compiled code-predictor pass."""
+        c = self.model.talker.code_predictor.compiled
+        return c.status if c is not None else self._compiled_predictor_status
 
     @property
     def graph_status(self) -> str:

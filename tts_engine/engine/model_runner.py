@@ -96,9 +96,7 @@ class ModelRunner:
         except Exception as e:   # e.g. no C++ compiler: never an outage
             log.warning("compiled code predictor not used: %s", e)
             return f"off ({type(e).__name__})"
-        if not cp.compiled.warm_up(self.cp_cache):
-            status, cp.compiled = cp.compiled.status, None
-            return status
+        cp.compiled.warm_up(self.cp_cache)
         return cp.compiled.status
 
     def disable_graphs(self, reason: str) -> None:

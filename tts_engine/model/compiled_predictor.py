@@ -10,12 +10,15 @@ keep the eager path too (a graph per batch size would compile inside a request).
 Off by default; TTS_COMPILE_PREDICTOR=1 (or `enable_compiled_predictor`) turns it on. Compiling happens once at
 engine load (the warm-up) and is cached on disk under ~/.cache/qwen3-tts-live/inductor (inductor's FX-graph and
 C++ caches), so later starts load it. Any failure (a compile error, a warm-up over COMPILE_BUDGET_S, a pass that
-raises later) logs one line and leaves the eager path serving; it never takes the engine down.
+raises later) logs one line and leaves the eager path serving; it never takes the engine down. A cold compile
+(no cache yet) takes minutes on 2 cores: the engine starts after COMPILE_BUDGET_S and serves eagerly while the
+compile finishes in the background.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -81,34 +84,46 @@ class CompiledPredictorPass:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.norm(x)
 
-    def warm_up(self, cache) -> bool:
-        """Compile the one-position graph on the engine's predictor cache row 0, timing it; -> whether the
-        compiled pass is in use."""
+    def warm_up(self, cache, budget_s: float | None = None) -> bool:
+        """Compile the one-position graph on a scratch copy of the engine's predictor cache (same shape and
+        strides, so the graph is the one `run` uses), in a background thread; wait up to `budget_s`
+        (COMPILE_BUDGET_S). -> whether the compiled pass is in use now. A compile still running after the budget
+        goes on in the background (it fills the on-disk cache) and turns the pass on when it is done; the engine
+        serves eagerly meanwhile."""
         from torch._inductor import config as inductor_config
 
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
         inductor_config.fx_graph_cache = True
+        budget_s = COMPILE_BUDGET_S if budget_s is None else budget_s
+        scratch_k, scratch_v = torch.zeros_like(cache.k), torch.zeros_like(cache.v)
         t0 = time.perf_counter()
-        try:
-            D = self.cp.model.codec_embedding[0].weight.shape[1]
-            w = self.cp.model.norm.weight
-            with torch.inference_mode():
-                x = torch.zeros(1, 1, D, device=w.device, dtype=w.dtype)
-                for s in (2, 3):   # a second position: the graph does not specialise on it
-                    self.fn(x, self.positions[s], cache.k[:, :1], cache.v[:, :1])
-        except Exception as e:   # a compile error: the eager path serves
-            self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-            log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
-            return False
-        took = time.perf_counter() - t0
-        if took > COMPILE_BUDGET_S:
-            self.status = f"off (warm-up took {took:.0f} s > {COMPILE_BUDGET_S:.0f} s; cached for the next start)"
-            log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
-            return False
-        self.ok = True
-        self.status = f"on (warm-up {took:.1f} s)"
-        log.info("code predictor pass compiled (inductor, one row): warm-up %.1f s", took)
-        return True
+        self.status = "compiling"
+
+        def work():
+            try:
+                D = self.cp.model.codec_embedding[0].weight.shape[1]
+                w = self.cp.model.norm.weight
+                with torch.inference_mode():
+                    x = torch.zeros(1, 1, D, device=w.device, dtype=w.dtype)
+                    for s in (2, 3):   # a second position: the graph does not specialise on it
+                        self.fn(x, self.positions[s], scratch_k[:, :1], scratch_v[:, :1])
+            except Exception as e:   # a compile error: the eager path serves
+                self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
+                return
+            took = time.perf_counter() - t0
+            self.status = f"on (warm-up {took:.1f} s)"
+            self.ok = True
+            log.info("code predictor pass compiled (inductor, one row): warm-up %.1f s", took)
+
+        self.thread = threading.Thread(target=work, name="compile-predictor", daemon=True)
+        self.thread.start()
+        self.thread.join(budget_s)
+        if self.thread.is_alive():
+            self.status = (f"compiling (over {budget_s:.0f} s at start; eager until it is done, then on; "
+                           "cached for the next start)")
+            log.warning("compiled code predictor: %s", self.status)
+        return self.ok
 
     def run(self, x, cache, start: int):
         """Normed hidden [1, 1, D] of position `start` (row 0 of `cache`); x [1, 1, talker D]. A call that would
