@@ -2,7 +2,7 @@
 
 Builds the talker of the random-weight 0.6b architecture twice in one process, once from another checkout's
 `tts_engine` (A, e.g. main; imported under the name `tts_base`) and once from this one (B), with the same
-random weights, and runs their model runners' per-frame step interleaved (A, B, [C,] B, A, ... rounds), timing
+random weights, and runs their model runners' per-frame step interleaved frame by frame (A B C, B C A, ...), timing
 each frame and, separately as `bench.profile_frame` does, its code predictor and talker parts. `--compile` adds
 C: B with the compiled code-predictor pass (tts_engine/model/compiled_predictor.py), and prints its warm-up
 time. `--profile` counts aten calls per frame. Prints one JSON line with medians (ms). Generation only: no codec,
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4"], default="int8")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--frames", type=int, default=4, help="frames per variant per round")
+    p.add_argument("--frames", type=int, default=4, help="frames per variant per round (rounds x frames in all)")
     p.add_argument("--threads", type=int)
     p.add_argument("--compile", action="store_true", help="also C: B with the compiled code-predictor pass")
     p.add_argument("--profile", action="store_true", help="aten calls per frame of A and B")
@@ -130,15 +130,14 @@ def main(argv=None) -> int:
     for r in (rA, rB):
         r.decode(rows)   # warm-up
     res = {v[0]: [] for v in variants}
-    for k in range(a.rounds):
-        for name, r, mr, sp, t in (variants if k % 2 == 0 else variants[::-1]):
+    for k in range(a.rounds * a.frames):   # one frame of each variant in turn, the order rotating
+        for name, r, mr, sp, t in variants[k % len(variants):] + variants[:k % len(variants)]:
             tB.code_predictor.compiled = compiled if name == "C" else None
-            for _ in range(a.frames):
-                t0 = time.perf_counter()
-                r.decode(rows)
-                t1 = time.perf_counter()
-                cp, tk = part_times(r, mr, sp, t, a.batch, dtype == torch.bfloat16)
-                res[name].append((t1 - t0, cp, tk))
+            t0 = time.perf_counter()
+            r.decode(rows)
+            t1 = time.perf_counter()
+            cp, tk = part_times(r, mr, sp, t, a.batch, dtype == torch.bfloat16)
+            res[name].append((t1 - t0, cp, tk))
     tB.code_predictor.compiled = None
 
     def med(xs):
