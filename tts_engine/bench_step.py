@@ -7,7 +7,8 @@ each frame and, separately as `bench.profile_frame` does, its code predictor and
 C: B with the compiled code-predictor pass (tts_engine/model/compiled_predictor.py), and prints its warm-up
 time. `--profile` counts aten calls per frame. Prints one JSON line with medians (ms). Generation only: no codec,
 no prompt building. On a busy machine use `--threads 1` (OpenMP threads that wait on each other under
-oversubscription distort every figure).
+oversubscription distort every figure); with one thread the *_cpu_ms figures (the main thread's CPU time)
+do not count the time the scheduler gave to other processes.
 """
 from __future__ import annotations
 
@@ -70,18 +71,19 @@ def make_runner(pkg: str, talker, cfg, dtype, batch: int, max_len: int):
 
 
 def part_times(r, mr, sp, talker, batch: int, bf16: bool):
-    """(code predictor s, talker s) of one more frame, timed apart (results discarded)."""
+    """(code predictor s, talker s, the same in this thread's CPU time) of one more frame, timed apart (results
+    discarded)."""
     rr = torch.arange(batch)
     rp = sp.RowParams(**{k: (v[:batch] if k != "host" else r._host_facts(batch, general=False))
                          for k, v in r.rp.__dict__.items()})
     with torch.inference_mode(), mr.aten_bf16_gemv(bf16 and batch <= 2):
-        a = time.perf_counter()
+        a, ac = time.perf_counter(), time.thread_time()
         codes = r._predict_residuals(r.hidden[rr], r.c0[rr], r.step[rr] - 1, rp)
-        b = time.perf_counter()
+        b, bc = time.perf_counter(), time.thread_time()
         talker.forward_embeds(talker.frame_embed(codes)[:, None], r.cache, slice(0, batch), r.pos[rr] - 1,
                               max(r.host_len[:batch]))
-        c = time.perf_counter()
-    return b - a, c - b
+        c, cc = time.perf_counter(), time.thread_time()
+    return b - a, c - b, bc - ac, cc - bc
 
 
 def main(argv=None) -> int:
@@ -133,11 +135,10 @@ def main(argv=None) -> int:
     for k in range(a.rounds * a.frames):   # one frame of each variant in turn, the order rotating
         for name, r, mr, sp, t in variants[k % len(variants):] + variants[:k % len(variants)]:
             tB.code_predictor.compiled = compiled if name == "C" else None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             r.decode(rows)
-            t1 = time.perf_counter()
-            cp, tk = part_times(r, mr, sp, t, a.batch, dtype == torch.bfloat16)
-            res[name].append((t1 - t0, cp, tk))
+            t1, c1 = time.perf_counter(), time.thread_time()
+            res[name].append((t1 - t0, *part_times(r, mr, sp, t, a.batch, dtype == torch.bfloat16), c1 - c0))
     tB.code_predictor.compiled = None
 
     def med(xs):
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
 
     for n, xs in res.items():
         out[n] = {"frame_ms": med([x[0] for x in xs]), "code_predictor_ms": med([x[1] for x in xs]),
-                  "talker_ms": med([x[2] for x in xs])}
+                  "talker_ms": med([x[2] for x in xs]), "frame_cpu_ms": med([x[5] for x in xs]),
+                  "code_predictor_cpu_ms": med([x[3] for x in xs]), "talker_cpu_ms": med([x[4] for x in xs])}
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
