@@ -118,7 +118,7 @@ class CompiledPredictorPass:
 
         self.thread = threading.Thread(target=work, name="compile-predictor", daemon=True)
         self.thread.start()
-        self.thread.join(budget_s)
+        self.thread.join(budget_s if budget_s < 1e6 else None)   # (join cannot take an infinite timeout)
         if self.thread.is_alive():
             self.status = (f"compiling (over {budget_s:.0f} s at start; eager until it is done, then on; "
                            "cached for the next start)")
