@@ -16,8 +16,9 @@
 // AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
-// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
-// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then the stream's recent
+// rate (the audio of about its last second, so that neither a slow start nor a fast one is believed for long; a
+// stream slower than the server's rate at once). It plans for r' = r / 1.2: when r' >= 1
 // it plays at once (with 0.3 s buffered first when r < 1.8). Otherwise it waits ("buffering") until the buffer B
 // covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
 // when the server sent it, else assumed as long as what came so far), plus a chunk. After an underrun it pauses
@@ -49,6 +50,8 @@
   // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
   const RATE_SLACK = 1.2;
   const CUSHION_BELOW_RATE = 1.8, CUSHION_S = 0.3;
+  // the stream's rate is measured over about this many recent seconds (rate, recentRate)
+  const RECENT_S = 1.0;
 
   function token() {
     const b = new Uint8Array(16);
@@ -255,7 +258,7 @@
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
         expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
-        requestAt: null, early: false,
+        requestAt: null, early: false, timeline: [],
         heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
@@ -382,12 +385,14 @@
         run.lastChunk += n;
         if (run.chunks === 1) run.firstChunkSamples += n;
         run.arrivals[run.arrivals.length - 1][1] += n;
+        if (run.timeline.length && run.timeline.length < 400) run.timeline[run.timeline.length - 1][1] += n;
       } else {
         run.chunks += 1;
         run.lastChunk = n;
         if (run.chunks === 1) run.firstChunkSamples = n;
         run.arrivals.push([now, n]);             // [when the chunk came, its samples]
-        if (run.arrivals.length > 8) run.arrivals.shift();
+        if (run.timeline.length < 400) run.timeline.push([Math.round(now - run.clickTime), n]);
+        if (run.arrivals.length > 32) run.arrivals.shift();
       }
       run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
@@ -426,23 +431,15 @@
       return best;
     }
 
-    // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the rate of
-    // its last three chunks (their audio over the time since the chunk before them), so that a stream slowed
-    // down by a busy CPU (browser, server and engine may share two cores) is believed at once.
+    // Audio seconds generated per wall second: measured on this stream once it has two chunks, else the server's
+    // recent rate, else unknown (null). Measured: the stream's recent rate (recentRate), blended with the server's
+    // rate while the stream is young (under 1.5 s) unless it is slower (a slower stream is believed at once).
     rate(run) {
-      const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
+      const now = run.streamDone ? run.lastByteAt : performance.now();
+      const wall = (now - run.firstByteAt) / 1000;
       if (run.chunks >= 2 && wall >= 0.15) {
-        let measured = (run.received - run.firstChunkSamples) / SR / wall;
-        const a = run.arrivals;
-        if (!run.streamDone && a.length >= 3) {   // the last three chunks' audio over the time they took
-          const k = Math.max(0, a.length - 4);
-          let n = 0;
-          for (let i = k + 1; i < a.length; i++) n += a[i][1];
-          const dt = (a[a.length - 1][0] - a[k][0]) / 1000;
-          if (dt > 0.05) measured = Math.min(measured, n / SR / dt);
-        }
-        if (run.rateHint == null || wall >= 1.5) return measured;
+        const measured = this.recentRate(run, now);
+        if (run.rateHint == null || wall >= 1.5 || measured < run.rateHint) return measured;
         const w = wall / 1.5;
         return w * measured + (1 - w) * run.rateHint;
       }
@@ -450,6 +447,20 @@
         return run.received / SR / ((performance.now() - run.clickTime) / 1000);
       }
       return run.rateHint;
+    }
+
+    // The rate of the last RECENT_S of the stream: the audio of the chunks that came after the latest chunk at least
+    // RECENT_S old (or the oldest one kept) over the time since it, up to now (so a stream that stopped coming is
+    // seen to slow down). Not the stream's average: after a slow start (the click's own work in the browser and the
+    // server, a busy CPU for a moment) the average stays low for long, and a player that believed it would wait
+    // seconds to rebuffer audio that in fact comes several times faster than it plays.
+    recentRate(run, now) {
+      const a = run.arrivals;
+      let k = a.length - 2;
+      while (k > 0 && now - a[k][0] < RECENT_S * 1000) k--;
+      let n = 0;
+      for (let i = k + 1; i < a.length; i++) n += a[i][1];
+      return n / SR / Math.max((now - a[k][0]) / 1000, 0.05);
     }
 
     // The buffer (seconds) needed so that playback, once started, reaches the end without a gap ("can play
@@ -597,7 +608,7 @@
         error: run.error || null,
         maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run, false),
         longestJoinGapMs: this.longestGap(run, true),
-        log: run.log,
+        log: run.log, timeline: run.timeline,
       };
       this.metrics = m;
       const i = this.runs.findIndex((x) => x.token === m.token);

@@ -2,8 +2,9 @@
 -> the final lossless WAV and the status line.
 
 Long text is spoken in sentence groups (`chunk_text`), one voice and one seed for all of them. The next group
-is submitted to the engine as soon as the current one produces its first chunk, so it is already generating
-when the current one ends: the listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
+is submitted to the engine as soon as the current one produces its first chunk (the second group: once the first
+has made `SUBMIT_NEXT_AFTER_S` of audio, or has ended), so it is already generating when the current one ends: the
+listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
 The loop itself runs a list of `Part`s (text, engine, job, the pause before it, the line it belongs to): a
 dialogue (ui/dialogue.py) is the same loop over parts of several voices, engines and pauses.
 
@@ -29,6 +30,11 @@ from .text import chunk_text, to_int16
 # the first chunk is one frame (80 ms): the listener hears sound one frame step sooner; later chunks double
 # (2, 4, 8, 12 frames), which the page's player buffers for when generation is slower than playback
 FIRST_CHUNK_FRAMES = 1
+# the second part (sentence group, dialogue line) is submitted once the first has made this much audio (or has
+# ended): the first part's small first chunks (1, 2, 4, 8 frames: 1.2 s), which the listener hears while they are
+# made, with nothing in the buffer yet, are made alone, not slowed down by the next part's prefill and a batch of
+# two. Every later part is submitted at the first chunk of the one before (the stream is ahead by then).
+SUBMIT_NEXT_AFTER_S = 1.2
 
 
 class Sink(Protocol):
@@ -202,8 +208,11 @@ class Speaker:
                     if update:
                         yield update
                 spans.append((pieces[k].line, n, n))
+                made = 0                          # samples of this part generated so far
+                after = SUBMIT_NEXT_AFTER_S * SR if k == 0 else 0
                 for chunk in stream:
-                    if ahead is None and k + 1 < len(pieces) and not busy and not halted():
+                    made += len(chunk)
+                    if ahead is None and k + 1 < len(pieces) and not busy and made >= after and not halted():
                         try:                      # gapless: the next group generates while this one plays
                             ahead = submit(k + 1)
                         except EngineBusyError:   # the queue is full: submit it after this group instead
