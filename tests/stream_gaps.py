@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def main(argv=None) -> None:
     p.add_argument("--log", action="store_true", help="print each run's player log (play / underrun events)")
     p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (so that `finally` stops the servers and the browser)
     roots = [r.resolve() for r in (a.root or [ROOT])]
     kinds = [k for k in a.kinds.split(",") if k]
     servers, drv = [], None
