@@ -5,7 +5,8 @@
 //   node tests/player_replay.js PLAYER.js [PLAYER2.js ...] < runs.json
 //
 // runs.json: {"hint": 2.6, "expected": 7.9, "runs": [[[ms after the click, ms of audio], ...], ...]}: the chunks as
-// the player's `timeline` metric records them (ms of audio = samples / 24). Each run is replayed on a fresh page
+// the player's `timeline` metric records them (ms of audio = samples / 24); a run may also be an object {"hint",
+// "expected", "chunks"} (tests/stream_gaps.py --timelines writes them so). Each run is replayed on a fresh page
 // ("fresh"), and again after the same run played once on that page ("after one like it": the page's own history).
 // Output latency and the audio device are left out: "start" is when the player decided to play.
 'use strict';
@@ -106,11 +107,13 @@ function main() {
               + '| rebuffers | silence in them (ms) |');
   console.log('|---|---|---|---|---|---|---|---|');
   for (const path of paths) {
-    spec.runs.forEach((chunks, i) => {
-      const fresh = replay(load(path), chunks, spec.hint, spec.expected);
+    spec.runs.forEach((r, i) => {
+      const chunks = Array.isArray(r) ? r : r.chunks;
+      const hint = Array.isArray(r) ? spec.hint : r.hint, expected = Array.isArray(r) ? spec.expected : r.expected;
+      const fresh = replay(load(path), chunks, hint, expected);
       const sim = load(path);
-      replay(sim, chunks, spec.hint, spec.expected);
-      const again = replay(sim, chunks, spec.hint, spec.expected);
+      replay(sim, chunks, hint, expected);
+      const again = replay(sim, chunks, hint, expected);
       const f = (r) => `${r.start} | ${r.underruns} | ${r.stallMs} (max ${r.maxStallMs})`;
       console.log(`| ${path} | ${i + 1} | ${f(fresh)} | ${f(again)} |`);
     });

@@ -12,6 +12,7 @@ in them, the longest silence heard anywhere and at a join) and a summary per roo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -68,6 +69,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kinds", default="dialogue,long", help="what each round plays: dialogue, long")
     p.add_argument("--log", action="store_true", help="print each run's player log (play / underrun events)")
+    p.add_argument("--timelines", type=Path,
+                   help="write each run's chunk arrivals here (JSON, for tests/player_replay.js)")
     p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (so that `finally` stops the servers and the browser)
@@ -106,12 +109,18 @@ def main(argv=None) -> None:
                         print("    log:", m.get("log"))
                     time.sleep(0.5)
         print(f"\nCPU: {cpu_name()}; load average at the end: {os.getloadavg()[0]:.1f}")
+        if a.timelines:
+            a.timelines.write_text(json.dumps({"cpu": cpu_name(), "runs": [
+                {"root": str(root), "kind": kind, "hint": m.get("rateHint"), "expected": m.get("expectedSeconds"),
+                 "chunks": [[t, round(n / 24)] for t, n in m.get("timeline") or []]}
+                for root in roots for kind in kinds for m in results[root][kind]]}, indent=1))
         for root in roots:
             for kind in kinds:
                 ms = results[root][kind]
                 if not ms:
                     continue
-                print(f"{root.name} {kind}: click -> sound median {statistics.median(m['clickToSoundMs'] for m in ms):.0f}"
+                med = statistics.median(m['clickToSoundMs'] for m in ms)
+                print(f"{root.name} {kind}: click -> sound median {med:.0f}"
                       f" ms; rebuffers {[m['underruns'] for m in ms]}; longest silence (ms) "
                       f"{[round(m['longestGapMs']) for m in ms]}")
     finally:

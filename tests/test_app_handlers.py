@@ -204,9 +204,8 @@ def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams
         req("gapless"), sink=sink))
     log = logged.log
     assert [k for ev, k in log if ev == "submit"] == list(range(len(pieces)))
-    # the second group once the first has made SUBMIT_NEXT_AFTER_S of audio, or ended (these groups are shorter);
-    # every later one while the one before still streams
-    assert ("submit", 1) in log and log.index(("submit", 1)) > log.index(("end", 0))
+    # (the second group: once the first has made SUBMIT_NEXT_AFTER_S of audio, or ended, as these short groups do;
+    # the next test) every later one while the one before still streams
     for k in range(1, len(pieces) - 1):
         assert log.index(("submit", k + 1)) < log.index(("end", k)), f"group {k + 1} was not queued ahead"
     pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
@@ -221,7 +220,9 @@ def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams
 
 def test_the_second_group_is_queued_once_the_first_has_made_its_first_chunks(app, monkeypatch):
     """The first group's small first chunks (what the listener hears while nothing is buffered yet) are made
-    alone; the second group is submitted while the first still streams, once it has made SUBMIT_NEXT_AFTER_S."""
+    alone; the second group is submitted while the first still streams, once it has made SUBMIT_NEXT_AFTER_S (on an
+    engine faster than real time; a slower one batches the next group at once: `_slow`, made False here)."""
+    monkeypatch.setattr(speak_mod, "_slow", lambda made, first: False)
     eng = app.engine("custom_voice")
     logged = Logged(eng)
     monkeypatch.setattr(eng, "stream", logged)
@@ -234,6 +235,13 @@ def test_the_second_group_is_queued_once_the_first_has_made_its_first_chunks(app
     assert log.index(("submit", 2)) < log.index(("end", 1)), "group 2 was not queued ahead"
     made = logged.made_before[1]
     assert speak_mod.SUBMIT_NEXT_AFTER_S * SR <= made < sum(map(len, logged.chunks[0])), made
+
+
+def test_an_engine_slower_than_real_time_batches_the_second_group_at_once():
+    t = time.perf_counter()
+    assert speak_mod._slow(3 * 1920, (t - 0.5, 1920))            # 0.16 s made in 0.5 s: slow
+    assert not speak_mod._slow(7 * 1920, (t - 0.1, 1920))        # 0.48 s made in 0.1 s: fast
+    assert not speak_mod._slow(1920, (t - 0.5, 1920))            # only the first chunk: not known yet
 
 
 def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):

@@ -33,7 +33,8 @@ FIRST_CHUNK_FRAMES = 1
 # the second part (sentence group, dialogue line) is submitted once the first has made this much audio (or has
 # ended): the first part's small first chunks (1, 2, 4, 8 frames: 1.2 s), which the listener hears while they are
 # made, with nothing in the buffer yet, are made alone, not slowed down by the next part's prefill and a batch of
-# two. Every later part is submitted at the first chunk of the one before (the stream is ahead by then).
+# two - unless the engine is slower than real time, where batching the next part at once is what helps (`_slow`).
+# Every later part is submitted at the first chunk of the one before (the stream is ahead by then).
 SUBMIT_NEXT_AFTER_S = 1.2
 
 
@@ -208,11 +209,12 @@ class Speaker:
                     if update:
                         yield update
                 spans.append((pieces[k].line, n, n))
-                made = 0                          # samples of this part generated so far
-                after = SUBMIT_NEXT_AFTER_S * SR if k == 0 else 0
+                made, first = 0, None             # this part's samples so far; (when, samples) of its first chunk
                 for chunk in stream:
                     made += len(chunk)
-                    if ahead is None and k + 1 < len(pieces) and not busy and made >= after and not halted():
+                    first = first or (time.perf_counter(), len(chunk))
+                    if (ahead is None and k + 1 < len(pieces) and not busy and not halted()
+                            and (k > 0 or made >= SUBMIT_NEXT_AFTER_S * SR or _slow(made, first))):
                         try:                      # gapless: the next group generates while this one plays
                             ahead = submit(k + 1)
                         except EngineBusyError:   # the queue is full: submit it after this group instead
@@ -286,6 +288,13 @@ class Speaker:
             for s in streams:
                 s.cancel()
                 self.active.discard(session, s)
+
+
+def _slow(made: int, first: tuple[float, int]) -> bool:
+    """The part generates slower than real time (its audio since its first chunk over the time since): the next
+    part is better submitted now, to batch with it (the player buffers for a slow engine anyway)."""
+    dt = time.perf_counter() - first[0]
+    return made > first[1] and dt > 0.05 and (made - first[1]) / SR / dt < 1.0
 
 
 def _line_audio(parts: list[np.ndarray], spans: list[tuple[int, int, int]]) -> list[tuple[int, np.ndarray]]:
