@@ -16,13 +16,16 @@
 // AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
-// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
-// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1
-// it plays at once (with 0.3 s buffered first when r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then the typical rate of its
+// last five chunks (a late chunk now and then is not believed, a stream that stays slow is; a slow start is
+// forgotten as fast). It plans for r' = r / 1.2: when r' >= 1 it plays at once (with 0.3 s buffered first when
+// r < 1.8). Otherwise it waits ("buffering") until the buffer B
 // covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
-// when the server sent it, else assumed as long as what came so far), plus a chunk. After an underrun it pauses
-// and rebuffers the same way rather than
-// stutter (metrics: underruns, stallMs, maxStallMs).
+// when the server sent it, else assumed as long as what came so far), plus a chunk. The first start also waits
+// as long after the first byte as the chunks of this page's last runs came late for a start at their first byte
+// (startDelay; nothing where they came in time). After an underrun it pauses and rebuffers the same way rather
+// than stutter (metrics: underruns, stallMs, maxStallMs, startLagMs; timeline: [ms after the click, samples] of
+// each chunk).
 //
 // Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
 // clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
@@ -49,6 +52,11 @@
   // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
   const RATE_SLACK = 1.2;
   const CUSHION_BELOW_RATE = 1.8, CUSHION_S = 0.3;
+  // the stream's rate is the typical rate of its last this many chunks (rate)
+  const RATE_INTERVALS = 5;
+  // the start rule learns from this page's last runs how late their chunks came (startLag, over their first
+  // LAG_WINDOW_S) and starts that much after the first byte, less LAG_TOLERATED_MS (at most MAX_START_LAG_MS)
+  const LAG_WINDOW_S = 2.5, LAG_TOLERATED_MS = 50, MAX_START_LAG_MS = 1500, LAG_RUNS = 3;
 
   function token() {
     const b = new Uint8Array(16);
@@ -192,6 +200,7 @@
       this.ctx = null; this.backend = null; this.ready = null; this.run = null; this.runs = [];
       this.metrics = {state: 'idle'};
       this.handoff = null;   // the token waiting for Gradio's js= hook
+      this.lags = [];        // startLag (ms) of the last LAG_RUNS runs that played to their end
       document.addEventListener('click', (e) => this.onClick(e), true);
       // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
       // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
@@ -255,7 +264,7 @@
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
         expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
-        requestAt: null, early: false,
+        requestAt: null, early: false, timeline: [], startLag: 0, started: false,
         heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
@@ -382,12 +391,19 @@
         run.lastChunk += n;
         if (run.chunks === 1) run.firstChunkSamples += n;
         run.arrivals[run.arrivals.length - 1][1] += n;
+        if (run.timeline.length && run.timeline.length < 400) run.timeline[run.timeline.length - 1][1] += n;
       } else {
         run.chunks += 1;
         run.lastChunk = n;
         if (run.chunks === 1) run.firstChunkSamples = n;
         run.arrivals.push([now, n]);             // [when the chunk came, its samples]
-        if (run.arrivals.length > 8) run.arrivals.shift();
+        // how late this chunk came for a start at the first byte: it arrived this long after the audio before it
+        // would have played out
+        if (now - run.firstByteAt <= LAG_WINDOW_S * 1000) {
+          run.startLag = Math.max(run.startLag, now - run.firstByteAt - run.received / SR * 1000);
+        }
+        if (run.timeline.length < 400) run.timeline.push([Math.round(now - run.clickTime), n]);
+        if (run.arrivals.length > RATE_INTERVALS + 1) run.arrivals.shift();
       }
       run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
@@ -426,25 +442,24 @@
       return best;
     }
 
-    // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the rate of
-    // its last three chunks (their audio over the time since the chunk before them), so that a stream slowed
-    // down by a busy CPU (browser, server and engine may share two cores) is believed at once.
+    // Audio seconds generated per wall second: measured on this stream once it has two chunks, else the server's
+    // recent rate, else unknown (null). Measured: the typical rate of the stream's last RATE_INTERVALS chunks, each
+    // chunk's audio over the time since the chunk before it (their median, the upper one of an even count: a late
+    // chunk now and then - a moment of a busy CPU - does not make the player wait for a slow stream, a stream that
+    // stays slow does); while the stream is young (under 1.5 s) the server's rate counts as one more of them. Not the stream's average: after a slow start (the click's own work
+    // in the browser and the server) the average stays low for long, and a player that believed it would wait
+    // seconds to rebuffer audio that in fact comes several times faster than it plays.
     rate(run) {
-      const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
-      if (run.chunks >= 2 && wall >= 0.15) {
-        let measured = (run.received - run.firstChunkSamples) / SR / wall;
-        const a = run.arrivals;
-        if (!run.streamDone && a.length >= 3) {   // the last three chunks' audio over the time they took
-          const k = Math.max(0, a.length - 4);
-          let n = 0;
-          for (let i = k + 1; i < a.length; i++) n += a[i][1];
-          const dt = (a[a.length - 1][0] - a[k][0]) / 1000;
-          if (dt > 0.05) measured = Math.min(measured, n / SR / dt);
+      const a = run.arrivals;
+      const now = run.streamDone ? run.lastByteAt : performance.now();
+      if (a.length >= 2 && now - run.firstByteAt >= 150) {
+        const rates = [];
+        for (let i = Math.max(1, a.length - RATE_INTERVALS); i < a.length; i++) {
+          rates.push(a[i][1] / SR / Math.max((a[i][0] - a[i - 1][0]) / 1000, 0.005));
         }
-        if (run.rateHint == null || wall >= 1.5) return measured;
-        const w = wall / 1.5;
-        return w * measured + (1 - w) * run.rateHint;
+        if (run.rateHint != null && now - run.firstByteAt < 1500) rates.push(run.rateHint);
+        rates.sort((x, y) => x - y);
+        return rates[Math.floor(rates.length / 2)];
       }
       if (run.rateHint == null && run.underruns > 0) {   // it ran dry before a second chunk: judge from the click
         return run.received / SR / ((performance.now() - run.clickTime) / 1000);
@@ -475,13 +490,15 @@
       if (run.streamDone && b <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
       run.need = this.needed(run);
       if (b > 0 && (run.streamDone || b >= run.need)) {
-        const wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        let wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        if (!run.started && !run.streamDone) wait = Math.max(wait, this.startDelay(run));
         if (wait > 0) {                       // the next chunk would come too late for what is buffered now
           clearTimeout(run.waitTimer);
           run.waitTimer = setTimeout(() => this.decide(run), wait);
         } else {
           run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
           run.state = 'playing';
+          run.started = true;
           if (run.stalledAt != null) {        // the end of a rebuffer: how long the listener heard nothing
             const d = performance.now() - run.stalledAt;
             run.stallMs += d;
@@ -494,6 +511,17 @@
         }
       }
       this.publish();
+    }
+
+    // Milliseconds to wait before the first start, learnt from this page's last runs: their chunks came up to
+    // startLag ms later than a start at their first byte could play them without a gap (the click's own work in the
+    // browser and the server, other lines or clients in the engine, a busy CPU slow down a stream's first seconds
+    // most), so this run starts that much after its first byte, less LAG_TOLERATED_MS (a pause that short is
+    // accepted rather than a later first sound); nothing on a page whose streams came in time. 0 or less: now.
+    startDelay(run) {
+      if (!this.lags.length) return 0;
+      const lag = Math.min(Math.max(...this.lags), MAX_START_LAG_MS) - LAG_TOLERATED_MS;
+      return run.firstByteAt + lag - performance.now();
     }
 
     // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives. Chunks tend to
@@ -556,6 +584,10 @@
     }
 
     finish(run, state, error) {
+      if (state === 'ended' && run.state !== 'ended' && run.firstByteAt != null) {
+        this.lags.push(run.startLag);
+        if (this.lags.length > LAG_RUNS) this.lags.shift();
+      }
       run.state = state;
       if (state !== 'ended') run.controller.abort();   // (a no-op once the response is complete)
       if (error) run.error = error;
@@ -592,12 +624,12 @@
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
         underruns: run.underruns, maxStallMs: Math.round(run.maxStallMs), samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
-        rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
+        rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, rateHint: run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
         error: run.error || null,
         maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run, false),
         longestJoinGapMs: this.longestGap(run, true),
-        log: run.log,
+        startLagMs: Math.round(run.startLag), log: run.log, timeline: run.timeline,
       };
       this.metrics = m;
       const i = this.runs.findIndex((x) => x.token === m.token);
