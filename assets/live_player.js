@@ -64,7 +64,9 @@
   // event's own work (the page's loading indicators, its request, the server's event handling) would otherwise
   // share the page's main thread and the server's CPU with the first chunk, which arrives ~30-100 ms later than
   // it could. The event only reports on a run the player's request started (ui/early_start.py).
-  const HOLD_EVENT_MS = 500;
+  // "The first audio": this many chunks (by the second the player plays, with the next chunk in hand, so the event's
+  // work on the main thread does not make it run dry).
+  const HOLD_EVENT_MS = 500, HOLD_EVENT_CHUNKS = 2;
 
   function token() {
     const b = new Uint8Array(16);
@@ -209,6 +211,7 @@
       this.metrics = {state: 'idle'};
       this.handoff = null;   // the token waiting for Gradio's js= hook
       this.holdEventMs = HOLD_EVENT_MS;   // 0: the Gradio event goes at once (benchmarks compare)
+      this.holdEventChunks = HOLD_EVENT_CHUNKS;
       document.addEventListener('click', (e) => this.onClick(e), true);
       // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
       // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
@@ -412,6 +415,7 @@
         return;
       }
       run.streamDone = true;
+      if (run.release) run.release();
       this.backend.end();
       if (run.received === 0) { this.finish(run, 'ended'); return; }
       this.decide(run);
@@ -448,7 +452,8 @@
       run.lastByteAt = now;
       this.backend.push(f);
       this.decide(run);
-      if (run.release) run.release();   // the audio is in the player: the Gradio event may go now
+      // the first audio is in the player: the Gradio event may go now
+      if (run.release && run.chunks >= this.holdEventChunks) run.release();
     }
 
     // Silence inside the stream (a dialogue's pauses, gaps between sentence groups): runs of samples below -60 dBFS

@@ -3,11 +3,14 @@
 Starts `python app.py --tiny --port PORT` (the models load in the background while the page is served), waits
 until the server answers and then `--delay` seconds more, opens the page and clicks Generate `--clicks` times
 on the Preset tab (each run played to its end), then plays the long-text example `--long` times. Prints, per
-click, the player's own figures (click -> request sent, first byte, first sound; whether the player's request
-started the generation; rebuffers and the silence inside them) and a summary: the median click-to-sound, the
-first click against the median of the next four, and the long text's rebuffers.
+click, the player's own figures (click -> request sent; whether the player's request started the generation; the
+server's first byte as the browser's network stack had it; the page reading it; the click's Gradio event sent;
+the start rule deciding to play; the first sample rendered; output latency; first sound; rebuffers and the
+silence inside them) and a summary: the median of each step, the median click-to-sound, the first click against
+the median of the next four, and the long text's rebuffers. `--json` keeps every run's metrics.
 
     python -m tests.click_to_sound --port 7941 --delay 20 --clicks 5 --long 3
+    chrt -r 1 python -m tests.click_to_sound ...     # on a shared machine: the server and browser first (root)
 """
 from __future__ import annotations
 
