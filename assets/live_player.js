@@ -6,7 +6,10 @@
 // event, whose `js=` hook calls `liveTTS.takeToken(formValues, endpoint)`: the player starts
 // `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
 // starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
-// hands the token to Python as the event's last input, so the Gradio event reports on the same run. (A hook
+// hands the token to Python as the event's last input, so the Gradio event reports on the same run. The hook
+// hands it over only once the first audio is in the player (at most 500 ms later): Gradio's own work for the event
+// (in the page and on the server) then does not compete with the first chunk. When the server may not start the
+// run early it answers 202 at once, the hook hands the token over, and the player reads with a GET. (A hook
 // without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
 // event's handler.) Stop (class `live-stop`) aborts the fetch, which cancels the generation on the server, and
 // silences the player at once.
@@ -57,6 +60,21 @@
   // the start rule learns from this page's last runs how late their chunks came (startLag, over their first
   // LAG_WINDOW_S) and starts that much after the first byte, less LAG_TOLERATED_MS (at most MAX_START_LAG_MS)
   const LAG_WINDOW_S = 2.5, LAG_TOLERATED_MS = 50, MAX_START_LAG_MS = 1500, LAG_RUNS = 3;
+  // The audio device's buffer: the smallest the browser allows (0). Chromium's 'interactive' is a 10 ms buffer and
+  // ~42 ms from a rendered sample to the speaker; the smallest halves that (~21 ms at 24 kHz). `?live_latency=`
+  // ('interactive', 'balanced' or seconds) overrides it.
+  const LATENCY = (() => {
+    const v = params.get('live_latency');
+    if (v == null || v === '') return 0;
+    return isNaN(parseFloat(v)) ? v : parseFloat(v);
+  })();
+  // The click's Gradio event waits (in its js= hook) until the player has the first audio, at most this long: the
+  // event's own work (the page's loading indicators, its request, the server's event handling) would otherwise
+  // share the page's main thread and the server's CPU with the first chunk, which arrives ~30-100 ms later than
+  // it could. The event only reports on a run the player's request started (ui/early_start.py).
+  // "The first audio": this many chunks (by the second the player plays, with the next chunk in hand, so the event's
+  // work on the main thread does not make it run dry).
+  const HOLD_EVENT_MS = 500, HOLD_EVENT_CHUNKS = 2;
 
   function token() {
     const b = new Uint8Array(16);
@@ -201,6 +219,8 @@
       this.metrics = {state: 'idle'};
       this.handoff = null;   // the token waiting for Gradio's js= hook
       this.lags = [];        // startLag (ms) of the last LAG_RUNS runs that played to their end
+      this.holdEventMs = HOLD_EVENT_MS;   // 0: the Gradio event goes at once (benchmarks compare)
+      this.holdEventChunks = HOLD_EVENT_CHUNKS;
       document.addEventListener('click', (e) => this.onClick(e), true);
       // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
       // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
@@ -208,6 +228,19 @@
       document.addEventListener('pointerdown', warm, true);
       document.addEventListener('keydown', warm, true);
       addEventListener('pagehide', () => this.stop('stopped'));
+      this.netStarts = new Map();   // stream URL -> responseStart (an observer: the page's timing buffer may be full)
+      try {
+        new PerformanceObserver((list) => {
+          let mine = false;
+          for (const e of list.getEntries()) {
+            if (!e.name.startsWith(BASE) || !(e.responseStart > 0)) continue;
+            mine = true;
+            this.netStarts.set(e.name, e.responseStart);
+            if (this.netStarts.size > 50) this.netStarts.delete(this.netStarts.keys().next().value);
+          }
+          if (mine && this.run) this.publish();
+        }).observe({type: 'resource'});
+      } catch (e) { /* no Resource Timing: the metric stays null */ }
       this.prepare();
     }
 
@@ -216,11 +249,11 @@
       if (this.ctx) return this.ready;
       const AC = window.AudioContext || window.webkitAudioContext;
       if (!AC) { this.ready = Promise.resolve(); return this.ready; }
-      try {
-        this.ctx = new AC({sampleRate: SR, latencyHint: 'interactive'});
-      } catch (e) {
-        this.ctx = new AC({latencyHint: 'interactive'});   // resampling context: AudioBuffers at 24 kHz still play
+      for (const opts of [{sampleRate: SR, latencyHint: LATENCY}, {sampleRate: SR, latencyHint: 'interactive'},
+        {latencyHint: 'interactive'}]) {   // the last: a resampling context (AudioBuffers at 24 kHz still play)
+        try { this.ctx = new AC(opts); break; } catch (e) { /* next */ }
       }
+      if (!this.ctx) { this.ready = Promise.resolve(); return this.ready; }
       this.analyser = this.ctx.createAnalyser();
       this.analyser.fftSize = 2048;
       this.analyser.connect(this.ctx.destination);
@@ -300,7 +333,8 @@
 
     // Gradio's js= hook: the token of the click that triggered this event (once). `form` (the event's input
     // values, without the token) and `api` (its endpoint) go with the stream request, which may then start the
-    // generation before the Gradio event reaches the server.
+    // generation before the Gradio event reaches the server. Then the token comes as a promise that the player
+    // keeps until it has the first audio (`holdEvent`).
     takeToken(form, api) {
       const t = this.handoff || '';
       this.handoff = null;
@@ -309,8 +343,23 @@
         let ok = Array.isArray(form) && typeof api === 'string';
         if (ok) { try { JSON.stringify(form); } catch (e) { ok = false; } }
         this.beginFetch(run, ok ? form : null, ok ? api : null);
+        if (run.early && this.holdEventMs > 0) return this.holdEvent(run, t);
       }
       return t;
+    }
+
+    // The token, once the first audio is in the player, the stream ended or failed, the server declined to start
+    // early (the event must then start the run), or `holdEventMs` passed, whichever comes first.
+    holdEvent(run, t) {
+      return new Promise((resolve) => {
+        run.release = () => {
+          if (run.releasedAt != null) return;
+          run.releasedAt = performance.now();
+          clearTimeout(run.holdTimer);
+          resolve(t);
+        };
+        run.holdTimer = setTimeout(run.release, this.holdEventMs);
+      });
     }
 
     // The Gradio event finished (a JS-only .then()): a run that never got a response is over.
@@ -334,6 +383,7 @@
         init.headers = {'Content-Type': 'application/json'};
         init.body = JSON.stringify({data: form});
       }
+      run.url = url.href;
       const pending = fetch(url.href, init);   // sent before anything else: the server starts generating now
       pending.catch(() => {});
       await this.ready;
@@ -342,6 +392,13 @@
       let resp;
       try {
         resp = await pending;
+        if (form && resp.status === 202) {   // not started early: read what the Gradio event's run makes
+          run.early = false;
+          if (run.release) run.release();
+          url.searchParams.delete('api');
+          run.url = url.href;
+          resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
+        }
       } catch (err) {
         if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
@@ -367,6 +424,7 @@
         return;
       }
       run.streamDone = true;
+      if (run.release) run.release();
       this.backend.end();
       if (run.received === 0) { this.finish(run, 'ended'); return; }
       this.decide(run);
@@ -410,6 +468,8 @@
       run.lastByteAt = now;
       this.backend.push(f);
       this.decide(run);
+      // the first audio is in the player: the Gradio event may go now
+      if (run.release && run.chunks >= this.holdEventChunks) run.release();
     }
 
     // Silence inside the stream (a dialogue's pauses, gaps between sentence groups): runs of samples below -60 dBFS
@@ -589,6 +649,7 @@
         if (this.lags.length > LAG_RUNS) this.lags.shift();
       }
       run.state = state;
+      if (run.release) run.release();
       if (state !== 'ended') run.controller.abort();   // (a no-op once the response is complete)
       if (error) run.error = error;
       if (run.rmsTimer) setTimeout(() => clearInterval(run.rmsTimer), state === 'ended' ? 200 : 0);
@@ -607,6 +668,13 @@
       }
     }
 
+    // When the network stack had the stream's first byte (Resource Timing, known once the response is complete),
+    // against the click; clickToFirstByteMs is when the page's main thread read it.
+    responseStart(run) {
+      const t = run.url ? this.netStarts.get(run.url) : null;
+      return t ? t - run.clickTime : null;
+    }
+
     publish() {
       const run = this.run;
       if (!run) return;
@@ -619,6 +687,8 @@
         clickToRequestMs: run.requestAt != null ? run.requestAt - run.clickTime : null, early: run.early,
         clickToHeadersMs: run.headersAt != null ? run.headersAt - run.clickTime : null,
         clickToFirstByteMs: run.firstByteAt != null ? run.firstByteAt - run.clickTime : null,
+        clickToResponseStartMs: this.responseStart(run),
+        clickToEventMs: run.releasedAt != null ? run.releasedAt - run.clickTime : null,
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
