@@ -94,7 +94,7 @@ class TTSStream:
         return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
 
 
-OVERLAP_CODEC_CPU_DEFAULT = True   # measured on 2 cores: see docs/benchmarks.md, "Codec overlapped with generation"
+OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
 
 
 class TTSEngine:
