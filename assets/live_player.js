@@ -6,7 +6,10 @@
 // event, whose `js=` hook calls `liveTTS.takeToken(formValues, endpoint)`: the player starts
 // `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
 // starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
-// hands the token to Python as the event's last input, so the Gradio event reports on the same run. (A hook
+// hands the token to Python as the event's last input, so the Gradio event reports on the same run. The hook
+// hands it over only once the first audio is in the player (at most 500 ms later): Gradio's own work for the event
+// (in the page and on the server) then does not compete with the first chunk. When the server may not start the
+// run early it answers 202 at once, the hook hands the token over, and the player reads with a GET. (A hook
 // without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
 // event's handler.) Stop (class `live-stop`) aborts the fetch, which cancels the generation on the server, and
 // silences the player at once.
@@ -16,13 +19,16 @@
 // AudioBufferSourceNodes. `?live_player=scheduled` in the page URL forces the second (for tests).
 //
 // Buffering. The player knows the generation rate r (audio seconds made per wall second): the server's recent
-// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then conservatively (the
-// lower of the stream's average and the rate of its last three chunks). It plans for r' = r / 1.2: when r' >= 1
-// it plays at once (with 0.3 s buffered first when r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then the typical rate of its
+// last five chunks (a late chunk now and then is not believed, a stream that stays slow is; a slow start is
+// forgotten as fast). It plans for r' = r / 1.2: when r' >= 1 it plays at once (with 0.3 s buffered first when
+// r < 1.8). Otherwise it waits ("buffering") until the buffer B
 // covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
-// when the server sent it, else assumed as long as what came so far), plus a chunk. After an underrun it pauses
-// and rebuffers the same way rather than
-// stutter (metrics: underruns, stallMs, maxStallMs).
+// when the server sent it, else assumed as long as what came so far), plus a chunk. The first start also waits
+// as long after the first byte as the chunks of this page's last runs came late for a start at their first byte
+// (startDelay; nothing where they came in time). After an underrun it pauses and rebuffers the same way rather
+// than stutter (metrics: underruns, stallMs, maxStallMs, startLagMs; timeline: [ms after the click, samples] of
+// each chunk).
 //
 // Metrics for tests and the page: window.liveTTS.metrics (this run) and window.liveTTS.runs (all runs):
 // clickToSoundMs (click to the first sample audible: its render time mapped to the page clock by
@@ -49,6 +55,26 @@
   // plan for generation this much slower than measured: below RATE_SLACK x real time the player buffers first
   const RATE_SLACK = 1.2;
   const CUSHION_BELOW_RATE = 1.8, CUSHION_S = 0.3;
+  // the stream's rate is the typical rate of its last this many chunks (rate)
+  const RATE_INTERVALS = 5;
+  // the start rule learns from this page's last runs how late their chunks came (startLag, over their first
+  // LAG_WINDOW_S) and starts that much after the first byte, less LAG_TOLERATED_MS (at most MAX_START_LAG_MS)
+  const LAG_WINDOW_S = 2.5, LAG_TOLERATED_MS = 50, MAX_START_LAG_MS = 1500, LAG_RUNS = 3;
+  // The audio device's buffer: the smallest the browser allows (0). Chromium's 'interactive' is a 10 ms buffer and
+  // ~42 ms from a rendered sample to the speaker; the smallest halves that (~21 ms at 24 kHz). `?live_latency=`
+  // ('interactive', 'balanced' or seconds) overrides it.
+  const LATENCY = (() => {
+    const v = params.get('live_latency');
+    if (v == null || v === '') return 0;
+    return isNaN(parseFloat(v)) ? v : parseFloat(v);
+  })();
+  // The click's Gradio event waits (in its js= hook) until the player has the first audio, at most this long: the
+  // event's own work (the page's loading indicators, its request, the server's event handling) would otherwise
+  // share the page's main thread and the server's CPU with the first chunk, which arrives ~30-100 ms later than
+  // it could. The event only reports on a run the player's request started (ui/early_start.py).
+  // "The first audio": this many chunks (by the second the player plays, with the next chunk in hand, so the event's
+  // work on the main thread does not make it run dry).
+  const HOLD_EVENT_MS = 500, HOLD_EVENT_CHUNKS = 2;
 
   function token() {
     const b = new Uint8Array(16);
@@ -192,6 +218,9 @@
       this.ctx = null; this.backend = null; this.ready = null; this.run = null; this.runs = [];
       this.metrics = {state: 'idle'};
       this.handoff = null;   // the token waiting for Gradio's js= hook
+      this.lags = [];        // startLag (ms) of the last LAG_RUNS runs that played to their end
+      this.holdEventMs = HOLD_EVENT_MS;   // 0: the Gradio event goes at once (benchmarks compare)
+      this.holdEventChunks = HOLD_EVENT_CHUNKS;
       document.addEventListener('click', (e) => this.onClick(e), true);
       // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
       // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
@@ -199,6 +228,19 @@
       document.addEventListener('pointerdown', warm, true);
       document.addEventListener('keydown', warm, true);
       addEventListener('pagehide', () => this.stop('stopped'));
+      this.netStarts = new Map();   // stream URL -> responseStart (an observer: the page's timing buffer may be full)
+      try {
+        new PerformanceObserver((list) => {
+          let mine = false;
+          for (const e of list.getEntries()) {
+            if (!e.name.startsWith(BASE) || !(e.responseStart > 0)) continue;
+            mine = true;
+            this.netStarts.set(e.name, e.responseStart);
+            if (this.netStarts.size > 50) this.netStarts.delete(this.netStarts.keys().next().value);
+          }
+          if (mine && this.run) this.publish();
+        }).observe({type: 'resource'});
+      } catch (e) { /* no Resource Timing: the metric stays null */ }
       this.prepare();
     }
 
@@ -207,11 +249,11 @@
       if (this.ctx) return this.ready;
       const AC = window.AudioContext || window.webkitAudioContext;
       if (!AC) { this.ready = Promise.resolve(); return this.ready; }
-      try {
-        this.ctx = new AC({sampleRate: SR, latencyHint: 'interactive'});
-      } catch (e) {
-        this.ctx = new AC({latencyHint: 'interactive'});   // resampling context: AudioBuffers at 24 kHz still play
+      for (const opts of [{sampleRate: SR, latencyHint: LATENCY}, {sampleRate: SR, latencyHint: 'interactive'},
+        {latencyHint: 'interactive'}]) {   // the last: a resampling context (AudioBuffers at 24 kHz still play)
+        try { this.ctx = new AC(opts); break; } catch (e) { /* next */ }
       }
+      if (!this.ctx) { this.ready = Promise.resolve(); return this.ready; }
       this.analyser = this.ctx.createAnalyser();
       this.analyser.fftSize = 2048;
       this.analyser.connect(this.ctx.destination);
@@ -255,7 +297,7 @@
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
         expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
-        requestAt: null, early: false,
+        requestAt: null, early: false, timeline: [], startLag: 0, started: false,
         heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
       if (this.backend) this.backend.clear();   // nothing of the last run may count toward this one
@@ -291,7 +333,8 @@
 
     // Gradio's js= hook: the token of the click that triggered this event (once). `form` (the event's input
     // values, without the token) and `api` (its endpoint) go with the stream request, which may then start the
-    // generation before the Gradio event reaches the server.
+    // generation before the Gradio event reaches the server. Then the token comes as a promise that the player
+    // keeps until it has the first audio (`holdEvent`).
     takeToken(form, api) {
       const t = this.handoff || '';
       this.handoff = null;
@@ -300,8 +343,23 @@
         let ok = Array.isArray(form) && typeof api === 'string';
         if (ok) { try { JSON.stringify(form); } catch (e) { ok = false; } }
         this.beginFetch(run, ok ? form : null, ok ? api : null);
+        if (run.early && this.holdEventMs > 0) return this.holdEvent(run, t);
       }
       return t;
+    }
+
+    // The token, once the first audio is in the player, the stream ended or failed, the server declined to start
+    // early (the event must then start the run), or `holdEventMs` passed, whichever comes first.
+    holdEvent(run, t) {
+      return new Promise((resolve) => {
+        run.release = () => {
+          if (run.releasedAt != null) return;
+          run.releasedAt = performance.now();
+          clearTimeout(run.holdTimer);
+          resolve(t);
+        };
+        run.holdTimer = setTimeout(run.release, this.holdEventMs);
+      });
     }
 
     // The Gradio event finished (a JS-only .then()): a run that never got a response is over.
@@ -325,6 +383,7 @@
         init.headers = {'Content-Type': 'application/json'};
         init.body = JSON.stringify({data: form});
       }
+      run.url = url.href;
       const pending = fetch(url.href, init);   // sent before anything else: the server starts generating now
       pending.catch(() => {});
       await this.ready;
@@ -333,6 +392,13 @@
       let resp;
       try {
         resp = await pending;
+        if (form && resp.status === 202) {   // not started early: read what the Gradio event's run makes
+          run.early = false;
+          if (run.release) run.release();
+          url.searchParams.delete('api');
+          run.url = url.href;
+          resp = await fetch(url.href, {signal: run.controller.signal, cache: 'no-store'});
+        }
       } catch (err) {
         if (this.run === run && !run.controller.signal.aborted) this.finish(run, 'error', String(err));
         return;
@@ -358,6 +424,7 @@
         return;
       }
       run.streamDone = true;
+      if (run.release) run.release();
       this.backend.end();
       if (run.received === 0) { this.finish(run, 'ended'); return; }
       this.decide(run);
@@ -382,18 +449,27 @@
         run.lastChunk += n;
         if (run.chunks === 1) run.firstChunkSamples += n;
         run.arrivals[run.arrivals.length - 1][1] += n;
+        if (run.timeline.length && run.timeline.length < 400) run.timeline[run.timeline.length - 1][1] += n;
       } else {
         run.chunks += 1;
         run.lastChunk = n;
         if (run.chunks === 1) run.firstChunkSamples = n;
         run.arrivals.push([now, n]);             // [when the chunk came, its samples]
-        if (run.arrivals.length > 8) run.arrivals.shift();
+        // how late this chunk came for a start at the first byte: it arrived this long after the audio before it
+        // would have played out
+        if (now - run.firstByteAt <= LAG_WINDOW_S * 1000) {
+          run.startLag = Math.max(run.startLag, now - run.firstByteAt - run.received / SR * 1000);
+        }
+        if (run.timeline.length < 400) run.timeline.push([Math.round(now - run.clickTime), n]);
+        if (run.arrivals.length > RATE_INTERVALS + 1) run.arrivals.shift();
       }
       run.maxChunk = Math.max(run.maxChunk || 0, run.lastChunk);
       run.received += n;
       run.lastByteAt = now;
       this.backend.push(f);
       this.decide(run);
+      // the first audio is in the player: the Gradio event may go now
+      if (run.release && run.chunks >= this.holdEventChunks) run.release();
     }
 
     // Silence inside the stream (a dialogue's pauses, gaps between sentence groups): runs of samples below -60 dBFS
@@ -426,25 +502,24 @@
       return best;
     }
 
-    // Audio seconds generated per wall second: measured on this stream once it has a few chunks, else the
-    // server's recent rate, else unknown (null). Conservative: the lower of the stream's average and the rate of
-    // its last three chunks (their audio over the time since the chunk before them), so that a stream slowed
-    // down by a busy CPU (browser, server and engine may share two cores) is believed at once.
+    // Audio seconds generated per wall second: measured on this stream once it has two chunks, else the server's
+    // recent rate, else unknown (null). Measured: the typical rate of the stream's last RATE_INTERVALS chunks, each
+    // chunk's audio over the time since the chunk before it (their median, the upper one of an even count: a late
+    // chunk now and then - a moment of a busy CPU - does not make the player wait for a slow stream, a stream that
+    // stays slow does); while the stream is young (under 1.5 s) the server's rate counts as one more of them. Not the stream's average: after a slow start (the click's own work
+    // in the browser and the server) the average stays low for long, and a player that believed it would wait
+    // seconds to rebuffer audio that in fact comes several times faster than it plays.
     rate(run) {
-      const wall = ((run.streamDone ? run.lastByteAt : performance.now()) - run.firstByteAt) / 1000;
-      if (run.chunks >= 2 && wall >= 0.15) {
-        let measured = (run.received - run.firstChunkSamples) / SR / wall;
-        const a = run.arrivals;
-        if (!run.streamDone && a.length >= 3) {   // the last three chunks' audio over the time they took
-          const k = Math.max(0, a.length - 4);
-          let n = 0;
-          for (let i = k + 1; i < a.length; i++) n += a[i][1];
-          const dt = (a[a.length - 1][0] - a[k][0]) / 1000;
-          if (dt > 0.05) measured = Math.min(measured, n / SR / dt);
+      const a = run.arrivals;
+      const now = run.streamDone ? run.lastByteAt : performance.now();
+      if (a.length >= 2 && now - run.firstByteAt >= 150) {
+        const rates = [];
+        for (let i = Math.max(1, a.length - RATE_INTERVALS); i < a.length; i++) {
+          rates.push(a[i][1] / SR / Math.max((a[i][0] - a[i - 1][0]) / 1000, 0.005));
         }
-        if (run.rateHint == null || wall >= 1.5) return measured;
-        const w = wall / 1.5;
-        return w * measured + (1 - w) * run.rateHint;
+        if (run.rateHint != null && now - run.firstByteAt < 1500) rates.push(run.rateHint);
+        rates.sort((x, y) => x - y);
+        return rates[Math.floor(rates.length / 2)];
       }
       if (run.rateHint == null && run.underruns > 0) {   // it ran dry before a second chunk: judge from the click
         return run.received / SR / ((performance.now() - run.clickTime) / 1000);
@@ -475,13 +550,15 @@
       if (run.streamDone && b <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
       run.need = this.needed(run);
       if (b > 0 && (run.streamDone || b >= run.need)) {
-        const wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        let wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
+        if (!run.started && !run.streamDone) wait = Math.max(wait, this.startDelay(run));
         if (wait > 0) {                       // the next chunk would come too late for what is buffered now
           clearTimeout(run.waitTimer);
           run.waitTimer = setTimeout(() => this.decide(run), wait);
         } else {
           run.log.push([Math.round(performance.now() - run.clickTime), 'play', +b.toFixed(3), +run.need.toFixed(3)]);
           run.state = 'playing';
+          run.started = true;
           if (run.stalledAt != null) {        // the end of a rebuffer: how long the listener heard nothing
             const d = performance.now() - run.stalledAt;
             run.stallMs += d;
@@ -494,6 +571,17 @@
         }
       }
       this.publish();
+    }
+
+    // Milliseconds to wait before the first start, learnt from this page's last runs: their chunks came up to
+    // startLag ms later than a start at their first byte could play them without a gap (the click's own work in the
+    // browser and the server, other lines or clients in the engine, a busy CPU slow down a stream's first seconds
+    // most), so this run starts that much after its first byte, less LAG_TOLERATED_MS (a pause that short is
+    // accepted rather than a later first sound); nothing on a page whose streams came in time. 0 or less: now.
+    startDelay(run) {
+      if (!this.lags.length) return 0;
+      const lag = Math.min(Math.max(...this.lags), MAX_START_LAG_MS) - LAG_TOLERATED_MS;
+      return run.firstByteAt + lag - performance.now();
     }
 
     // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives. Chunks tend to
@@ -556,7 +644,12 @@
     }
 
     finish(run, state, error) {
+      if (state === 'ended' && run.state !== 'ended' && run.firstByteAt != null) {
+        this.lags.push(run.startLag);
+        if (this.lags.length > LAG_RUNS) this.lags.shift();
+      }
       run.state = state;
+      if (run.release) run.release();
       if (state !== 'ended') run.controller.abort();   // (a no-op once the response is complete)
       if (error) run.error = error;
       if (run.rmsTimer) setTimeout(() => clearInterval(run.rmsTimer), state === 'ended' ? 200 : 0);
@@ -575,6 +668,13 @@
       }
     }
 
+    // When the network stack had the stream's first byte (Resource Timing, known once the response is complete),
+    // against the click; clickToFirstByteMs is when the page's main thread read it.
+    responseStart(run) {
+      const t = run.url ? this.netStarts.get(run.url) : null;
+      return t ? t - run.clickTime : null;
+    }
+
     publish() {
       const run = this.run;
       if (!run) return;
@@ -587,17 +687,19 @@
         clickToRequestMs: run.requestAt != null ? run.requestAt - run.clickTime : null, early: run.early,
         clickToHeadersMs: run.headersAt != null ? run.headersAt - run.clickTime : null,
         clickToFirstByteMs: run.firstByteAt != null ? run.firstByteAt - run.clickTime : null,
+        clickToResponseStartMs: this.responseStart(run),
+        clickToEventMs: run.releasedAt != null ? run.releasedAt - run.clickTime : null,
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
         underruns: run.underruns, maxStallMs: Math.round(run.maxStallMs), samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,
-        rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, neededBufferS: run.need || 0,
+        rate: run.firstByteAt != null ? this.rate(run) : run.rateHint, rateHint: run.rateHint, neededBufferS: run.need || 0,
         soundVia: run.soundVia || null, expectedSeconds: run.expected, streamDone: run.streamDone,
         error: run.error || null,
         maxSilenceMs: run.maxSilentRun / SR * 1000, stallMs: run.stallMs, longestGapMs: this.longestGap(run, false),
         longestJoinGapMs: this.longestGap(run, true),
-        log: run.log,
+        startLagMs: Math.round(run.startLag), log: run.log, timeline: run.timeline,
       };
       this.metrics = m;
       const i = this.runs.findIndex((x) => x.token === m.token);

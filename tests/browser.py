@@ -94,11 +94,12 @@ def current(drv, token: str) -> dict:
     return m if m.get("token") == token else {}
 
 
-def play_once(drv, button: str = "#preset-generate", timeout: float = 60) -> dict:
-    """Click Generate, wait for the run to end; -> its metrics. Asserts that it played sound."""
+def play_once(drv, button: str = "#preset-generate", timeout: float = 60, step: float = 0.03) -> dict:
+    """Click Generate, wait for the run to end (polling the page every `step` s); -> its metrics. Asserts that it
+    played sound."""
     tok = start(drv, button)
     m = wait(lambda: (lambda m: m if m.get("state") in ("ended", "stopped", "error", "idle") else None)(
-        current(drv, tok)), timeout, "the live stream to play to its end")
+        current(drv, tok)), timeout, "the live stream to play to its end", step=step)
     assert m["state"] == "ended", m
     assert_sound(m)
     return m

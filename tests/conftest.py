@@ -1,4 +1,4 @@
-"""Shared fixtures: the oracle runner and tiny checkpoints.
+"""Shared fixtures: the oracle runner, tiny checkpoints and the tiny random Whisper.
 
 The official implementation (qwen-tts 0.1.1) lives in a separate virtual environment because it pins
 transformers 4.57.3 / huggingface-hub<1 while gradio 6 needs huggingface-hub>=1. Parity tests run small
@@ -69,3 +69,22 @@ def official(run_oracle, tmp_path_factory):
 # Tests that load a checkpoint without a dtype get fp32 on every machine (the engine's CPU default is bf16 where
 # the CPU has native bf16; tests/test_cpu_dtype.py checks that choice with a mocked capability).
 os.environ.setdefault("TTS_CPU_DTYPE", "fp32")
+
+
+@pytest.fixture(scope="session")
+def whisper_dir(tmp_path_factory):
+    """A tiny random Whisper in the hub layout (tests/tiny_whisper.py), built once a session."""
+    from tests.tiny_whisper import make_tiny_whisper
+
+    return make_tiny_whisper(tmp_path_factory.mktemp("tiny_whisper"))
+
+
+@pytest.fixture
+def asr_env(whisper_dir, monkeypatch):
+    """The tiny random Whisper as the server's ASR model (TTS_ASR_MODEL), and no transcriber made yet in this
+    process. Returns the `tts_engine.asr` module."""
+    from tts_engine import asr
+
+    monkeypatch.setenv("TTS_ASR_MODEL", str(whisper_dir))
+    monkeypatch.setattr(asr, "_shared", {})
+    return asr

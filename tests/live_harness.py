@@ -20,11 +20,13 @@ SR = lp.SR
 
 class FakeGenerator:
     """Writes `seconds` of a 440 Hz sine into the sink: the first chunk after `first_chunk_s`, then chunks of
-    `chunk_s` audio at `rate` audio seconds per wall second. Records every run in `runs`."""
+    `chunk_s` audio at `rate` audio seconds per wall second; once `hiccup_after_s` of audio is written, it stops for
+    `hiccup_s` (a slow start: a busy CPU for a moment). Records every run in `runs`."""
 
     def __init__(self, streams: lp.LiveStreams):
         self.streams = streams
         self.rate, self.first_chunk_s, self.chunk_s, self.seconds, self.amplitude = 4.0, 0.07, 0.32, 3.0, 0.3
+        self.hiccup_after_s, self.hiccup_s = None, 0.0
         self.runs: list[dict] = []
         self.lock = threading.Lock()
 
@@ -43,6 +45,7 @@ class FakeGenerator:
         n_total = int(self.seconds * SR)
         n_chunk = int(self.chunk_s * SR)
         n = 0
+        hiccup = self.hiccup_after_s
         try:
             time.sleep(self.first_chunk_s)
             while n < n_total:
@@ -60,6 +63,10 @@ class FakeGenerator:
                 yield f"Streaming {n / SR:.2f} s (first audio {1000 * self.first_chunk_s:.0f} ms)"
                 # the next chunk exists when generation at `rate` has made it
                 wait = t0 + self.first_chunk_s + n / SR / self.rate - time.perf_counter()
+                if hiccup is not None and n >= hiccup * SR:
+                    t0 += self.hiccup_s
+                    wait += self.hiccup_s
+                    hiccup = None
                 if wait > 0 and n < n_total:
                     time.sleep(wait)
         except GeneratorExit:

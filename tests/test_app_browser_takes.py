@@ -1,10 +1,11 @@
 """The history of takes and a dialogue in a real browser (headless chromium) on the real app (tiny random checkpoints):
 three takes are generated and listed; the first plays again (and A/B switches to the third at the same position),
 its WAV downloads, and Restore puts its text and seed back into the form. Then a three-line dialogue between two
-voices plays through the page's live player with no silence inside it longer than the chosen pause + 80 ms: the
-player's own metrics, a silence in the samples it received together with any rebuffering at its edges. (A rebuffering
-elsewhere, when the shared CPU generates slower than real time, is the player's buffering policy, the same for one
-voice; it is printed, and the player's own tests cover it.)"""
+voices plays through the page's live player with no silence inside it longer than the chosen pause + 80 ms, joins
+included: the player's own metrics (`longestGapMs`: the longest silence the listener heard, whether a silence in the
+samples it received together with any rebuffering at its edges, or a rebuffering on its own). The tiny engine makes
+audio several times faster than it plays, so a silence longer than that comes from the player's start rule or the
+order in which the lines are submitted, not from the engine's speed."""
 from __future__ import annotations
 
 import time
@@ -131,7 +132,7 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
     _set_text(drv, "#dialogue-script textarea", DIALOGUE)
     pause = float(drv.find_element("css selector", "#dialogue-pause input[type='number']").get_attribute("value"))
     assert pause == PAUSE_S
-    m = B.play_once(drv, "#dialogue-generate", timeout=120)
+    m = B.play_once(drv, "#dialogue-generate", timeout=120, step=0.25)   # (polling the page costs CPU too)
     B.wait(lambda: _status(drv).startswith("Done"), 30, "the dialogue's status line to say Done")
     gap_ms = m["longestJoinGapMs"]
     print(f"\n[browser] dialogue: {m['secondsPlayed']:.2f} s played, longest silence heard at a join {gap_ms:.0f} ms "
@@ -140,6 +141,7 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
           f"click -> sound {m['clickToSoundMs']:.0f} ms; server: {_status(drv).splitlines()[0][:160]}")
     assert m["maxSilenceMs"] >= PAUSE_S * 1000 - 1, m                        # the pauses are there
     assert gap_ms <= PAUSE_S * 1000 + 80, (m["log"], m)
+    assert m["longestGapMs"] <= PAUSE_S * 1000 + 80, (m["log"], m["timeline"], m)
     assert "3 lines" in _status(drv) and "Ryan = ryan" in _status(drv) and "Vivian = vivian" in _status(drv)
     files = drv.find_elements("css selector", "#dialogue-files a")
     assert len({f.get_attribute("href") for f in files if f.get_attribute("href")}) == 3

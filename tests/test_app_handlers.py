@@ -168,6 +168,7 @@ class Logged:
     def __call__(self, text, **kw):
         k = len(self.chunks)
         self.log.append(("submit", k))
+        self.made_before = getattr(self, "made_before", []) + [sum(map(len, self.chunks[-1])) if self.chunks else 0]
         self.chunks.append([])
         stream = self.orig(text, **kw)
         self.streams.append(stream)
@@ -203,7 +204,9 @@ def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams
         req("gapless"), sink=sink))
     log = logged.log
     assert [k for ev, k in log if ev == "submit"] == list(range(len(pieces)))
-    for k in range(len(pieces) - 1):
+    # (the second group: once the first has made SUBMIT_NEXT_AFTER_S of audio, or ended, as these short groups do;
+    # the next test) every later one while the one before still streams
+    for k in range(1, len(pieces) - 1):
         assert log.index(("submit", k + 1)) < log.index(("end", k)), f"group {k + 1} was not queued ahead"
     pause = np.zeros(int(SR * SENTENCE_PAUSE_S), np.int16)
     groups = [np.concatenate([to_int16(x) for x in ch]) for ch in logged.chunks]
@@ -215,6 +218,32 @@ def test_long_text_is_gapless_next_group_generates_while_the_current_one_streams
     assert sink.closed and "gapless" not in app.active.by_session
 
 
+def test_the_second_group_is_queued_once_the_first_has_made_its_first_chunks(app, monkeypatch):
+    """The first group's small first chunks (what the listener hears while nothing is buffered yet) are made
+    alone; the second group is submitted while the first still streams, once it has made SUBMIT_NEXT_AFTER_S (on an
+    engine faster than real time; a slower one batches the next group at once: `_slow`, made False here)."""
+    monkeypatch.setattr(speak_mod, "_slow", lambda made, first: False)
+    eng = app.engine("custom_voice")
+    logged = Logged(eng)
+    monkeypatch.setattr(eng, "stream", logged)
+    text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
+    drain(app.speaker.speak("custom_voice", eng, speak_mod.SpeechJob(
+        text=text, voice="aiden", language="english", instruct=None, seed=3, sampling={}, max_new_tokens=40),
+        req("second-group"), sink=RecordingSink()))
+    log = logged.log
+    assert log.index(("submit", 1)) < log.index(("end", 0)), "group 1 was not queued ahead"
+    assert log.index(("submit", 2)) < log.index(("end", 1)), "group 2 was not queued ahead"
+    made = logged.made_before[1]
+    assert speak_mod.SUBMIT_NEXT_AFTER_S * SR <= made < sum(map(len, logged.chunks[0])), made
+
+
+def test_an_engine_slower_than_real_time_batches_the_second_group_at_once():
+    t = time.perf_counter()
+    assert speak_mod._slow(3 * 1920, (t - 0.5, 1920))            # 0.16 s made in 0.5 s: slow
+    assert not speak_mod._slow(7 * 1920, (t - 0.1, 1920))        # 0.48 s made in 0.1 s: fast
+    assert not speak_mod._slow(1920, (t - 0.5, 1920))            # only the first chunk: not known yet
+
+
 def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
     eng = app.engine("custom_voice")
     logged = Logged(eng)
@@ -223,9 +252,9 @@ def test_stop_cancels_the_running_and_the_queued_ahead_group(app, monkeypatch):
     text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
     gen = app.preset(text, "ryan", "auto", "", {}, seed=1, randomize=False, max_new_tokens=40, request=r)
     for d in gen:
-        if app.c.live in d:
+        if app.c.live in d and len(logged.streams) == 2:
             break
-    assert len(logged.streams) == 2, "the second group is queued ahead once the first one streams"
+    assert len(logged.streams) == 2, "the second group is queued ahead while the first one streams"
     assert len(app.active.by_session["stop-ahead"]) == 2
     assert "2 request(s) cancelled" in app.stop(r)
     assert all(s.seq.cancelled.is_set() or s._finished for s in logged.streams)
@@ -253,7 +282,8 @@ def test_a_full_queue_delays_the_next_group_instead_of_failing(app, monkeypatch)
     monkeypatch.setattr(eng, "stream", stream)
     text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(8))
     pieces = chunk_text(text)
-    outs = drain(app.preset(text, "ryan", "auto", "", {}, seed=2, randomize=False, max_new_tokens=4))
+    # (groups long enough that the second is tried while the first streams: after SUBMIT_NEXT_AFTER_S of it)
+    outs = drain(app.preset(text, "ryan", "auto", "", {}, seed=2, randomize=False, max_new_tokens=20))
     assert calls[:3] == [pieces[0], pieces[1], pieces[1]] and calls[2:] == pieces[1:]
     assert f"part {len(pieces)}/{len(pieces)}" in final_of(app, outs)[app.c.status]
 

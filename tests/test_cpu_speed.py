@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tts_engine.codec import decoder
 from tts_engine.codec.decoder import CausalTransConv
 
 
 @pytest.mark.parametrize("c_in, c_out, k, s", [(12, 8, 16, 8), (10, 6, 10, 5), (8, 8, 2, 2), (6, 4, 5, 3)])
 @pytest.mark.parametrize("max_len", [64, 2])   # matmul form everywhere / aten's op beyond 2 inputs
-def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])   # oneDNN called directly (1x1 conv form) / the generic ops
+def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, direct, monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setattr(CausalTransConv, "MATMUL_MAX_LEN", max_len)
+    monkeypatch.setattr(decoder, "_MKLDNN", direct and decoder._MKLDNN)
     m = CausalTransConv(c_in, c_out, k, s)
     x = torch.randn(3, c_in, 7)
     # the official op: ConvTranspose1d over the whole input, right-trimmed by k - s
@@ -69,3 +72,32 @@ def test_small_bf16_batches_run_atens_gemv_and_restore_onednn(tmp_path):
             eng.close()
         assert wav.size > 0 and seen and all(on is not want_off for on in seen)
         assert torch._C._get_mkldnn_enabled() == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codec_convs_ignore_the_process_wide_onednn_switch(dtype):
+    """The worker turns oneDNN off process-wide around small bf16 gemvs (`aten_bf16_gemv`); a codec decode on
+    the codec thread meanwhile must still run oneDNN's kernels (aten's fallbacks are up to 200x slower), and give
+    the same audio."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
+    from tts_engine.tiny import tiny_speech_tokenizer_config
+
+    torch.manual_seed(0)
+    dec = CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"])).to(dtype).eval()
+    codes = torch.randint(0, 2048, (1, 16, 3), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = dec(codes)
+        prev = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                got = dec(codes)
+        finally:
+            torch._C._set_mkldnn_enabled(prev)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::mkldnn_convolution" in ops
+    assert not [o for o in ops if "slow_conv" in o or "thnn" in o or "conv_transpose" in o], ops
+    assert torch.equal(got, want)

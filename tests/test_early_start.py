@@ -3,7 +3,8 @@
 served as `python app.py` serves it, driven by httpx (the player's request) and gradio_client (the Gradio event,
 with its own session hash): one engine request per click either way, the streamed PCM equals the final WAV the
 event reports, bad input gives the same message on both sides, another session cannot attach, Stop ends a run the
-player started, and values that need Gradio's upload handling wait for the event. Also: a click made while the
+player started, and values that need Gradio's upload handling wait for the event (the player's request is told
+so at once and reads the event's run with a GET). Also: a click made while the
 model still loads in the background reports "Loading the … model" and then plays."""
 from __future__ import annotations
 
@@ -183,6 +184,28 @@ def test_stop_ends_a_run_the_player_started(served):
     _wait(lambda: app.engine("custom_voice").scheduler.idle(), 10, "the engine to be idle after Stop")
     # twelve sentences at up to 200 frames each would be far longer than what came before Stop
     assert len(out["body"]) / 2 / 24000 < 60
+
+
+def test_a_request_that_may_not_start_it_is_told_at_once_and_reads_the_events_run(served):
+    """The page holds the click's Gradio event until its stream request has audio (assets/live_player.js): a stream
+    request that may not start the run must answer at once (202) instead of waiting for that event."""
+    app, url, client, calls = served
+    n = len(calls)
+    tok, session = _token(), client.session_hash
+    t0 = time.monotonic()
+    status, body = _post(url, tok, session, _form()[:-1], timeout=10)   # values that do not match the endpoint
+    assert status == 202 and b'"started":false' in body.replace(b" ", b""), (status, body)
+    assert time.monotonic() - t0 < 5 and len(calls) == n, "answered without waiting, nothing started"
+    t, out = _in_thread(_get, url, tok, session)                        # the page then reads with a GET
+    final = _event(client, tok)                                         # and sends the event
+    t.join(60)
+    assert out["status"] == 200 and _wav_pcm(final[1]) == out["body"] and len(calls) == n + 1
+
+
+def _get(url, token, session, out=None, timeout=60):
+    with httpx.stream("GET", f"{url}/live/{token}", params={"session": session}, timeout=timeout) as r:
+        body = b"".join(r.iter_raw())
+    out["status"], out["body"] = r.status_code, body
 
 
 def test_values_that_need_gradio_wait_for_the_event(served):

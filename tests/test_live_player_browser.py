@@ -95,6 +95,37 @@ def test_buffers_then_plays_without_gaps_when_generation_is_slow(harness, drv, p
           f"{m['clickToSoundMs']:.0f} ms, {m['underruns']} underrun(s)")
 
 
+def test_a_slow_start_rebuffers_once_briefly_and_the_next_run_starts_later_without_it(harness, drv):
+    """Generation 4x faster than playback, but the stream stops for 0.8 s after its first 0.32 s (a slow start).
+    With the server's rate known to be fast, the first run starts at once and runs dry; once audio comes again at 4x
+    it plays again as soon as what is buffered covers the next chunk (not after buffering for the whole rest, which
+    a rate averaged over the stream's slow start would ask for). The page learns how late the chunks came: the next
+    run starts that much later and plays without that pause."""
+    url, fake = harness
+    fake.rate, fake.first_chunk_s, fake.chunk_s, fake.seconds = 4.0, 0.07, 0.32, 4.0
+    fake.hiccup_after_s, fake.hiccup_s = 0.32, 0.8
+    fake.streams.rate = 4.0
+    try:
+        B.open_page(drv, url + "/")
+        m1 = B.play_once(drv)
+        m2 = B.play_once(drv)
+    finally:
+        fake.hiccup_after_s, fake.streams.rate = None, None
+    for m in (m1, m2):
+        assert m["samplesPlayed"] == int(4.0 * 24000), m
+    print(f"\n[live player, harness] a 0.8 s hiccup after 0.32 s: run 1 click -> sound {m1['clickToSoundMs']:.0f} ms, "
+          f"{m1['underruns']} underrun(s), {m1['stallMs']:.0f} ms silent; run 2 {m2['clickToSoundMs']:.0f} ms, "
+          f"{m2['underruns']} underrun(s), {m2['stallMs']:.0f} ms silent (start lag learnt {m1['startLagMs']} ms)")
+    assert m1["underruns"] >= 1 and m1["startLagMs"] >= 250, m1
+    # played again as soon as the stream came back at 4x (a small cushion at most), not after buffering for the
+    # whole rest as a rate averaged over the hiccup would ask (seconds)
+    restart = [e for e in m1["log"] if e[1] == "play"][1]
+    assert restart[3] <= 0.3, (m1["log"], m1["timeline"])
+    assert m1["maxStallMs"] < 1500, (m1["log"], m1["timeline"])
+    assert m2["stallMs"] < m1["stallMs"] / 2, (m1["log"], m2["log"])
+    assert m2["clickToSoundMs"] - m2["clickToFirstByteMs"] >= 300, m2
+
+
 def test_stop_silences_at_once_and_cancels_the_generation(harness, drv):
     url, fake = harness
     fake.rate, fake.first_chunk_s, fake.chunk_s, fake.seconds = 1.5, 0.07, 0.16, 20.0

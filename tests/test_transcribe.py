@@ -14,24 +14,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.tiny_whisper import make_tiny_whisper
 from tts_engine import TTSError, asr
 
 ROOT = Path(__file__).resolve().parent.parent
 OLIVER, EMMA = ROOT / "presets" / "oliver.flac", ROOT / "presets" / "emma.flac"
-
-
-@pytest.fixture(scope="module")
-def whisper_dir(tmp_path_factory):
-    return make_tiny_whisper(tmp_path_factory.mktemp("tiny_whisper"))
-
-
-@pytest.fixture
-def asr_env(whisper_dir, monkeypatch):
-    """The tiny Whisper as the server's model, and no transcriber made yet in this process."""
-    monkeypatch.setenv("TTS_ASR_MODEL", str(whisper_dir))
-    monkeypatch.setattr(asr, "_shared", {})
-    return whisper_dir
 
 
 def _clip(path):
@@ -105,7 +91,7 @@ def _drain(gen):
     return list(gen)
 
 
-def test_clone_tab_transcribes_only_when_asked(app, asr_env):
+def test_clone_tab_transcribes_only_when_asked(app, asr_env, whisper_dir):
     c = app.c
     # a user who types the transcript: cloning never makes (let alone loads) the recogniser
     outs = _drain(app.clone(str(OLIVER), "Good morning.", False, "Typed", text="Hi.", seed=1, randomize=False,
@@ -115,7 +101,7 @@ def test_clone_tab_transcribes_only_when_asked(app, asr_env):
     # the button: the transcript box gets the words, x-vector-only mode is switched off
     out = app.transcribe(str(OLIVER), "auto")
     wav, sr = _clip(OLIVER)
-    assert out[c.ref_text] == _reference_words(asr_env, wav, sr, max_new_tokens=27) and out[c.xvec] is False
+    assert out[c.ref_text] == _reference_words(whisper_dir, wav, sr, max_new_tokens=27) and out[c.xvec] is False
     assert "Transcribed" in out[c.status] and "loaded for this first use" in out[c.status]
     assert "loaded" not in app.transcribe(str(OLIVER), "english")[c.status]     # loaded once
     with pytest.raises(TTSError, match="reference clip first"):
@@ -137,13 +123,13 @@ def test_clone_tab_without_the_model_says_so_and_cloning_still_works(app, tmp_pa
 
 # --- the speech API -------------------------------------------------------------------------------------------
 
-def test_api_transcribes_ref_audio_when_asked(tmp_path, asr_env, monkeypatch):
+def test_api_transcribes_ref_audio_when_asked(tmp_path, asr_env, whisper_dir, monkeypatch):
     from server.limits import Limits
     from tests.serving import tiny_api
 
     b64 = base64.b64encode(OLIVER.read_bytes()).decode()
     wav, sr = _clip(OLIVER)
-    words = _reference_words(asr_env, wav, sr, max_new_tokens=27)
+    words = _reference_words(whisper_dir, wav, sr, max_new_tokens=27)
     with tiny_api(tmp_path, ("base",), Limits(max_new_tokens=8)) as (url, registry, _):
         eng = registry.get("base")
         seen = []

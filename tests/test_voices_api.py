@@ -273,21 +273,7 @@ def test_a_voice_made_for_another_width_is_cloned_again_from_its_clip(server):
 
 # --- transcribe_ref_audio: the clip's transcript written by the speech-recognition model ------------------------
 
-@pytest.fixture(scope="module")
-def whisper_dir(tmp_path_factory):
-    from tests.tiny_whisper import make_tiny_whisper
-
-    return make_tiny_whisper(tmp_path_factory.mktemp("tiny_whisper"))
-
-
-@pytest.fixture
-def asr_env(whisper_dir, monkeypatch):
-    """The tiny random Whisper as the server's ASR model, and no transcriber made yet in this process."""
-    from tts_engine import asr
-
-    monkeypatch.setenv("TTS_ASR_MODEL", str(whisper_dir))
-    monkeypatch.setattr(asr, "_shared", {})
-    return asr
+# (the `whisper_dir` and `asr_env` fixtures live in tests/conftest.py)
 
 
 def test_upload_transcribed_by_asr_is_an_icl_voice(server, asr_env):

@@ -11,7 +11,8 @@ each input, `gr.State` values from the session) and started the Run; the Gradio 
 Run by its token (and session) and only relays it. Validation errors reach the page through the Gradio event as
 usual (the stream request answers 422 with the same message).
 
-When the stream request may not start a generation it just waits for the Gradio event, as before: a form value
+When the stream request may not start a generation it tells the page so at once (202), and the page reads the run
+the Gradio event starts with a plain GET (as without early start): a form value
 that needs Gradio's file handling (an uploaded clip or voice file), more runs in flight than the app runs at
 once, a second run of the same session, or early start switched off (ZeroGPU, where generation must run inside
 the Gradio event)."""
@@ -224,6 +225,11 @@ class EarlyStarts:
             if run is None and token not in self._seen:
                 self._seen[token] = time.monotonic()
             return None
+
+    def known(self, token: str) -> bool:
+        """A run exists, or existed, for `token` (the Gradio event came first, or a stream request started it)."""
+        with self._lock:
+            return token in self._runs or token in self._seen
 
     def _taken(self, token: str) -> bool:
         """A run other than a fresh one of the event exists (or existed) for `token`."""

@@ -370,8 +370,10 @@ def install(app, streams: LiveStreams, prefix: str = "/live", starter=None) -> L
     """Add `GET {prefix}/{token}?session=…` (the PCM stream) and the player's JS files
     (`{prefix}/player.js`, `{prefix}/worklet.js`) to a FastAPI app. Call before mounting Gradio at `/`.
     With `starter` (ui.early_start.EarlyStarts) also `POST {prefix}/{token}?session=…&api=<endpoint>` with the
-    click's form values as JSON `{"data": [...]}`: it starts the generation at once (unless the Gradio event
-    did already, or the starter declines) and streams the same PCM."""
+    click's form values as JSON `{"data": [...]}`: it starts the generation at once and streams the same PCM (or,
+    when the Gradio event came first and started it, streams that run's). When the starter declines and the
+    Gradio event has not come yet, it answers `202 {"started": false, "why": …}` at once: the page then sends the
+    Gradio event (which it holds until its first audio, see assets/live_player.js) and reads with a GET."""
     for route_name, file in JS_FILES.items():
         path = ASSETS / file
 
@@ -406,6 +408,9 @@ def install(app, streams: LiveStreams, prefix: str = "/live", starter=None) -> L
             started, why = starter.start(api, token, session, data)
             if not started:
                 log.info("live stream %s…: not started early (%s); waiting for the Gradio event", token[:6], why)
+                if not starter.known(token):     # the event must start it: tell the page now (it holds the event)
+                    return JSONResponse({"started": False, "why": why}, status_code=202,
+                                        headers={"Cache-Control": "no-store"})
         return await live(token, request, session)
 
     app.add_api_route(prefix + "/{token}", live, methods=["GET"], include_in_schema=False)
@@ -425,11 +430,12 @@ TOKEN_JS = ("(...args) => { if (args.length) args[args.length - 1] = window.live
 def token_js(api: str) -> str:
     """`js=` of a generating event whose generation the player's own request may start (ui/early_start.py): the
     player gets the event's form values (`args`, the last one the token's place) with the endpoint's name and
-    sends them with its stream request."""
+    sends them with its stream request. The token comes back as a promise: Gradio sends the event once the player
+    has the first audio (it keeps the page's main thread and the server free for the first chunk)."""
     if not re.fullmatch(r"[A-Za-z0-9_]+", api):
         raise ValueError(f"bad endpoint name {api!r}")
-    return ("(...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? "
-            f"window.liveTTS.takeToken(args.slice(0, -1), '{api}') : ''; return args; }}")
+    return ("async (...args) => { if (args.length) args[args.length - 1] = window.liveTTS ? "
+            f"await window.liveTTS.takeToken(args.slice(0, -1), '{api}') : ''; return args; }}")
 # `js=` of a JS-only `.then()` after a generating event: tells the player that the server side is over (a run
 # that never got its stream, e.g. the handler refused the input, stops waiting).
 DONE_JS = "() => { if (window.liveTTS) window.liveTTS.serverDone(); }"

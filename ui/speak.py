@@ -2,8 +2,9 @@
 -> the final lossless WAV and the status line.
 
 Long text is spoken in sentence groups (`chunk_text`), one voice and one seed for all of them. The next group
-is submitted to the engine as soon as the current one produces its first chunk, so it is already generating
-when the current one ends: the listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
+is submitted to the engine as soon as the current one produces its first chunk (the second group: once the first
+has made `SUBMIT_NEXT_AFTER_S` of audio, or has ended), so it is already generating when the current one ends: the
+listener hears `SENTENCE_PAUSE_S` of silence between groups and nothing else.
 The loop itself runs a list of `Part`s (text, engine, job, the pause before it, the line it belongs to): a
 dialogue (ui/dialogue.py) is the same loop over parts of several voices, engines and pauses.
 
@@ -29,6 +30,12 @@ from .text import chunk_text, to_int16
 # the first chunk is one frame (80 ms): the listener hears sound one frame step sooner; later chunks double
 # (2, 4, 8, 12 frames), which the page's player buffers for when generation is slower than playback
 FIRST_CHUNK_FRAMES = 1
+# the second part (sentence group, dialogue line) is submitted once the first has made this much audio (or has
+# ended): the first part's small first chunks (1, 2, 4, 8 frames: 1.2 s), which the listener hears while they are
+# made, with nothing in the buffer yet, are made alone, not slowed down by the next part's prefill and a batch of
+# two - unless the engine is slower than real time, where batching the next part at once is what helps (`_slow`).
+# Every later part is submitted at the first chunk of the one before (the stream is ahead by then).
+SUBMIT_NEXT_AFTER_S = 1.2
 
 
 class Sink(Protocol):
@@ -202,8 +209,12 @@ class Speaker:
                     if update:
                         yield update
                 spans.append((pieces[k].line, n, n))
+                made, first = 0, None             # this part's samples so far; (when, samples) of its first chunk
                 for chunk in stream:
-                    if ahead is None and k + 1 < len(pieces) and not busy and not halted():
+                    made += len(chunk)
+                    first = first or (time.perf_counter(), len(chunk))
+                    if (ahead is None and k + 1 < len(pieces) and not busy and not halted()
+                            and (k > 0 or made >= SUBMIT_NEXT_AFTER_S * SR or _slow(made, first))):
                         try:                      # gapless: the next group generates while this one plays
                             ahead = submit(k + 1)
                         except EngineBusyError:   # the queue is full: submit it after this group instead
@@ -277,6 +288,13 @@ class Speaker:
             for s in streams:
                 s.cancel()
                 self.active.discard(session, s)
+
+
+def _slow(made: int, first: tuple[float, int]) -> bool:
+    """The part generates slower than real time (its audio since its first chunk over the time since): the next
+    part is better submitted now, to batch with it (the player buffers for a slow engine anyway)."""
+    dt = time.perf_counter() - first[0]
+    return made > first[1] and dt > 0.05 and (made - first[1]) / SR / dt < 1.0
 
 
 def _line_audio(parts: list[np.ndarray], spans: list[tuple[int, int, int]]) -> list[tuple[int, np.ndarray]]:

@@ -86,6 +86,26 @@ _ACT = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+# --- convolutions that ignore the process-wide oneDNN switch ----------------------------------------------------
+_MKLDNN = torch.backends.mkldnn.is_available()
+
+
+def _direct(x: torch.Tensor) -> bool:
+    """On a CPU with oneDNN, the decoder's convolutions call oneDNN directly: `torch._C._set_mkldnn_enabled`
+    is process-wide, and the engine turns it off around small bf16 matrix-vector steps (model_runner's
+    `aten_bf16_gemv`). A decode running on another thread meanwhile (`overlap_codec`) would then take aten's
+    fallback kernels, measured 5x (depthwise) to 150-200x (bf16 conv and matmul) slower on a Zen 4."""
+    return _MKLDNN and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
+           groups: int = 1) -> torch.Tensor:
+    """F.conv1d without padding or stride (x [B, C_in, L] -> [B, C_out, L - (k-1)*dilation])."""
+    if _direct(x):
+        return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight, bias, [0], [1], [dilation], groups)
+    return F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
+
+
 # --- streaming building blocks ----------------------------------------------------------------------------
 # A stateful module has `ctx` (history length, static) and `step(x, hist) -> (y, new_hist)`:
 #   x [B, C_in, n] new input, hist [B, C_in, ctx] the inputs before it (zeros in an empty state, which is
@@ -101,11 +121,15 @@ class CausalConv(nn.Module):
         self.c_in = c_in
         self.ctx = (kernel_size - 1) * dilation
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:   # stride 1, no padding (callers carry the history)
+        c = self.conv
+        return conv1d(x, c.weight, c.bias, c.dilation[0], c.groups)
+
     def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ctx == 0:
-            return self.conv(x), hist
+            return self.run(x), hist
         xx = torch.cat([hist, x], dim=-1)                       # [B, C_in, ctx + n]
-        return self.conv(xx), xx[..., xx.shape[-1] - self.ctx:]  # [B, C_out, n], [B, C_in, ctx]
+        return self.run(xx), xx[..., xx.shape[-1] - self.ctx:]      # [B, C_out, n], [B, C_in, ctx]
 
 
 class CausalTransConv(nn.Module):
@@ -118,7 +142,10 @@ class CausalTransConv(nn.Module):
     contribution to its k output taps), then the overlap-add of neighbouring blocks: block j = taps 0..s-1 of
     input j + taps s..k-1 of input j-1 + bias. aten's ConvTranspose1d takes a slow im2col path on CPU that
     costs ~5-25x this product on the few frames of a streaming chunk (and less than it on long inputs, so inputs
-    longer than MATMUL_MAX_LEN per row still use it); the two equal each other up to float rounding."""
+    longer than MATMUL_MAX_LEN per row still use it); the two equal each other up to float rounding. On a CPU
+    with oneDNN (`_direct`) the product is a 1x1 convolution with C_out*k output channels (the weight
+    rearranged once, cached like the codebooks), at every length: oneDNN directly, whatever the process-wide
+    switch says."""
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int, stride: int):
         super().__init__()
@@ -127,6 +154,21 @@ class CausalTransConv(nn.Module):
         self.conv = nn.ConvTranspose1d(c_in, c_out, kernel_size, stride=stride)
         self.c_in, self.c_out, self.k, self.s = c_in, c_out, kernel_size, stride
         self.ctx = 1 if kernel_size > stride else 0
+        self._taps: tuple | None = None   # (key, [C_out*k, C_in, 1] weight); not a buffer, not in state_dict
+
+    def tap_weight(self) -> torch.Tensor:
+        w = self.conv.weight
+        key = (w.data_ptr(), _version(w), w.dtype, w.device)
+        taps = self._taps
+        if taps is None or taps[0] != key:
+            with torch.no_grad():
+                taps = (key, w.detach().permute(1, 2, 0).reshape(self.c_out * self.k, self.c_in, 1).contiguous())
+            self._taps = taps
+        return taps[1]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._taps = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     MATMUL_MAX_LEN = 32   # inputs per row up to which the matmul form is used (measured faster below, slower above)
 
@@ -134,6 +176,14 @@ class CausalTransConv(nn.Module):
         B, _, n = x.shape
         k, s, w = self.k, self.s, self.conv.weight
         xx = x if self.ctx == 0 else torch.cat([hist, x], dim=-1)                 # [B, C_in, m]
+        new_hist = x[..., n - 1:] if self.ctx else hist
+        if _direct(xx):
+            taps = conv1d(xx, self.tap_weight(), None).view(B, self.c_out, k, xx.shape[-1])  # [B, C_out, k, m]
+            y = taps[:, :, :s, self.ctx:]                                          # [B, C_out, s, n]
+            if self.ctx:                                                           # + the previous input's tail
+                y = y + F.pad(taps[:, :, s:, :n], (0, 0, 0, 2 * s - k))
+            y = y + self.conv.bias[:, None, None]
+            return y.transpose(2, 3).reshape(B, self.c_out, n * s), new_hist
         if n > self.MATMUL_MAX_LEN:                                                # long inputs: aten's op
             return self.conv(xx)[..., self.ctx * s: self.ctx * s + n * s], (x[..., n - 1:] if self.ctx else hist)
         taps = torch.matmul(xx.transpose(1, 2), w.view(self.c_in, self.c_out * k))  # [B, m, C_out*k]
@@ -188,7 +238,7 @@ class ResidualUnit(nn.Module):
 
     def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, hist = self.conv1.step(self.act1(x), hist)
-        return x + self.conv2.conv(self.act2(h)), hist
+        return x + self.conv2.run(self.act2(h)), hist
 
 
 class DecoderBlock(nn.Module):
@@ -271,7 +321,7 @@ class ResidualVectorQuantizer(nn.Module):
         q = F.embedding(codes[:, 0], books[0])                   # [B, T, dim]
         for i in range(1, codes.shape[1]):
             q = q + F.embedding(codes[:, i], books[i])
-        return self.output_proj(q.transpose(1, 2))
+        return conv1d(q.transpose(1, 2), self.output_proj.weight, None)
 
 
 class SplitResidualVectorQuantizer(nn.Module):

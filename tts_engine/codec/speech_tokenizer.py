@@ -57,7 +57,10 @@ class SpeechTokenizer:
                 from .decoder import CodecDecoder, CodecDecoderConfig
 
                 cfg = CodecDecoderConfig.from_dict(self.config.get("decoder_config") or {})
-                self._decoder = load_module(CodecDecoder(cfg), self.file, "decoder.", self.device, self.dtype)
+                from .dtype_choice import choose
+
+                # bf16 on a CPU: bf16 or fp32, whichever decodes faster on this machine (measured once, cached)
+                self._decoder = choose(load_module(CodecDecoder(cfg), self.file, "decoder.", self.device, self.dtype))
             return self._decoder
 
     @property

@@ -94,10 +94,14 @@ class TTSStream:
         return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
 
 
+OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
+
+
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
-                 reference_cache: int = 128, compile_predictor: bool | None = None):
+                 reference_cache: int = 128, overlap_codec: bool | None = None, codec_threads: int | None = 1,
+                 compile_predictor: bool | None = None):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -106,8 +110,11 @@ class TTSEngine:
         voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
         decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both
         off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
-        why); the engine keeps serving. compile_predictor: one-stream code-predictor passes through a compiled
-        graph on a CPU (tts_engine/model/compiled_predictor.py; default: env TTS_COMPILE_PREDICTOR, off)."""
+        why); the engine keeps serving. overlap_codec: decode each request's chunks after its first on a codec
+        thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
+        `OVERLAP_CODEC_CPU_DEFAULT`, off on a GPU; docs/benchmarks.md has the A/B). compile_predictor: one-stream
+        code-predictor passes through a compiled graph on a CPU (tts_engine/model/compiled_predictor.py; default:
+        env TTS_COMPILE_PREDICTOR, off)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -135,6 +142,9 @@ class TTSEngine:
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
         self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)
+        if overlap_codec is None:
+            overlap_codec = OVERLAP_CODEC_CPU_DEFAULT and not gpu
+        self.worker.overlap_codec(overlap_codec, codec_threads)
 
     @classmethod
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,

@@ -43,6 +43,7 @@ class Sequence:
     target: int = 0
     decoder_state: object = None
     finishing: bool = False                                 # end-of-speech seen in the current chunk
+    codec_error: Exception | None = None                    # set by the codec thread when a decode failed
 
     def finish(self, item=END) -> None:
         self.status = Status.FINISHED

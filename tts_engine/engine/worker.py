@@ -7,6 +7,11 @@ Each iteration is one frame boundary:
   4. for sequences whose chunk is complete: one host read of their end-of-speech flags (the only sync in the
      loop), then a codec decode batched across them, and their audio goes to their output queues.
 An exception while serving one sequence fails that sequence only.
+
+With `overlap_codec` on (`codec_thread.CodecThread`), step 4 hands the codes of every chunk but a sequence's first
+to the codec thread and goes on with the next frame; a sequence's first chunk is still decoded here (nothing to
+overlap it with yet, and its first audio must not wait), and a sequence's end goes through the codec thread so it
+comes after its last audio.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import TTSError
+from .codec_thread import CodecThread
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
 
@@ -35,6 +41,19 @@ class EngineWorker:
         self._start_lock = threading.Lock()
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
+        self.codec: CodecThread | None = None   # set by `overlap_codec`: later chunks decode on their own thread
+
+    def overlap_codec(self, on: bool, threads: int | None = 1) -> None:
+        """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
+        process default), overlapped with generation; off: in this thread, between frames. Takes effect between
+        frames (call it while no request runs); not with a caller-driven engine (no threads there)."""
+        old, self.codec = self.codec, None
+        if old is not None:
+            old.close()
+        if on and not self.driven:
+            self.codec = CodecThread(lambda: self.speech_tokenizer.decoder, threads,
+                                     on_error=lambda seq, e: _user_error(type(e), e))
+            self.codec.wake = self.wake
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -52,6 +71,8 @@ class EngineWorker:
         self.wake.set()
         if self.thread is not None:
             self.thread.join(timeout=10)
+        if self.codec is not None:
+            self.codec.close()   # the chunks and endings handed over so far, then the thread stops
         for seq in self.scheduler.drain_waiting() + list(self.scheduler.running):
             seq.finish(TTSError("the engine was shut down"))
 
@@ -84,6 +105,7 @@ class EngineWorker:
             if self.thread is not None and self.thread.is_alive():
                 raise TTSError("this engine already runs its worker thread")
             self.driven = True
+            self.overlap_codec(False)
 
     def run_until_output(self, seq: Sequence) -> None:
         """Run frame steps (for every running sequence, `seq` among them) until `seq` has something to read."""
@@ -98,7 +120,7 @@ class EngineWorker:
     # --- one frame boundary ----------------------------------------------------------------------------
     def _step(self) -> None:
         for seq in list(self.scheduler.running):
-            if seq.cancelled.is_set():
+            if seq.cancelled.is_set() or seq.codec_error is not None:
                 self._end(seq)
         for seq in self.scheduler.admit():
             try:
@@ -120,7 +142,7 @@ class EngineWorker:
         if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
             seq.decoder_state = self._primed_state(req.ref_codes, codec)
         else:
-            seq.decoder_state = codec.init_state(1, self.runner.device, self.runner.dtype)
+            seq.decoder_state = codec.init_state(1, self.runner.device)   # (the codec's own dtype)
         self.runner.prefill(seq.row, req.prompt, req.params)
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
@@ -133,7 +155,7 @@ class EngineWorker:
         key = self.primed.key(ref_codes) if self.primed is not None and self.primed.max_entries > 0 else None
         if key is not None and (cached := self.primed.get(key)) is not None:
             return cached.clone()
-        state = codec.init_state(1, self.runner.device, self.runner.dtype)
+        state = codec.init_state(1, self.runner.device)
         codec.decode_step(ref_codes.to(self.runner.device).T[None], state)
         if key is not None:
             self.primed.put(key, state.clone())
@@ -161,19 +183,23 @@ class EngineWorker:
 
     def _emit(self, ready: list[Sequence]) -> None:
         flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
-        groups: dict[int, list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
+        groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
         for s in ready:
             f = flags[o:o + len(s.pending)]
             o += len(s.pending)
             n = int(f.nonzero()[0, 0]) + 1 if bool(f.any()) else len(f)
             frames = torch.stack([c for c, _ in s.pending[:n]])          # [n, 16]
+            here = self.codec is None or not s.request.codes               # a first chunk: decoded here
             s.request.codes.extend(frames.cpu().unbind(0))
             s.finishing = bool(f.any())  # noqa
             s.pending = []
-            groups[n].append((s, frames))
+            groups[n, here].append((s, frames))
         codec = self.speech_tokenizer.decoder
-        for n, items in groups.items():
+        for (n, here), items in groups.items():
+            if not here:
+                self.codec.decode(items)
+                continue
             try:
                 states = [s.decoder_state for s, _ in items]
                 state = states[0] if len(states) == 1 else type(states[0]).concat(states)
@@ -201,8 +227,12 @@ class EngineWorker:
         while (move := self.scheduler.compact()) is not None:   # keep running rows dense (0..B-1)
             _, src, dst = move
             self.runner.move_row(src, dst)
-        seq.decoder_state = None
         seq.pending = []
+        if self.codec is not None:   # after the chunks still being decoded
+            seq.status = Status.FINISHED
+            self.codec.finish(seq, item)
+            return
+        seq.decoder_state = None
         seq.finish() if item is None else seq.finish(item)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:

@@ -1,0 +1,85 @@
+"""The codec decoder's dtype on a CPU (`tts_engine/codec/dtype_choice.py`): a bf16 model's decoder is timed in bf16
+and fp32 once per machine and the faster kept (remembered in the cache folder); fp32 models keep fp32; the
+TTS_CODEC_DTYPE override; an engine whose decoder dtype differs from the talker's still streams."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tts_engine import TTSEngine
+from tts_engine.codec import dtype_choice
+from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
+from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
+
+
+def _dec(dtype):
+    torch.manual_seed(0)
+    return CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"])).to(dtype).eval()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(dtype_choice.ENV, raising=False)
+    return tmp_path / "qwen3-tts-live" / "choices" / "codec_dtype.json"
+
+
+@pytest.mark.parametrize("t16, t32, want", [(1.0, 0.5, torch.float32), (1.0, 0.95, torch.bfloat16),
+                                            (0.5, 1.0, torch.bfloat16)])
+def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t32, want):
+    calls = []
+
+    def fake(dec, rounds=3):
+        calls.append(dec.pre_conv.conv.weight.dtype)
+        return t16 if dec.pre_conv.conv.weight.dtype == torch.bfloat16 else t32
+
+    monkeypatch.setattr(dtype_choice, "time_decoder", fake)
+    dec = _dec(torch.bfloat16)
+    got = dtype_choice.choose(dec)
+    assert got.pre_conv.conv.weight.dtype == want and (got is dec) == (want == torch.bfloat16)
+    assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 4        # warm-up + 3 interleaved
+    saved = json.loads(cache.read_text())[dtype_choice.machine_key(dec)]
+    assert saved["dtype"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
+    # the next load reads the choice instead of measuring
+    monkeypatch.setattr(dtype_choice, "time_decoder", lambda *a, **k: pytest.fail("measured again"))
+    again = dtype_choice.choose(_dec(torch.bfloat16))
+    assert again.pre_conv.conv.weight.dtype == want
+    if want == torch.float32:   # the copy decodes like the original up to bf16 rounding
+        codes = torch.randint(0, 2048, (1, 16, 3), generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            a, b = dec(codes).float(), got(codes)
+        assert b.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 0.1
+
+
+def test_fp32_models_and_the_override(cache, monkeypatch):
+    monkeypatch.setattr(dtype_choice, "time_decoder", lambda *a, **k: pytest.fail("fp32 decoders are not timed"))
+    d32 = _dec(torch.float32)
+    assert dtype_choice.choose(d32) is d32                                  # exact path untouched
+    monkeypatch.setenv(dtype_choice.ENV, "bf16")
+    d16 = _dec(torch.bfloat16)
+    assert dtype_choice.choose(d16) is d16
+    monkeypatch.setenv(dtype_choice.ENV, "fp32")
+    assert dtype_choice.choose(d16).pre_conv.conv.weight.dtype == torch.float32
+    monkeypatch.setenv(dtype_choice.ENV, "fp64")
+    with pytest.raises(ValueError, match=dtype_choice.ENV):
+        dtype_choice.choose(d16)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_streams_with_a_decoder_dtype_unlike_the_talkers(cache, monkeypatch, tmp_path, overlap):
+    monkeypatch.setenv(dtype_choice.ENV, "fp32")
+    folder = make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0)
+    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="bf16", overlap_codec=overlap)
+    try:
+        assert eng.model.dtype == torch.bfloat16
+        assert eng.model.speech_tokenizer.decoder.pre_conv.conv.weight.dtype == torch.float32
+        s = eng.stream("Hello there.", voice="ryan", seed=1, max_new_tokens=10, first_chunk_frames=1)
+        chunks = list(s)
+        assert len(s.codes) > 0 and sum(len(c) for c in chunks) == len(s.codes) * 1920
+        assert all(c.dtype == np.float32 and np.isfinite(c).all() for c in chunks)
+    finally:
+        eng.close()

@@ -1,0 +1,131 @@
+"""The codec decode overlapped with generation (`TTSEngine(overlap_codec=True)`, `engine/codec_thread.py`): the
+same audio as the serial path, chunks in order under concurrent requests, a codec failure fails its request only,
+and Stop still frees the row at once."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tts_engine import TTSEngine, TTSError
+from tts_engine.tiny import make_tiny
+
+TEXT = "Hello there, this is a test of the overlapped codec."
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("overlap") / "cv", kind="custom_voice", size="0b6", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(folder):
+    serial = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=False)
+    overlap = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=True)
+    yield serial, overlap
+    serial.close()
+    overlap.close()
+
+
+def _run(engine, seed, text=TEXT, frames=20, first=1, **kw):
+    s = engine.stream(text, voice="ryan", seed=seed, max_new_tokens=frames, first_chunk_frames=first, **kw)
+    chunks = list(s)
+    return chunks, s.codes
+
+
+def test_overlapped_decode_gives_the_serial_audio(engines):
+    serial, overlap = engines
+    assert serial.worker.codec is None and overlap.worker.codec is not None
+    before = overlap.worker.codec.decoded_chunks
+    for kw in (dict(seed=5), dict(seed=6, greedy=True)):
+        chunks_s, codes_s = _run(serial, **kw)
+        chunks_o, codes_o = _run(overlap, **kw)
+        assert len(codes_o) > 8 and torch.equal(codes_s, codes_o)
+        assert [len(c) for c in chunks_o] == [len(c) for c in chunks_s]     # 1, 2, 4, 8, ... frames
+        np.testing.assert_allclose(np.concatenate(chunks_o), np.concatenate(chunks_s), atol=1e-5)
+    assert overlap.worker.codec.decoded_chunks > before                     # the later chunks went there
+
+
+def test_order_kept_for_concurrent_requests(engines):
+    serial, overlap = engines
+    texts = [TEXT, "A second sentence, generated alongside the first one.", "And a third, shorter one."]
+    alone = [_run(serial, 10 + i, t, frames=24) for i, t in enumerate(texts)]
+    got = [None] * 3
+
+    def client(i):
+        got[i] = _run(overlap, 10 + i, texts[i], frames=24)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
+        assert torch.equal(codes_a, codes_g)
+        assert [len(c) for c in chunks_g] == [len(c) for c in chunks_a]
+        np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-4)
+
+
+def test_a_codec_failure_fails_that_request_only(engines, monkeypatch):
+    serial, overlap = engines
+    want_b = _run(serial, 21, "The other request, which must not notice.", frames=24, first=3)
+    dec = overlap.model.speech_tokenizer.decoder
+    real = dec.decode_step
+
+    def flaky(codes, state):   # request A's third chunk (4 frames) fails on the codec thread; B never has 4
+        if codes.shape[-1] == 4 and threading.current_thread().name == "tts-codec":
+            raise RuntimeError("codec exploded")
+        return real(codes, state)
+
+    monkeypatch.setattr(dec, "decode_step", flaky)
+    a = overlap.stream(TEXT, voice="ryan", seed=20, max_new_tokens=40, first_chunk_frames=1)   # 1, 2, 4, ...
+    b = overlap.stream("The other request, which must not notice.", voice="ryan", seed=21, max_new_tokens=24,
+                       first_chunk_frames=3)                                                    # 3, 6, 12, ...
+    got_a, err = [], None
+    try:
+        for c in a:
+            got_a.append(len(c) // 1920)
+    except TTSError as e:
+        err = e
+    chunks_b = list(b)
+    assert err is not None and "synthesis failed" in str(err)
+    assert got_a == [1, 2]                                   # the chunks before the failure, in order
+    assert torch.equal(b.codes, want_b[1])
+    np.testing.assert_allclose(np.concatenate(chunks_b), np.concatenate(want_b[0]), atol=1e-4)
+    monkeypatch.setattr(dec, "decode_step", real)
+    assert overlap.worker.codec.drain(30)
+    assert overlap.scheduler.idle() and sorted(overlap.scheduler.free_rows) == [0, 1, 2]
+    chunks, codes = _run(overlap, 5)                         # the engine keeps serving
+    assert sum(len(c) for c in chunks) == len(codes) * 1920
+
+
+def test_stop_frees_the_row_and_ends_the_stream(engines):
+    _, overlap = engines
+    s = overlap.stream(TEXT, voice="ryan", seed=3, max_new_tokens=400, first_chunk_frames=1)
+    first = next(s)
+    second = next(s)                                         # decoded on the codec thread
+    assert len(first) == 1920 and len(second) == 2 * 1920
+    s.cancel()
+    rest = list(s)                                           # ends (END after any chunk already decoded)
+    assert len(rest) <= 3
+    assert overlap.worker.codec.drain(30)
+    for _ in range(100):
+        if overlap.scheduler.idle():
+            break
+        threading.Event().wait(0.05)
+    assert overlap.scheduler.idle() and len(s.codes) < 400
+    chunks, codes = _run(overlap, 4)
+    assert len(codes) > 0 and sum(len(c) for c in chunks) == len(codes) * 1920
+
+
+def test_caller_driven_engine_turns_the_overlap_off(folder):
+    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", overlap_codec=True)
+    try:
+        eng.drive_in_caller()
+        assert eng.worker.codec is None
+        chunks, codes = _run(eng, 2, frames=8)
+        assert sum(len(c) for c in chunks) == len(codes) * 1920
+    finally:
+        eng.close()

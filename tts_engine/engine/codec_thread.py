@@ -1,0 +1,161 @@
+"""The codec decode of emitted chunks on its own thread, overlapped with the generation of the next frames.
+
+On a CPU the speech-tokenizer decoder is compute bound (its convolutions) while the per-frame generation reads
+weights and is memory bound, so the two can share a few cores: the worker thread hands a chunk's codes to this
+thread and goes on generating; this thread decodes the chunks one after another, in the order they were handed
+over (so each sequence's chunks stay in order and its decoder state advances chunk by chunk), and puts the audio
+on the sequences' output queues.
+
+What the worker must route through here while it is on, so that nothing overtakes a chunk still being decoded:
+a sequence's end (`finish`: the error or end-of-stream marker goes on its queue after its last audio). A decode
+that raises fails the sequences of that decode only: their `codec_error` is set, the worker sees it at the next
+frame boundary and ends them (freeing their rows), and their stream reads the error. Cancelled or failed
+sequences' chunks are skipped.
+
+`threads`: intra-op threads of this thread's torch ops (each thread that calls torch ops has its own OpenMP team;
+torch.set_num_threads in a thread sets that thread's team and the process default that later threads start
+with, so the default is put back right after).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+
+import numpy as np
+import torch
+
+log = logging.getLogger("tts_engine")
+
+_STOP = object()
+
+
+class CodecThread:
+    def __init__(self, decoder_of, threads: int | None = 1, on_error=None):
+        """decoder_of: () -> the CodecDecoder (read on the thread, so a lazily loaded decoder loads there once);
+        threads: intra-op threads for this thread's ops (None: the process default); on_error(seq, exc): turns
+        an exception into what the request's reader gets (the worker's `_user_error`)."""
+        self._decoder_of = decoder_of
+        self.threads = threads
+        self._on_error = on_error or (lambda seq, e: e)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self.wake = None            # threading.Event of the worker, set after a decode failed (set by the worker)
+        self.decoded_chunks = 0     # decodes done on this thread (tests, benchmarks)
+
+    # --- the worker's side ---------------------------------------------------------------------------------
+    def decode(self, items: list) -> None:
+        """Decode [(seq, frames [n, 16])] (all with the same n) as one batch, then put each row's audio on its
+        sequence's queue."""
+        self._put(("decode", items))
+
+    def finish(self, seq, item) -> None:
+        """`seq.finish(item)` (or its codec error) once every chunk handed over before has been decoded."""
+        self._put(("finish", seq, item))
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job handed over so far is done; False on timeout."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Run the jobs handed over so far, then stop the thread."""
+        t = self._thread
+        if t is not None and t.is_alive():
+            self._jobs.put(_STOP)
+            t.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _put(self, job) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._idle.clear()
+            if self._thread is None or not self._thread.is_alive():
+                started = threading.Event()
+                self._thread = threading.Thread(target=self._loop, args=(started,), name="tts-codec", daemon=True)
+                self._thread.start()
+                started.wait()
+        self._jobs.put(job)
+
+    # --- this thread ---------------------------------------------------------------------------------------
+    def _own_threads(self) -> None:
+        if self.threads is None:
+            return
+        default = torch.get_num_threads()   # (also initialises this thread's team from the process default)
+        torch.set_num_threads(max(1, int(self.threads)))
+        # torch.set_num_threads also changed the default of threads started later; put it back without touching
+        # this thread's team (which is now initialised, so it keeps its own size)
+        _restore_default_threads(default)
+
+    def _loop(self, started: threading.Event) -> None:
+        try:
+            self._own_threads()
+        except Exception:   # never fatal: the thread just runs with the default team
+            log.warning("codec thread: could not set its threads:\n%s", traceback.format_exc())
+        started.set()
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                self._done()
+                return
+            try:
+                with torch.inference_mode():
+                    if job[0] == "decode":
+                        self._decode(job[1])
+                    else:
+                        self._finish(job[1], job[2])
+            except Exception:   # a bug here must not kill the thread (the requests got their error in _decode)
+                log.error("codec thread job failed:\n%s", traceback.format_exc())
+            finally:
+                self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight <= 0:
+                self._in_flight = 0
+                self._idle.set()
+
+    def _decode(self, items: list) -> None:
+        items = [(s, f) for s, f in items if s.codec_error is None and not s.cancelled.is_set()
+                 and s.decoder_state is not None]
+        if not items:
+            return
+        try:
+            codec = self._decoder_of()
+            states = [s.decoder_state for s, _ in items]
+            state = states[0] if len(states) == 1 else type(states[0]).concat(states)
+            wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
+            audio = wav.float().cpu().numpy()
+            for i, (s, _) in enumerate(items):
+                s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
+                s.out.put(np.ascontiguousarray(audio[i]))
+            self.decoded_chunks += 1
+        except Exception as e:
+            log.error("codec decode failed for request(s) %s: %s", [s.id for s, _ in items], e)
+            for s, _ in items:
+                s.codec_error = self._on_error(s, e)
+            if self.wake is not None:
+                self.wake.set()
+
+    def _finish(self, seq, item) -> None:
+        seq.decoder_state = None
+        if item is None and seq.codec_error is not None:
+            item = seq.codec_error
+        seq.finish() if item is None else seq.finish(item)
+
+
+def _restore_default_threads(n: int) -> None:
+    """Set the process default of intra-op threads (what threads started later begin with) back to `n` from a
+    short-lived helper thread, so the calling thread keeps its own team size."""
+    t = threading.Thread(target=torch.set_num_threads, args=(n,), daemon=True)
+    t.start()
+    t.join()
