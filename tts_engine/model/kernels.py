@@ -12,8 +12,9 @@ How a shape is timed (DRAM-realistic, robust to a busy machine): weights of that
 buffer larger than the last-level cache (ROTATE_MIN_BYTES, or 3x the L3 where it is larger), visited in order, so
 every call reads its weight from memory as in a running model (and, for 1-2 rows of bf16, with oneDNN off as
 `ModelRunner` runs them); each call is timed alone, each weight's fastest
-call over ROUNDS interleaved rounds counts (a call that waited for a descheduled thread does not), and the median
-over the weights is the candidate's time (includes everything the layer does per call: for W8A8 quantising the
+call over ROUNDS rounds counts (a call that waited for a descheduled thread does not; candidates interleaved call
+by call, each on a weight it has not read for a whole round), and the lower quartile over the weights is the
+candidate's time (includes everything the layer does per call: for W8A8 quantising the
 activation and scaling the result). A candidate that raises is left out (logged); if all do, the format's default
 stands. `TTS_KERNEL_TUNE=0` measures nothing and uses the defaults.
 
@@ -54,7 +55,9 @@ MAX_DECODE_ROWS = 16                # more rows than this is a prompt prefill: n
 ROTATE_MIN_BYTES = 96 << 20         # weights visited per timing: more than most L3s (3x the L3 where larger)
 ROTATE_MAX_BYTES = 384 << 20
 MAX_COPIES = 256
-ROUNDS = 3
+ROUNDS = 3                          # rounds over the weights (twice as many when the machine is busy)
+MIN_COPIES = 8                      # weights per timing at least (the scratch buffer grows for big shapes)
+BUSY_LOAD = 1.5                     # load average per core above which a timing takes twice the rounds
 INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an import cycle; test checks they agree)
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
           "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "bf16", "i8mm")
@@ -248,7 +251,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     wbytes = int(N * K * f.bytes_per_weight)
     if buf is None:
         buf = scratch_buffer()
-    copies = max(2, min(MAX_COPIES, buf.numel() // max(1, wbytes)))
+    copies = max(MIN_COPIES, min(MAX_COPIES, buf.numel() // max(1, wbytes)))
     if buf.numel() < wbytes * copies:
         buf = torch.full((wbytes * copies,), 0x3C, dtype=torch.uint8)
     weights = [f.weights(buf[i * wbytes:(i + 1) * wbytes], N, K) for i in range(copies)]
@@ -263,20 +266,22 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
             ok[name] = fn
         except Exception as e:  # a kernel this CPU or build cannot run
             log.info("kernel %s/%s left out at %dx%d: %s", fmt, name, N, K, f"{type(e).__name__}: {e}"[:200])
-    best = {name: [float("inf")] * copies for name in ok}
+    names = list(ok)
+    best = {name: [float("inf")] * copies for name in names}
+    busy = load_average() / (os.cpu_count() or 1) > BUSY_LOAD
     clock = time.perf_counter
     with torch.inference_mode(), (onednn_off() if rows <= 2 and f.act_dtype == torch.bfloat16
                                   else contextlib.nullcontext()):
-        for _ in range(ROUNDS):
-            for name, fn in ok.items():
-                b = best[name]
-                for i, w in enumerate(weights):
+        for _ in range(ROUNDS * (2 if busy else 1)):
+            for i in range(copies):
+                for j, name in enumerate(names):   # candidates interleaved, each on a weight not read lately
+                    k = (i + j * copies // len(names)) % copies
                     t0 = clock()
-                    fn(x, *w)
+                    ok[name](x, *weights[k])
                     dt = clock() - t0
-                    if dt < b[i]:
-                        b[i] = dt
-    return {name: sorted(b)[len(b) // 2] for name, b in best.items()}
+                    if dt < best[name][k]:
+                        best[name][k] = dt
+    return {name: sorted(b)[len(b) // 4] for name, b in best.items()}
 
 
 def scratch_buffer() -> torch.Tensor:

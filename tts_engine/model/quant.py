@@ -38,7 +38,7 @@ from torch import nn
 from ..errors import TTSError
 from . import kernels
 
-QUANT_MODES = ("int8", "w8a8", "int4")   # every lossy mode, in one place (app, CLI, bench and auto enumerate it)
+QUANT_MODES = ("int8", "int4", "w8a8")   # every lossy mode, in one place (app, CLI, bench and auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
 INT4_INNER_K_TILES = 8   # packing layout of the CPU int4 kernel
 MATMUL_DTYPE = torch.bfloat16
