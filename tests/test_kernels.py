@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tts_engine.model import auto_precision, kernels, quant
@@ -181,9 +180,8 @@ def test_auto_picks_the_fastest_mode_of_acceptable_quality(cache, tmp_path, monk
 def test_auto_measures_on_a_fresh_machine_and_says_why(cache, monkeypatch):
     """With an empty table, pick() measures the shapes it needs once (tiny shapes here), saves them, and the
     second pick reads them back."""
-    from tts_engine.tiny import tiny_config
-
     from tts_engine.config import TalkerConfig
+    from tts_engine.tiny import tiny_config
 
     ids = dict.fromkeys(("im_start_token_id", "im_end_token_id", "tts_pad_token_id", "tts_bos_token_id",
                          "tts_eos_token_id", "text_vocab_size"), 0)
