@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from tts_engine import TTSError
+from tts_engine.model.quant import QUANT_MODES
 from ui.config import DEFAULT_CHECKPOINTS, ENV, ROLE_LABEL, ROLES, AppConfig
 from ui.app import TTSApp
 from ui.server import create_server
@@ -55,10 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("voice_design", "--voice-design-model")):
         p.add_argument(flag, dest=role, default=env(ENV[role], DEFAULT_CHECKPOINTS[role]),
                        help=f"{ROLE_LABEL[role]} checkpoint: hub id or local folder; empty to disable [{ENV[role]}]")
-    p.add_argument("--quantize", default=env("TTS_QUANTIZE", "auto"), choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantised talker and code predictor on a CPU (lossy, faster; labelled on the "
-                        "page and in the API). auto: int8 where the CPU has native bf16, else none; none: the "
-                        "checkpoint's weights [TTS_QUANTIZE]")
+    p.add_argument("--quantize", default=env("TTS_QUANTIZE", "auto"), choices=["auto", "none", *QUANT_MODES],
+                   help="quantised talker and code predictor on a CPU (lossy, faster; labelled on the page and in "
+                        "the API): int8 / int4 weights, w8a8 int8 weights x int8 activations. auto: the fastest "
+                        "mode measured on this CPU whose quality against fp32 is acceptable (the page's footer "
+                        "says which and why; none when a dtype is given); none: the checkpoint's weights "
+                        "[TTS_QUANTIZE]")
     p.add_argument("--eager", action="store_true", default=_env_bool("TTS_EAGER"),
                    help="no CUDA graphs on a GPU (the eager per-frame step) [TTS_EAGER]")
     p.add_argument("--backend", default=env("TTS_BACKEND"),

@@ -69,6 +69,8 @@ def official(run_oracle, tmp_path_factory):
 # Tests that load a checkpoint without a dtype get fp32 on every machine (the engine's CPU default is bf16 where
 # the CPU has native bf16; tests/test_cpu_dtype.py checks that choice with a mocked capability).
 os.environ.setdefault("TTS_CPU_DTYPE", "fp32")
+# Tests do not time matmul kernels into the user's cache folder (tests/test_kernels.py turns it on in a temporary one).
+os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """A lossy mode is labelled wherever it is in use: the app's footer and status line, the speech API's
 /v1/audio/voices and its X-TTS-Precision header; `--quantize` / `--eager` reach the engines; the CPU default
-(`quantize="auto"`) is int8 only where bf16 is native and the engine chose the dtype."""
+(`quantize="auto"`) is the fastest acceptable mode measured on the CPU, only where the engine chose the dtype, and
+the footer says which and why."""
 from __future__ import annotations
 
 import httpx
@@ -22,14 +23,48 @@ def cv(tmp_path_factory):
     return str(make_tiny(tmp_path_factory.mktemp("prec") / "cv", kind="custom_voice", size="0b6", seed=0))
 
 
-def test_the_cpu_default_follows_native_bf16(monkeypatch):
+def test_the_cpu_default_follows_native_bf16_and_the_measured_pick(monkeypatch):
+    """auto: the mode `auto_precision.pick` measured fastest among the acceptable ones, on the dtype the engine
+    chose; an explicit dtype (argument or TTS_CPU_DTYPE) keeps the checkpoint's weights without measuring."""
+    from tts_engine.model import auto_precision
+
+    asked = []
+    monkeypatch.setattr(auto_precision, "pick", lambda dense, cfg=None, folder=None, table=None:
+                        asked.append(dense) or ("w8a8", "fastest measured here"))
     monkeypatch.setenv("TTS_CPU_DTYPE", "auto")
     monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: True)
-    assert expected_precision("cpu", None, "auto") == "int8 weights (bf16 activations)"
+    assert expected_precision("cpu", None, "auto") == "int8 weights x int8 activations"
+    assert qwen3_tts.expected_choice("cpu", None, "auto") == ("int8 weights x int8 activations",
+                                                              "fastest measured here")
+    assert asked == [torch.bfloat16, torch.bfloat16]
     assert expected_precision("cpu", "fp32", "auto") == "fp32"          # an explicit dtype: exact weights
     assert expected_precision("cpu", None, None) == "bf16"
     monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: False)
+    assert expected_precision("cpu", None, "auto") == "int8 weights x int8 activations (fp32 elsewhere)"
+    assert asked[-1] == torch.float32                                   # fp32 dense is what it is compared with
+    monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: (None, "fp32 fastest here"))
     assert expected_precision("cpu", None, "auto") == "fp32"
+    monkeypatch.setenv("TTS_CPU_DTYPE", "bf16")
+    monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: pytest.fail("a forced dtype measures nothing"))
+    assert qwen3_tts.expected_choice("cpu", None, "auto")[0] == "bf16"
+
+
+def test_the_footer_says_which_mode_auto_chose_and_why(cv, tmp_path, monkeypatch):
+    from tts_engine.model import auto_precision
+
+    monkeypatch.setenv("TTS_CPU_DTYPE", "auto")
+    monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: ("w8a8", "fastest measured here (w8a8 9 ms)"))
+    cfg = AppConfig(checkpoints={"custom_voice": cv, "base": "", "voice_design": ""}, device="cpu",
+                    cache_dir=tmp_path, limits=Limits(max_new_tokens=12), quantize="auto")
+    a = TTSApp(cfg)
+    try:
+        demo = a.build()
+        footer = next(b for b in demo.blocks.values() if "precision:" in str(getattr(b, "value", "")))
+        assert "int8 weights x int8 activations" in footer.value and "lossy" in footer.value
+        assert "chosen by `--quantize auto`: fastest measured here (w8a8 9 ms)" in footer.value
+    finally:
+        a.close()
 
 
 def test_flags_reach_the_engines(monkeypatch):

@@ -26,6 +26,7 @@ import torch
 
 from .engine.engine import TTSEngine
 from .engine.model_runner import aten_bf16_gemv
+from .model.quant import QUANT_MODES
 from .tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager per-frame step)")
     p.add_argument("--check", action="store_true", help="does the fast path work here? graphs vs eager greedy "
                    "codes at batch 1 and 4 (identical), then the one-stream speed; exit status 1 on a mismatch")
-    p.add_argument("--quantize", choices=["int8", "int4", "auto"], help="weight-only quantised talker and code predictor")
+    p.add_argument("--quantize", choices=[*QUANT_MODES, "auto"], help="quantised talker and code predictor "
+                   "(int8 / int4 weights, w8a8 int8 weights x int8 activations; auto: the fastest acceptable here)")
     p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
                    "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over frames at one stream, "
@@ -311,6 +313,8 @@ def main(argv=None) -> int:
     dev = device_name(device)
     what = a.model or f"random-weight {arch} architecture"
     precision = engine.precision + (" (lossy)" if engine.lossy else "")
+    if getattr(engine.model, "quantize_why", ""):
+        precision += f" (`--quantize auto`: {engine.model.quantize_why})"
     lines = [f"Device: **{dev}**. Model: {what}, {precision}. {frames} frames ({frames * 0.08:.1f} s of audio) per "
              f"request, end-of-speech disabled, first chunk after {a.first_chunk} frames. Load {load_s:.1f} s. "
              f"Resident memory after load and a first synthesis: {mem_synth}"

@@ -162,3 +162,44 @@ def measure(ref: Reference, talker, tts_pad: torch.Tensor, label: str) -> Qualit
     with decode_kernels_only():
         trace = teacher_forced(talker, tts_pad, ref.prompts, ref.codes)
     return compare(ref.trace, trace, label)
+
+
+def main(argv=None) -> int:
+    """`python -m tts_engine.quality --model DIR`: plain bf16 and every lossy mode against fp32 on this machine
+    (teacher forcing), printed as a table and recorded under the cache folder for quantize="auto"."""
+    import argparse
+
+    from .model import auto_precision
+    from .model.quant import QUANT_MODES
+    from .model.qwen3_tts import Qwen3TTSModel
+
+    p = argparse.ArgumentParser(prog="python -m tts_engine.quality", description=main.__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--modes", default=",".join(QUANT_MODES), help="comma list of lossy modes")
+    p.add_argument("--frames", type=int, default=100, help="teacher-forced frames in all (shared by the prompts)")
+    p.add_argument("--rows", type=int, default=4, help="prompts")
+    p.add_argument("--dtype", default="bf16", help="activation dtype of the lossy engines")
+    a = p.parse_args(argv)
+    ref_model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype="fp32")
+    ref = reference_run(ref_model, rows=a.rows, frames=max(1, a.frames // a.rows))
+    tts_pad = ref_model.prompts.tts_pad
+    del ref_model
+    reports = []
+    for mode in [None] + [m.strip() for m in a.modes.split(",") if m.strip()]:
+        model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype=a.dtype, quantize=mode)
+        rep = measure(ref, model.talker, tts_pad, model.precision)
+        del model
+        reports.append(rep)
+        if mode is not None:
+            auto_precision.record_quality(a.model, mode, rep.as_dict())
+            ok = "acceptable" if auto_precision.acceptable(rep.as_dict()) else "NOT acceptable"
+            print(f"{rep.label}: {ok} for quantize=auto (every cosine >= {min(auto_precision.MIN_COS.values())})",
+                  flush=True)
+    print(QualityReport.table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

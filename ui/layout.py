@@ -114,6 +114,9 @@ def _footer(models) -> str:
         lossy = "weights" in precision   # a quantised label names the weights' format
         rows.append(f"precision: **{precision}**" + (" (lossy: quantised weights; `--quantize none` for the "
                                                      "checkpoint's own)" if lossy else ""))
+        why = models.expected_choice()[1] if hasattr(models, "expected_choice") else ""
+        if why:
+            rows.append(f"chosen by `--quantize auto`: {why}")
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
             "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")

@@ -156,9 +156,18 @@ class Models:
         """What local engines compute with (before any is loaded); None against a remote server."""
         if self.cfg.backend:
             return None
-        from tts_engine.model.qwen3_tts import expected_precision
+        return self.expected_choice()[0]
 
-        return expected_precision(self.cfg.device, self.cfg.dtype, self.cfg.quantize)
+    def expected_choice(self) -> tuple[str | None, str]:
+        """(precision label, why): why says what `--quantize auto` measured and chose ("" otherwise)."""
+        if self.cfg.backend:
+            return None, ""
+        if getattr(self, "_expected", None) is None:
+            from tts_engine.model.qwen3_tts import expected_choice
+
+            folder = next((i.folder for i in self.roles.values()), None)
+            self._expected = expected_choice(self.cfg.device, self.cfg.dtype, self.cfg.quantize, folder)
+        return self._expected
 
     def has(self, role: str) -> bool:
         return role in self.roles

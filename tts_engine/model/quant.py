@@ -13,7 +13,13 @@ Modes:
           Matmul: `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scale_and_zero)`, weights packed
           once by `torch.ops.aten._convert_weight_to_int4pack_for_cpu`.
 
-Both kernels are vectorised for bf16 activations only (measured on a 2-core Zen 4 with one input row: fp32
+  "w8a8"  the int8 weights of "int8" (per output channel) and int8 activations: each input row rounded to int8 on
+          its own absmax grid per call (a row's result never depends on the rest of the batch), int32 (or fp32)
+          sums, both scales applied after. The kernel (`torch._int_mm` on the transposed view of [N, K], or the
+          weight-only int8 kernel fed the int8 activation) is chosen per shape by measuring both on the CPU at
+          hand (`kernels.KernelTable`, remembered per machine in the cache folder).
+
+The weight-only kernels are vectorised for bf16 activations only (measured on a 2-core Zen 4 with one input row: fp32
 activations read 1.5-2 GB/s of weight, bf16 activations 13-35 GB/s), so the quantised matmuls take bf16
 inputs (MATMUL_DTYPE) whatever the engine's activation dtype, and give back that dtype: the rest of the
 model (norms, attention, residual stream, KV caches) keeps the engine's dtype.
@@ -30,8 +36,9 @@ import torch
 from torch import nn
 
 from ..errors import TTSError
+from . import kernels
 
-QUANT_MODES = ("int8", "int4")
+QUANT_MODES = ("int8", "int4", "w8a8")   # every lossy mode, in one place (app, CLI, bench and auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
 INT4_INNER_K_TILES = 8   # packing layout of the CPU int4 kernel
 MATMUL_DTYPE = torch.bfloat16
@@ -58,6 +65,8 @@ def parse_quantize(quantize) -> str | None:
     q = str(quantize).strip().lower()
     if q in ("", "none", "off", "no"):
         return None
+    if q == "auto":
+        raise TTSError("quantize='auto' is resolved by Qwen3TTSModel.from_pretrained / TTSEngine.from_pretrained")
     if q not in QUANT_MODES:
         raise TTSError(f"unknown quantize mode {quantize!r}; use one of: {', '.join(QUANT_MODES)} "
                        "(or leave it unset for the checkpoint's own weights)")
@@ -93,6 +102,48 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class W8A8Linear(nn.Module):
+    """int8 weights x int8 activations: y = (xq @ q.T) * amax_row * scale[n] / 127 (+ bias).
+    q [N, K] int8 and scale [N] as in Int8Linear; the activation is rounded per row per call
+    (`kernels.quantize_rows`). The kernel of each row bucket is the one measured fastest here
+    (`kernels.KernelTable.choice`; its default where the table has no entry); prompt prefills (more than
+    kernels.MAX_DECODE_ROWS rows) take `torch._int_mm`, a GEMM with exact int32 sums."""
+
+    def __init__(self, linear: nn.Linear, table: "kernels.KernelTable | None" = None):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                        # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("scale127", scale / 127.0)                              # fp32 [N]
+        self.register_buffer("scale127_bf16", (scale / 127.0).to(torch.bfloat16))   # the int8pack kernel's scale
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        table = table or kernels.kernel_table()
+        self.kernel_names = {b: table.choice("w8a8", self.out_features, self.in_features, b)
+                             for b in kernels.ROW_BUCKETS}
+        cands = kernels.FORMATS["w8a8"].candidates
+        self._by_bucket = {b: cands[n] for b, n in self.kernel_names.items()}
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by [N, K] (fp32)."""
+        return self.qweight.float() * (self.scale127 * 127.0)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        if m > kernels.MAX_DECODE_ROWS and _dense_rows[0] < (1 << 62):
+            fn = kernels.w8a8_int_mm
+        else:
+            fn = self._by_bucket[kernels.row_bucket(m)]
+        y = fn(x2, self.qweight, self.scale127, self.scale127_bf16).to(dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights x int8 "
+                f"activations, kernels {self.kernel_names}")
 
 
 class Int4Linear(nn.Module):
@@ -144,6 +195,8 @@ def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> n
         return Int8Linear(linear)
     if mode == "int4":
         return Int4Linear(linear, group) if Int4Linear.supports(linear, group) else linear
+    if mode == "w8a8":
+        return W8A8Linear(linear)
     raise TTSError(f"unknown quantize mode {mode!r}")
 
 
@@ -182,10 +235,21 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     for layer in list(talker.model.layers) + list(cp.model.layers):
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()
+    if mode == "w8a8":   # time the kernels of every shape about to be built, once per machine (kernels.py)
+        kernels.kernel_table().ensure("w8a8", [(m.out_features, m.in_features) for m in frame_linears(talker)])
     n = quantize_module(talker.model.layers, mode, group) + quantize_module(cp.model.layers, mode, group)
     n += quantize_module(cp.lm_head, mode, group)
     n += _swap(talker, "codec_head", mode, group) + _swap(cp, "small_to_mtp_projection", mode, group)
     return n
+
+
+def frame_linears(talker: nn.Module) -> list[nn.Linear]:
+    """The dense nn.Linear layers `quantize_talker` swaps (after fusing): what a frame reads at one stream."""
+    cp = talker.code_predictor
+    roots = [talker.model.layers, cp.model.layers, cp.lm_head]
+    out = [m for r in roots for m in r.modules() if type(m) is nn.Linear]
+    out += [m for m in (talker.codec_head, cp.small_to_mtp_projection) if type(m) is nn.Linear]
+    return out
 
 
 def precision_label(dtype: torch.dtype, quantize: str | None) -> str:
@@ -195,6 +259,8 @@ def precision_label(dtype: torch.dtype, quantize: str | None) -> str:
     if quantize is None:
         return name
     mm = {torch.bfloat16: "bf16"}[MATMUL_DTYPE]
+    if quantize == "w8a8":
+        return "int8 weights x int8 activations" + ("" if name == mm else f" ({name} elsewhere)")
     if name == mm:
         return f"{quantize} weights ({mm} activations)"
     return f"{quantize} weights ({mm} matmuls, {name} elsewhere)"

@@ -74,23 +74,52 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return names[str(dtype).lower()]
 
 
-def resolve_quantize(quantize, device: torch.device, dtype: torch.dtype, dtype_given: bool) -> str | None:
-    """The weight quantisation an engine runs with. "auto" is the CPU default (docs/benchmarks.md): int8 weights
-    where bf16 matmuls are native and the dtype was left to the engine, else none; on a GPU always none."""
+def dtype_forced() -> bool:
+    """True when TTS_CPU_DTYPE names a dtype (the user chose it, as with an explicit dtype argument)."""
+    return os.environ.get(CPU_DTYPE_ENV, "auto").strip().lower() not in ("", "auto")
+
+
+def quantize_choice(quantize, device: torch.device, dtype: torch.dtype, dtype_given: bool, talker_cfg=None,
+                    folder: Path | None = None) -> tuple[str | None, str]:
+    """(the weight quantisation an engine runs with, why). "auto" (the app's CPU default): on a CPU whose dtype
+    the engine chose, the fastest mode measured here whose quality against fp32 is acceptable
+    (`auto_precision.pick`); with an explicit dtype (argument or TTS_CPU_DTYPE), or on a GPU, none."""
     if isinstance(quantize, str) and quantize.strip().lower() == "auto":
-        quantize = "int8" if device.type == "cpu" and dtype == torch.bfloat16 and not dtype_given else None
+        if device.type != "cpu":
+            return None, "a GPU: the checkpoint's weights"
+        if dtype_given or dtype_forced():
+            return None, "the dtype was given: the checkpoint's weights"
+        from . import auto_precision
+
+        return auto_precision.pick(dtype, talker_cfg, folder)
     quantize = parse_quantize(quantize)
     if quantize is not None and device.type != "cpu":
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
-    return quantize
+    return quantize, ""
 
 
-def expected_precision(device=None, dtype=None, quantize=None) -> str:
-    """The `precision` label an engine loaded with these arguments will report (nothing is loaded)."""
+def resolve_quantize(quantize, device: torch.device, dtype: torch.dtype, dtype_given: bool, talker_cfg=None,
+                     folder: Path | None = None) -> str | None:
+    """The weight quantisation an engine runs with (`quantize_choice` without the reason)."""
+    return quantize_choice(quantize, device, dtype, dtype_given, talker_cfg, folder)[0]
+
+
+def expected_precision(device=None, dtype=None, quantize=None, folder=None) -> str:
+    """The `precision` label an engine loaded with these arguments will report (nothing is loaded; with
+    quantize="auto" the kernel table is read or measured, and `folder`'s shapes and quality records are used)."""
+    return expected_choice(device, dtype, quantize, folder)[0]
+
+
+def expected_choice(device=None, dtype=None, quantize=None, folder=None) -> tuple[str, str]:
+    """(precision label, why) of an engine loaded with these arguments; why is "" unless quantize="auto"."""
     device = torch.device(device) if device is not None else default_device()
     chosen = parse_dtype(dtype) or default_dtype(device)
-    return precision_label(chosen, resolve_quantize(quantize, device, chosen, dtype_given=dtype is not None))
+    cfg = None
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        cfg = ModelConfig.from_dict(read_json(Path(folder) / "config.json")).talker
+    mode, why = quantize_choice(quantize, device, chosen, dtype is not None, cfg, folder)
+    return precision_label(chosen, mode), why
 
 
 class Qwen3TTSModel:
@@ -100,6 +129,7 @@ class Qwen3TTSModel:
         self.quantize = parse_quantize(quantize)
         self.device, self.dtype = device, dtype
         self.dtype_auto = False
+        self.quantize_why = ""   # why quantize="auto" chose this mode (from_pretrained), shown by the app
         self.config = ModelConfig.from_dict(read_json(folder / "config.json"))
         self.generation_defaults = SamplingParams.from_dict(read_json(folder / "generation_config.json"))
         self.tokenizer = TextTokenizer.from_pretrained(folder)
@@ -132,8 +162,11 @@ class Qwen3TTSModel:
                 log.info("tts_engine: %s weights and activations on this CPU (%s); dtype='fp32' forces fp32",
                          "bf16" if chosen == torch.bfloat16 else "fp32",
                          "native bf16: AVX-512 BF16 / AMX" if cpu_has_fast_bf16() else "no native bf16")
-        quantize = resolve_quantize(quantize, device, chosen, dtype_given=dtype is not None)
-        inst = cls(resolve_checkpoint(model), device, chosen, text_embedding_on_cpu, quantize)
+        folder = resolve_checkpoint(model)
+        talker_cfg = ModelConfig.from_dict(read_json(folder / "config.json")).talker
+        quantize, why = quantize_choice(quantize, device, chosen, dtype is not None, talker_cfg, folder)
+        inst = cls(folder, device, chosen, text_embedding_on_cpu, quantize)
+        inst.quantize_why = why
         inst.dtype_auto = dtype is None   # True when the engine chose the dtype (reported with model.dtype)
         return inst
 
