@@ -71,6 +71,9 @@ def official(run_oracle, tmp_path_factory):
 os.environ.setdefault("TTS_CPU_DTYPE", "fp32")
 # Tests do not time matmul kernels into the user's cache folder (tests/test_kernels.py turns it on in a temporary one).
 os.environ.setdefault("TTS_KERNEL_TUNE", "0")
+# Nor the codec decoder's dtype: a bf16 model keeps a bf16 decoder (tests/test_codec_dtype.py measures the choice in a
+# temporary cache folder). Timing a tiny decoder picks either dtype by noise.
+os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 
 
 @pytest.fixture(scope="session")
