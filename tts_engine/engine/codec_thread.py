@@ -31,6 +31,20 @@ log = logging.getLogger("tts_engine")
 _STOP = object()
 
 
+def decode_group(codec, items: list) -> None:
+    """Decode [(seq, frames [n, 16])] (all with the same n) as one batch through `codec.decode_step`, advance each
+    sequence's decoder state, and put each row's audio (float32 [n*1920]) on its sequence's output queue. Used by
+    the worker (first chunks, or every chunk when there is no codec thread) and by the codec thread. Raises what
+    the decode raises; the caller fails the group's sequences."""
+    states = [s.decoder_state for s, _ in items]
+    state = states[0] if len(states) == 1 else type(states[0]).concat(states)
+    wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
+    audio = wav.float().cpu().numpy()
+    for i, (s, _) in enumerate(items):
+        s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
+        s.out.put(np.ascontiguousarray(audio[i]))
+
+
 class CodecThread:
     def __init__(self, decoder_of, threads: int | None = 1, on_error=None):
         """decoder_of: () -> the CodecDecoder (read on the thread, so a lazily loaded decoder loads there once);
@@ -130,14 +144,7 @@ class CodecThread:
         if not items:
             return
         try:
-            codec = self._decoder_of()
-            states = [s.decoder_state for s, _ in items]
-            state = states[0] if len(states) == 1 else type(states[0]).concat(states)
-            wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
-            audio = wav.float().cpu().numpy()
-            for i, (s, _) in enumerate(items):
-                s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
-                s.out.put(np.ascontiguousarray(audio[i]))
+            decode_group(self._decoder_of(), items)
             self.decoded_chunks += 1
         except Exception as e:
             log.error("codec decode failed for request(s) %s: %s", [s.id for s, _ in items], e)

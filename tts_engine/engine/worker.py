@@ -20,11 +20,10 @@ import threading
 import traceback
 from collections import defaultdict
 
-import numpy as np
 import torch
 
 from ..errors import TTSError
-from .codec_thread import CodecThread
+from .codec_thread import CodecThread, decode_group
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
 
@@ -201,13 +200,7 @@ class EngineWorker:
                 self.codec.decode(items)
                 continue
             try:
-                states = [s.decoder_state for s, _ in items]
-                state = states[0] if len(states) == 1 else type(states[0]).concat(states)
-                wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
-                audio = wav.float().cpu().numpy()
-                for i, (s, _) in enumerate(items):
-                    s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
-                    s.out.put(np.ascontiguousarray(audio[i]))
+                decode_group(codec, items)
             except Exception as e:
                 for s, _ in items:
                     self._fail(s, e)
