@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine
-from tts_engine.codec import dtype_choice
+from tts_engine.codec import dtype_choice, speech_tokenizer
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
 
@@ -72,6 +72,9 @@ def test_fp32_models_and_the_override(cache, monkeypatch):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_engine_streams_with_a_decoder_dtype_unlike_the_talkers(cache, monkeypatch, tmp_path, overlap):
     monkeypatch.setenv(dtype_choice.ENV, "fp32")
+    # a registry of our own: the process-wide one shares a speech tokenizer (and its decoder, fp32 here) with every
+    # later engine on a checkpoint with the same codec weights
+    monkeypatch.setattr(speech_tokenizer, "_registry", {})
     folder = make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0)
     eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="bf16", overlap_codec=overlap)
     try:
