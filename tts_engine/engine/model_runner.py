@@ -24,6 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
+from ..model.kernels import onednn_off
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from ..model.talker import Talker
@@ -44,12 +45,8 @@ def aten_bf16_gemv(on: bool):
     if not on:
         yield
         return
-    prev = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
+    with onednn_off():
         yield
-    finally:
-        torch._C._set_mkldnn_enabled(prev)
 
 
 class ModelRunner:
