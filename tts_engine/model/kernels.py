@@ -45,6 +45,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_info
+
 log = logging.getLogger("tts_engine")
 
 TUNE_ENV = "TTS_KERNEL_TUNE"        # 0 / off / no: measure nothing, use each format's default
@@ -59,8 +61,6 @@ ROUNDS = 3                          # rounds over the weights (twice as many whe
 MIN_COPIES = 8                      # weights per timing at least (the scratch buffer grows for big shapes)
 BUSY_LOAD = 1.5                     # load average per core above which a timing takes twice the rounds
 INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an import cycle; test checks they agree)
-_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
-          "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "bf16", "i8mm")
 
 
 # --- the machine ----------------------------------------------------------------------------------------------
@@ -73,25 +73,7 @@ def cache_root() -> Path:
 
 def cpu_identity() -> dict:
     """CPU model name, vendor / family / model and the SIMD flags that decide kernel speed (/proc/cpuinfo)."""
-    info = {"model_name": "", "vendor": "", "family": "", "model": "", "flags": []}
-    keys = {"model name": "model_name", "vendor_id": "vendor", "cpu family": "family", "model": "model"}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break                                   # the first processor is enough
-                k, _, v = line.partition(":")
-                k, v = k.strip(), v.strip()
-                if k in keys:
-                    info[keys[k]] = v
-                elif k in ("flags", "Features"):
-                    have = set(v.split())
-                    info["flags"] = [fl for fl in _FLAGS if fl in have]
-    except OSError:
-        import platform
-
-        info["model_name"] = platform.processor() or platform.machine()
-    return info
+    return cpu_info.cache_key()
 
 
 def machine_key() -> dict:
