@@ -57,7 +57,7 @@ def main(argv=None) -> None:
                    help="write each run's chunk arrivals here (JSON, for tests/player_replay.js)")
     p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (so that the `with` block stops the servers and the browser)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (the `with` block stops servers and browser)
     roots = [r.resolve() for r in (a.root or [ROOT])]
     kinds = [k for k in a.kinds.split(",") if k]
     with contextlib.ExitStack() as stack:
