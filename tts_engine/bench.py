@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache_paths import cache_root
 from .cpu_info import cpu_info
 from .engine.engine import TTSEngine
 from .engine.model_runner import aten_bf16_gemv
@@ -40,7 +41,7 @@ def device_name(device: torch.device) -> str:
 
 
 def checkpoint_for(arch: str, dtype: torch.dtype, kind: str = "custom_voice") -> Path:
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "bench" / f"{arch}-{kind}"
+    folder = cache_root() / "bench" / f"{arch}-{kind}"
     if not (folder / "speech_tokenizer" / "model.safetensors").exists():
         print(f"writing a random {arch} {kind} checkpoint to {folder} ...", file=sys.stderr)
         make_tiny(folder, kind=kind, size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,

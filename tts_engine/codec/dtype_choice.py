@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_paths import cache_root
 from ..cpu_info import cpu_info
 
 log = logging.getLogger("tts_engine")
@@ -29,7 +30,7 @@ FP32_MARGIN = 0.9   # fp32 replaces bf16 only when it takes < 90 % of bf16's tim
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "choices" / "codec_dtype.json"
+    return cache_root() / "choices" / "codec_dtype.json"
 
 
 def machine_key(dec=None) -> str:

@@ -45,12 +45,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import cpu_info
+from .. import cache_paths, cpu_info
 
 log = logging.getLogger("tts_engine")
 
 TUNE_ENV = "TTS_KERNEL_TUNE"        # 0 / off / no: measure nothing, use each format's default
-CACHE_ENV = "TTS_CACHE_DIR"
+CACHE_ENV = cache_paths.ENV
 TABLE_VERSION = 1
 ROW_BUCKETS = (1, 4)                # a call with M rows uses bucket 1 for M <= 2, else 4
 MAX_DECODE_ROWS = 16                # more rows than this is a prompt prefill: not a per-frame call
@@ -65,10 +65,8 @@ INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an im
 
 # --- the machine ----------------------------------------------------------------------------------------------
 def cache_root() -> Path:
-    """The project's cache folder: $TTS_CACHE_DIR, else $XDG_CACHE_HOME/qwen3-tts-live (~/.cache/...)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live"
+    """The project's cache folder: $TTS_CACHE_DIR (the app's --cache-dir), else ~/.cache/qwen3-tts-live."""
+    return cache_paths.cache_root()
 
 
 def cpu_identity() -> dict:
