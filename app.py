@@ -23,7 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from tts_engine import TTSError
+from tts_engine import TTSError, cache_paths
 from tts_engine.model.quant import QUANT_MODES
 from ui.config import DEFAULT_CHECKPOINTS, ENV, ROLE_LABEL, ROLES, AppConfig
 from ui.app import TTSApp
@@ -73,8 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=not _env_bool("TTS_NO_OFFLINE_FALLBACK"),
                    help="fail instead of falling back to random tiny checkpoints when the hub cannot be reached "
                         "[TTS_NO_OFFLINE_FALLBACK]")
-    p.add_argument("--cache-dir", default=env("TTS_CACHE_DIR"), help="where tiny checkpoints and preset voices "
-                   "are cached (default ~/.cache/qwen3-tts-live) [TTS_CACHE_DIR]")
+    p.add_argument("--cache-dir", default=env(cache_paths.ENV),
+                   help="the cache folder: tiny checkpoints, preset and uploaded voices, the measured kernel table, "
+                        "dtype and quality choices, the compiled predictor (default ~/.cache/qwen3-tts-live) "
+                        "[TTS_CACHE_DIR]")
     p.add_argument("--concurrency", type=int, default=int(env("TTS_CONCURRENCY") or 0) or None,
                    help="generations running at once (default 16 on GPU, 4 on CPU) [TTS_CONCURRENCY]")
     p.add_argument("--preload", action="store_true", default=_env_bool("TTS_PRELOAD"),
@@ -101,6 +103,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if bool(a.ssl_certfile) != bool(a.ssl_keyfile):
         raise SystemExit("--ssl-certfile and --ssl-keyfile go together")
+    if a.cache_dir:
+        cache_paths.use(a.cache_dir)      # every cache of the engine, not only the app's own, follows --cache-dir
     try:
         app = TTSApp(config_from_args(a))
     except TTSError as e:

@@ -8,12 +8,12 @@ a tiny random checkpoint of the same kind, and `random_weights` says so (the UI 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from pathlib import Path
 
 from tts_engine import TTSEngine, TTSError
+from tts_engine.cache_paths import cache_root
 from tts_engine.voices.voice import Voice
 
 log = logging.getLogger("tts_server")
@@ -65,8 +65,7 @@ class EngineRegistry:
         self.checkpoints = {r: checkpoints.get(r) for r in ROLES}
         self.device, self.dtype = device, dtype
         self.offline_fallback = offline_fallback
-        self.cache_dir = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                              / "qwen3-tts-live" / "tiny")
+        self.cache_dir = Path(cache_dir or cache_root() / "tiny")
         self.engine_kw = engine_kw or {}
         self._engines: dict[str, TTSEngine] = {}
         self._locks = {r: threading.Lock() for r in ROLES}

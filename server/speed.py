@@ -1,18 +1,20 @@
 """`speed` for the speech API and the page: a pitch-preserving time stretch (the Rubber Band library, bundled in
-the wheels of Spotify's `pedalboard` and of `pylibrb`: no system package).
+the `pylibrb` wheel: no system package).
 
     python -m server.speed        # measure it on the preset clips: length ratio, pitch kept (pYIN), time taken
 
 Speed 2.0 halves the length and keeps the pitch; 0.5 doubles it. Whole responses are stretched by Rubber Band's
-offline mode, which sees the whole clip (`change_speed`). Streams go through Rubber Band's real-time mode
-(`StreamStretcher`, through `pylibrb`): one stretcher for the whole stream, fed chunk by chunk as they are
-generated, so there are no seams to hear; the first stretched audio leaves after 1-3 generated frames.
+offline mode, which studies the whole clip first (`change_speed`: the options of `pedalboard.time_stretch` with
+high quality and "mixed" transients, which it replaced; same samples up to float rounding). Streams go through
+Rubber Band's real-time mode (`StreamStretcher`): one stretcher for the whole stream, fed chunk by chunk as they
+are generated, so there are no seams to hear; the first stretched audio leaves after 1-3 generated frames.
 """
 from __future__ import annotations
 
 import numpy as np
 
 SPEED_MIN, SPEED_MAX = 0.25, 4.0
+STUDY_BLOCK = 2048          # samples per study() call of the offline stretch
 
 
 def change_speed(wav: np.ndarray, sr: int, speed: float) -> np.ndarray:
@@ -22,12 +24,31 @@ def change_speed(wav: np.ndarray, sr: int, speed: float) -> np.ndarray:
     wav = np.asarray(wav, dtype=np.float32)
     if abs(speed - 1.0) < 1e-6 or wav.size == 0:
         return wav
-    import pedalboard
+    import pylibrb
+    from pylibrb import Option
 
+    pylibrb.set_default_logging_level(0)
     # "mixed" transients: crisp consonant onsets without the phasiness "crisp" adds to sustained vowels
-    out = pedalboard.time_stretch(wav[None, :], float(sr), stretch_factor=float(speed), high_quality=True,
-                                  transient_mode="mixed")[0]
-    return np.clip(out, -1.0, 1.0).astype(np.float32, copy=False)
+    rb = pylibrb.RubberBandStretcher(
+        sample_rate=int(sr), channels=1, initial_time_ratio=1.0 / float(speed),
+        options=Option.PROCESS_OFFLINE | Option.THREADING_NEVER | Option.CHANNELS_TOGETHER | Option.PitchHighQuality
+        | Option.ENGINE_FINER | Option.TRANSIENTS_MIXED | Option.DETECTOR_COMPOUND | Option.FORMANT_PRESERVED)
+    x, n = wav[None, :], wav.size
+    rb.set_expected_input_duration(n)
+    for i in range(0, n, STUDY_BLOCK):                      # offline: Rubber Band sees the whole clip first
+        rb.study(np.ascontiguousarray(x[:, i:i + STUDY_BLOCK]), final=i + STUDY_BLOCK >= n)
+    rb.set_max_process_size(n)
+    block, out, i = rb.get_process_size_limit(), [], 0
+    while i < n or rb.available() > 0:
+        if i < n:
+            rb.process(np.ascontiguousarray(x[:, i:i + block]), final=i + block >= n)
+            i += block
+        if rb.available() > 0:
+            out.append(rb.retrieve(rb.available())[0])
+        elif i >= n:
+            break
+    y = np.concatenate(out) if out else np.zeros(0, np.float32)
+    return np.clip(y, -1.0, 1.0).astype(np.float32, copy=False)
 
 
 class StreamStretcher:
@@ -146,13 +167,13 @@ def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import platform
     from pathlib import Path
 
+    from tts_engine.cpu_info import cpu_info
+
     rows = measure(sorted((Path(__file__).resolve().parent.parent / "presets").glob("*.flac")))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
-    print(f"time stretch (Rubber Band: whole = pedalboard offline, stream = pylibrb real-time) on {cpu}")
+    cpu = cpu_info().name
+    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on {cpu}")
     print("| clip | speed | mode | length ratio (wanted) | median f0 | pitch change | time |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

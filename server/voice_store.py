@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tts_engine import TTSError
+from tts_engine.cache_paths import cache_root
 from tts_engine.voices.voice import Voice
 
 from .registry import check_name
@@ -60,12 +61,10 @@ class StoreLimits:
 
 
 def default_folder() -> Path:
-    """TTS_VOICES_DIR, else <cache>/qwen3-tts-live/voices (XDG_CACHE_HOME or ~/.cache)."""
+    """TTS_VOICES_DIR, else voices/ in the cache folder (TTS_CACHE_DIR, else ~/.cache/qwen3-tts-live)."""
     if d := os.environ.get("TTS_VOICES_DIR"):
         return Path(d).expanduser()
-    cache = os.environ.get("TTS_CACHE_DIR")
-    root = Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live"
-    return root / "voices"
+    return cache_root() / "voices"
 
 
 def _token_hash(token: str) -> str:

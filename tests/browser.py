@@ -5,6 +5,7 @@ a page opened as http://LAN_HOST:PORT/ is not a secure context: no AudioWorklet,
 same as the app opened over plain HTTP from another machine on the network."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -47,6 +48,16 @@ def chrome():
     return drv
 
 
+@contextlib.contextmanager
+def chrome_session():
+    """`chrome()`, quit on exit."""
+    drv = chrome()
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
 def wait(cond, timeout, what, step=0.03):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,6 +84,52 @@ def open_page(drv, url: str, button: str = "#preset-generate") -> None:
     wait(lambda: drv.find_elements(By.CSS_SELECTOR, button), 30, "the page to load")
     wait(lambda: drv.execute_script("return !!window.liveTTS && !!window.__gradio_session_hash__"), 30,
          "the live player to load")
+
+
+def status(drv) -> str:
+    """The app's status line (#status)."""
+    return drv.execute_script("const s = document.querySelector('#status'); return s ? s.innerText : '';")
+
+
+def set_text(drv, css: str, text: str, settle: float = 0.3) -> None:
+    """Type `text` into the textarea/input `css` as a user would (an input event), then let Gradio take it."""
+    box = drv.find_element("css selector", css)
+    drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input', "
+                       "{bubbles: true}))", box, text)
+    time.sleep(settle)
+
+
+def tab(drv, label: str) -> None:
+    """Show the app's tab whose button says `label`."""
+    for b in drv.find_elements("css selector", "button[role='tab']"):
+        if label in b.text:
+            b.click()
+            time.sleep(0.5)
+            return
+    raise AssertionError(f"no tab {label!r}")
+
+
+@contextlib.contextmanager
+def tiny_app(folder, max_new_tokens: int):
+    """The app on tiny random checkpoints (CustomVoice only; --tiny mode, so the page shows the random-weights
+    banner), weights loaded first, served as `python app.py` serves it (FastAPI + /v1 + the live route + Gradio) on
+    loopback. Yields (url, app)."""
+    from server.limits import Limits
+    from tests.serving import serve
+    from ui import AppConfig, TTSApp
+    from ui.server import create_server
+
+    app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=folder,
+                           checkpoints={"custom_voice": "x", "base": "", "voice_design": ""},
+                           limits=Limits(max_new_tokens=max_new_tokens)))
+    try:
+        app.preload()   # load the weights first: click -> sound then measures streaming, not model loading
+        demo = app.build()
+        demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
+        with serve(create_server(app, demo)) as url:
+            yield url, app
+    finally:
+        app.close()
 
 
 def click(drv, css: str) -> None:

@@ -15,18 +15,16 @@ the median of the next four, and the long text's rebuffers. `--json` keeps every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from tests import browser as B
+from tests.serving import app_process, wait_answering
+from tts_engine.cpu_info import cpu_info
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,25 +35,7 @@ def long_text() -> str:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def wait_answering(url: str, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url + "/", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic()
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"the server did not answer within {timeout} s")
+    return f"{cpu_info().name}, {os.cpu_count()} cores"
 
 
 def started_playing(m) -> float | None:
@@ -101,17 +81,12 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, default=None, help="write every run's metrics (the player's own) here")
     a = p.parse_args(argv)
 
-    url = f"http://127.0.0.1:{a.port}"
-    cache = tempfile.mkdtemp(prefix="click-to-sound-")
     t_start = time.monotonic()
-    srv = subprocess.Popen([sys.executable, str(a.root / "app.py"), "--tiny", "--host", "127.0.0.1",
-                            "--port", str(a.port), "--cache-dir", cache, *a.extra], cwd=a.root,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    drv = None
-    try:
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(app_process(a.root, a.port, a.extra, "click-to-sound-"))
         t_answer = wait_answering(url, 300)
         print(f"server answering {t_answer - t_start:.1f} s after start")
-        drv = B.chrome()
+        drv = stack.enter_context(B.chrome_session())
         B.open_page(drv, url + "/")
         state = drv.execute_script("return window.liveModels")
         print("models at page load:", state and state.get("summary"))
@@ -126,10 +101,7 @@ def main(argv=None) -> None:
             time.sleep(0.5)
         longs = []
         if a.long:
-            box = drv.find_element("css selector", "#preset-text textarea")
-            drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))",
-                               box, long_text())
-            time.sleep(0.5)
+            B.set_text(drv, "#preset-text textarea", long_text(), settle=0.5)
             for k in range(a.long):
                 m = B.play_once(drv, timeout=180)
                 longs.append(m)
@@ -147,14 +119,6 @@ def main(argv=None) -> None:
         if longs:
             print(f"long text: rebuffers {[m['underruns'] for m in longs]}, silence in them (ms) "
                   f"{[round(m.get('stallMs') or 0) for m in longs]}")
-    finally:
-        if drv is not None:
-            drv.quit()
-        srv.terminate()
-        try:
-            srv.wait(20)
-        except subprocess.TimeoutExpired:
-            srv.kill()
 
 
 if __name__ == "__main__":

@@ -76,6 +76,16 @@ os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 
 
+@pytest.fixture(scope="module")
+def drv():
+    """A headless chromium (tests/browser.py), one per test module; browser test modules call
+    `browser.require_browser()` first, so that a machine without one skips them."""
+    from tests import browser
+
+    with browser.chrome_session() as d:
+        yield d
+
+
 @pytest.fixture(scope="session")
 def whisper_dir(tmp_path_factory):
     """A tiny random Whisper in the hub layout (tests/tiny_whisper.py), built once a session."""

@@ -1,10 +1,16 @@
-"""Test helper: run a FastAPI app with uvicorn on a free loopback port in a background thread."""
+"""Test helper: run a FastAPI app with uvicorn on a free loopback port in a background thread; or a checkout's
+`python app.py --tiny` as a process of its own (the measuring scripts tests/click_to_sound.py, tests/stream_gaps.py)."""
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import uvicorn
 
@@ -56,3 +62,33 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
             yield url, registry, ck
     finally:
         registry.close()
+
+
+@contextlib.contextmanager
+def app_process(root: Path, port: int, extra=(), cache_prefix: str = "app-"):
+    """`python app.py --tiny` of checkout `root` on 127.0.0.1:`port` (a fresh temporary cache folder, output
+    discarded), started now and stopped on exit. Yields its base URL; `wait_answering` waits for it to answer."""
+    srv = subprocess.Popen([sys.executable, str(root / "app.py"), "--tiny", "--host", "127.0.0.1", "--port",
+                            str(port), "--cache-dir", tempfile.mkdtemp(prefix=cache_prefix), *extra],
+                           cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(20)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+
+
+def wait_answering(url: str, timeout: float) -> float:
+    """Wait until `url`/ answers 200; -> time.monotonic() then. Exits the script after `timeout` s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(url + "/", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic()
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"the server did not answer within {timeout} s")

@@ -12,47 +12,31 @@ in them, the longest silence heard anywhere and at a join) and a summary per roo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from tests import browser as B
-from tests.click_to_sound import ROOT, cpu_name, long_text, wait_answering
+from tests.click_to_sound import ROOT, cpu_name, long_text
+from tests.serving import app_process, wait_answering
 
 DIALOGUE = ("Ryan: Good morning, did you sleep well?\n"
             "Vivian: Not at all, the neighbours were singing.\n"
             "Ryan: Then let us buy them a piano.")
 
 
-def _set_text(drv, css: str, text: str) -> None:
-    box = drv.find_element("css selector", css)
-    drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input', "
-                       "{bubbles: true}))", box, text)
-    time.sleep(0.4)
-
-
-def _tab(drv, label: str) -> None:
-    for b in drv.find_elements("css selector", "button[role='tab']"):
-        if label in b.text:
-            b.click()
-            time.sleep(0.5)
-            return
-    raise SystemExit(f"no tab {label!r}")
-
-
 def play(drv, kind: str) -> dict:
     if kind == "dialogue":
-        _tab(drv, "Dialogue")
-        _set_text(drv, "#dialogue-script textarea", DIALOGUE)
+        B.tab(drv, "Dialogue")
+        B.set_text(drv, "#dialogue-script textarea", DIALOGUE, settle=0.4)
         return B.play_once(drv, "#dialogue-generate", timeout=180)
-    _tab(drv, "Preset")
-    _set_text(drv, "#preset-text textarea", long_text())
+    B.tab(drv, "Preset")
+    B.set_text(drv, "#preset-text textarea", long_text(), settle=0.4)
     return B.play_once(drv, timeout=180)
 
 
@@ -73,20 +57,15 @@ def main(argv=None) -> None:
                    help="write each run's chunk arrivals here (JSON, for tests/player_replay.js)")
     p.add_argument("--extra", nargs="*", default=[], help="more flags for app.py")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (so that `finally` stops the servers and the browser)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # (the `with` block stops servers and browser)
     roots = [r.resolve() for r in (a.root or [ROOT])]
     kinds = [k for k in a.kinds.split(",") if k]
-    servers, drv = [], None
-    try:
-        for i, root in enumerate(roots):
-            port = a.port + i
-            srv = subprocess.Popen([sys.executable, str(root / "app.py"), "--tiny", "--host", "127.0.0.1", "--port",
-                                    str(port), "--cache-dir", tempfile.mkdtemp(prefix="stream-gaps-"), *a.extra],
-                                   cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            servers.append((root, f"http://127.0.0.1:{port}", srv))
-        drv = B.chrome()
+    with contextlib.ExitStack() as stack:
+        servers = [(root, stack.enter_context(app_process(root, a.port + i, a.extra, "stream-gaps-")))
+                   for i, root in enumerate(roots)]
+        drv = stack.enter_context(B.chrome_session())
         handles = {}
-        for root, url, _ in servers:
+        for root, url in servers:
             wait_answering(url, 300)
             if handles:
                 drv.switch_to.new_window("tab")
@@ -100,7 +79,7 @@ def main(argv=None) -> None:
         results = {r: {k: [] for k in kinds} for r in roots}
         for _ in range(a.rounds):
             for kind in kinds:
-                for root, _, _ in servers:
+                for root, _ in servers:
                     drv.switch_to.window(handles[root])
                     m = play(drv, kind)
                     results[root][kind].append(m)
@@ -123,15 +102,6 @@ def main(argv=None) -> None:
                 print(f"{root.name} {kind}: click -> sound median {med:.0f}"
                       f" ms; rebuffers {[m['underruns'] for m in ms]}; longest silence (ms) "
                       f"{[round(m['longestGapMs']) for m in ms]}")
-    finally:
-        if drv is not None:
-            drv.quit()
-        for _, _, srv in servers:
-            srv.terminate()
-            try:
-                srv.wait(20)
-            except subprocess.TimeoutExpired:
-                srv.kill()
 
 
 if __name__ == "__main__":

@@ -21,33 +21,8 @@ LONG_TEXT = " ".join(f"This is sentence number {i}, which keeps the engine busy 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server.limits import Limits
-    from ui import AppConfig, TTSApp
-    from ui.server import create_server
-    from tests.serving import serve
-
-    d = tmp_path_factory.mktemp("browser")
-    # --tiny mode: random tiny checkpoints, so the page also shows the random-weights banner
-    app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=d,
-                           checkpoints={"custom_voice": "x", "base": "", "voice_design": ""},
-                           limits=Limits(max_new_tokens=60)))
-    app.preload()   # load the weights first: click -> sound then measures streaming, not model loading
-    demo = app.build()
-    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
-    with serve(create_server(app, demo)) as url:
+    with B.tiny_app(tmp_path_factory.mktemp("browser"), max_new_tokens=60) as (url, app):
         yield url, app
-    app.close()
-
-
-@pytest.fixture(scope="module")
-def drv():
-    d = B.chrome()
-    yield d
-    d.quit()
-
-
-def _status(drv) -> str:
-    return drv.execute_script("const s = document.querySelector('#status'); return s ? s.innerText : '';")
 
 
 def _engine_idle(app) -> bool:
@@ -66,20 +41,17 @@ def test_generate_five_times_stop_second_tab_and_plain_http(served, drv):
         # the player's request started the run, and the page held the click's Gradio event until the first audio
         # was in the player (or its 500 ms limit passed): the event's work does not delay the first chunk
         assert m["early"] and m["clickToEventMs"] >= min(m["clickToFirstByteMs"], 480), m
-        B.wait(lambda: _status(drv).startswith("Done"), 30, "the status line to say Done")
+        B.wait(lambda: B.status(drv).startswith("Done"), 30, "the status line to say Done")
         times.append(m["clickToSoundMs"])
         print(f"\n[browser] run {k + 1}: click -> sound {m['clickToSoundMs']:.0f} ms (first byte "
               f"{m['clickToFirstByteMs']:.0f} ms, rendered {m['clickToRenderedMs']:.0f} ms, output latency "
               f"{m['outputLatencyMs']:.0f} ms); played {m['secondsPlayed']:.2f} s, rms {m['rms']:.3f}; "
-              f"{m['underruns']} rebuffer(s); server: {_status(drv).splitlines()[0][:120]}")
+              f"{m['underruns']} rebuffer(s); server: {B.status(drv).splitlines()[0][:120]}")
         # the page shows the browser's own figure next to the server's
         assert "click → sound" in drv.find_element("css selector", "#live-player-status").text
 
     # Stop: the sound stops at once, and the engine request ends (long text: it would run for seconds more)
-    box = drv.find_element("css selector", "#preset-text textarea")
-    drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))",
-                       box, LONG_TEXT)
-    time.sleep(0.3)
+    B.set_text(drv, "#preset-text textarea", LONG_TEXT)
     tok = B.start(drv)
     B.wait(lambda: B.current(drv, tok).get("secondsPlayed", 0) > 0.3, 30, "the long text to play")
     B.click(drv, "#stop-btn")
@@ -92,9 +64,9 @@ def test_generate_five_times_stop_second_tab_and_plain_http(served, drv):
     assert p1["outputRms"] == 0 and p2["outputRms"] == 0 and p2["backendPlayed"] == 0, (p1, p2)
     B.wait(lambda: _engine_idle(app), 5, "the engine request to end after Stop")
     try:   # a loaded machine may take seconds to deliver the stop's status (CI once timed out at 5 s under load 14)
-        B.wait(lambda: "Stopped" in _status(drv) or "Cancelled" in _status(drv), 20, "the status line to say Stopped")
+        B.wait(lambda: "Stopped" in B.status(drv) or "Cancelled" in B.status(drv), 20, "the status line to say Stopped")
     except AssertionError as e:
-        raise AssertionError(f"{e}; the status line says {_status(drv)!r}") from None
+        raise AssertionError(f"{e}; the status line says {B.status(drv)!r}") from None
     assert len(app.live) == 0
 
     # a second tab

@@ -8,7 +8,6 @@ audio several times faster than it plays, so a silence longer than that comes fr
 order in which the lines are submitted, not from the engine's speed."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -25,52 +24,12 @@ PAUSE_S = 0.3
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server.limits import Limits
-    from tests.serving import serve
-    from ui import AppConfig, TTSApp
-    from ui.server import create_server
-
-    d = tmp_path_factory.mktemp("browser_takes")
-    app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=d,
-                           checkpoints={"custom_voice": "x", "base": "", "voice_design": ""},
-                           limits=Limits(max_new_tokens=40)))
-    app.preload()
-    demo = app.build()
-    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
-    with serve(create_server(app, demo)) as url:
+    with B.tiny_app(tmp_path_factory.mktemp("browser_takes"), max_new_tokens=40) as (url, app):
         yield url, app
-    app.close()
-
-
-@pytest.fixture(scope="module")
-def drv():
-    d = B.chrome()
-    yield d
-    d.quit()
-
-
-def _set_text(drv, css, text):
-    box = drv.find_element("css selector", css)
-    drv.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input', "
-                       "{bubbles: true}))", box, text)
-    time.sleep(0.3)
-
-
-def _status(drv) -> str:
-    return drv.execute_script("const s = document.querySelector('#status'); return s ? s.innerText : '';")
 
 
 def _js(drv, script, *args):
     return drv.execute_script(script, *args)
-
-
-def _tab(drv, label):
-    for b in drv.find_elements("css selector", "button[role='tab']"):
-        if label in b.text:
-            b.click()
-            time.sleep(0.5)
-            return
-    raise AssertionError(f"no tab {label!r}")
 
 
 def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
@@ -78,9 +37,9 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
     B.open_page(drv, url + "/")
     seeds = []
     for k, text in enumerate(TEXTS, 1):
-        _set_text(drv, "#preset-text textarea", text)
+        B.set_text(drv, "#preset-text textarea", text)
         B.play_once(drv)
-        B.wait(lambda: _status(drv).startswith("Done"), 30, "the status line to say Done")
+        B.wait(lambda: B.status(drv).startswith("Done"), 30, "the status line to say Done")
         B.wait(lambda: drv.find_elements("css selector", f"#take-{k}"), 15, f"take #{k} in the list")
         seeds.append(int(drv.find_element("css selector", "#seed input").get_attribute("value")))
     labels = [e.text for e in drv.find_elements("css selector", ".take .take-label")]
@@ -114,13 +73,13 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
     assert head[:4] == list(b"RIFF") and head[4] > 44 + 0.5 * 48000, head
 
     # restore the first take's settings, from another tab: text, seed (randomise off), the Preset tab shown
-    _tab(drv, "Dialogue")
-    _set_text(drv, "#preset-text textarea", "something else")
+    B.tab(drv, "Dialogue")
+    B.set_text(drv, "#preset-text textarea", "something else")
     B.click(drv, "#take-1-restore")
     B.wait(lambda: _js(drv, "return document.querySelector('#preset-text textarea').value") == TEXTS[0], 10,
            "the first take's text back in the form")
     assert int(drv.find_element("css selector", "#seed input").get_attribute("value")) == seeds[0]
-    assert "Restored take #1" in _status(drv)
+    assert "Restored take #1" in B.status(drv)
     assert drv.find_element("css selector", "#preset-text textarea").is_displayed()
     randomize = _js(drv, "for (const l of document.querySelectorAll('label')) if (l.innerText.includes("
                          "'Randomise seed')) { const i = l.querySelector('input') || document.getElementById("
@@ -128,21 +87,21 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
     assert randomize is False
 
     # a three-line dialogue between two voices: no silence inside longer than the pause + 80 ms
-    _tab(drv, "Dialogue")
-    _set_text(drv, "#dialogue-script textarea", DIALOGUE)
+    B.tab(drv, "Dialogue")
+    B.set_text(drv, "#dialogue-script textarea", DIALOGUE)
     pause = float(drv.find_element("css selector", "#dialogue-pause input[type='number']").get_attribute("value"))
     assert pause == PAUSE_S
     m = B.play_once(drv, "#dialogue-generate", timeout=120, step=0.25)   # (polling the page costs CPU too)
-    B.wait(lambda: _status(drv).startswith("Done"), 30, "the dialogue's status line to say Done")
+    B.wait(lambda: B.status(drv).startswith("Done"), 30, "the dialogue's status line to say Done")
     gap_ms = m["longestJoinGapMs"]
     print(f"\n[browser] dialogue: {m['secondsPlayed']:.2f} s played, longest silence heard at a join {gap_ms:.0f} ms "
           f"(in the stream {m['maxSilenceMs']:.0f} ms; anywhere {m['longestGapMs']:.0f} ms; {m['stallMs']:.0f} ms "
           f"rebuffering in {m['underruns']} underruns); "
-          f"click -> sound {m['clickToSoundMs']:.0f} ms; server: {_status(drv).splitlines()[0][:160]}")
+          f"click -> sound {m['clickToSoundMs']:.0f} ms; server: {B.status(drv).splitlines()[0][:160]}")
     assert m["maxSilenceMs"] >= PAUSE_S * 1000 - 1, m                        # the pauses are there
     assert gap_ms <= PAUSE_S * 1000 + 80, (m["log"], m)
     assert m["longestGapMs"] <= PAUSE_S * 1000 + 80, (m["log"], m["timeline"], m)
-    assert "3 lines" in _status(drv) and "Ryan = ryan" in _status(drv) and "Vivian = vivian" in _status(drv)
+    assert "3 lines" in B.status(drv) and "Ryan = ryan" in B.status(drv) and "Vivian = vivian" in B.status(drv)
     files = drv.find_elements("css selector", "#dialogue-files a")
     assert len({f.get_attribute("href") for f in files if f.get_attribute("href")}) == 3
     B.wait(lambda: drv.find_elements("css selector", "#take-4"), 15, "the dialogue as take #4")

@@ -14,7 +14,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests import browser as B
 
@@ -46,19 +45,8 @@ def _answering(url) -> float:
     return time.monotonic()
 
 
-def _status(drv) -> str:
-    return drv.execute_script("const s = document.querySelector('#status'); return s ? s.innerText : '';")
-
-
 def _models(drv) -> str:
     return drv.execute_script("const s = document.querySelector('#model-state'); return s ? s.innerText : '';")
-
-
-@pytest.fixture(scope="module")
-def drv():
-    d = B.chrome()
-    yield d
-    d.quit()
 
 
 def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
@@ -73,7 +61,7 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
             B.open_page(drv, url + "/")
             B.wait(lambda: "Loading the CustomVoice model" in _models(drv), 10, "the page to say the model loads")
             tok = B.start(drv)
-            seen = B.wait(lambda: (lambda s: s if "Loading the CustomVoice model: step" in s else None)(_status(drv)),
+            seen = B.wait(lambda: (lambda s: s if "Loading the CustomVoice model: step" in s else None)(B.status(drv)),
                           15, "the status line to say the model loads, with its step")
             assert B.current(drv, tok).get("state") == "buffering", seen
             gate.set()                        # the model finishes loading: the click plays
@@ -81,7 +69,7 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
                 B.current(drv, tok)), 90, "the click to play once the model is ready")
             assert m["state"] == "ended", m
             B.assert_sound(m)
-            B.wait(lambda: _status(drv).startswith("Done"), 30, "the status line to say Done")
+            B.wait(lambda: B.status(drv).startswith("Done"), 30, "the status line to say Done")
             B.wait(lambda: "Models ready" in _models(drv), 60, "the page to say the models are ready")
             print(f"\n[cold start] click during loading: sound {m['clickToSoundMs']:.0f} ms after the click")
     finally:
@@ -105,7 +93,7 @@ def test_first_click_20_s_after_start_plays_like_the_later_ones(tmp_path, drv):
             for k in range(5):
                 m = B.play_once(drv)
                 assert m["early"] is True, m          # the player's request started the generation
-                B.wait(lambda: _status(drv).startswith("Done"), 30, "the status line to say Done")
+                B.wait(lambda: B.status(drv).startswith("Done"), 30, "the status line to say Done")
                 times.append(m["clickToSoundMs"])
             assert len(app.live) == 0
             B.wait(lambda: len(app.early) == 0, 5, "no run left behind")

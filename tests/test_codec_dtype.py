@@ -23,6 +23,7 @@ def _dec(dtype):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TTS_CACHE_DIR", "")
     monkeypatch.delenv(dtype_choice.ENV, raising=False)
     return tmp_path / "qwen3-tts-live" / "choices" / "codec_dtype.json"
 

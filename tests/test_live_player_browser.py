@@ -25,13 +25,6 @@ def harness():
         yield url, fake
 
 
-@pytest.fixture(scope="module")
-def drv():
-    d = B.chrome()
-    yield d
-    d.quit()
-
-
 def _fast(fake):
     fake.rate, fake.first_chunk_s, fake.chunk_s, fake.seconds = 4.0, 0.07, 0.32, 2.0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache_paths import cache_root
+from .cpu_info import cpu_info
 from .engine.engine import TTSEngine
 from .engine.model_runner import aten_bf16_gemv
 from .model.quant import QUANT_MODES
@@ -35,19 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_info().name
     return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def checkpoint_for(arch: str, dtype: torch.dtype, kind: str = "custom_voice") -> Path:
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "bench" / f"{arch}-{kind}"
+    folder = cache_root() / "bench" / f"{arch}-{kind}"
     if not (folder / "speech_tokenizer" / "model.safetensors").exists():
         print(f"writing a random {arch} {kind} checkpoint to {folder} ...", file=sys.stderr)
         make_tiny(folder, kind=kind, size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,

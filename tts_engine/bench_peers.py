@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .cache_paths import cache_root
 from .peers import machine
 from .peers.ours import weight_bytes, weight_counts
 from .peers.table import OURS, Run, markdown, ratios, summarize
@@ -60,7 +61,7 @@ def peers_dir_default() -> Path:
     env = os.environ.get("QWEN_TTS_PEERS_DIR")
     if env:
         return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen3-tts-live" / "peers"
+    return cache_root() / "peers"
 
 
 def checkpoint(peers_dir: Path) -> Path:

@@ -64,14 +64,6 @@ class DialogueHandler:
             pause: silence between turns, in seconds (0-3)
             language: "auto" or a language name
             seed: random seed (used when randomize is false), the same for every line
-            randomize: draw a new seed for this request
-            temperature: sampling temperature
-            top_k: top-k (0 = off)
-            top_p: top-p
-            repetition_penalty: repetition penalty
-            max_new_tokens: maximum frames (80 ms each) per sentence group
-            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
-            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg), the whole dialogue as a lossless WAV, status line, seed used, one WAV per line (in order)
         """

@@ -116,9 +116,34 @@ def guard(fn):
     return call
 
 
+# what the generating handlers' shared arguments mean, for the "Use via API" page (a handler's docstring describes
+# only its own; one that says more about a shared one, e.g. a seed used for every line, keeps its own line)
+SHARED_PARAMS = {
+    "seed": "random seed (used when randomize is false)",
+    "randomize": "draw a new seed for this request (the seed used is returned)",
+    "temperature": "sampling temperature of the talker",
+    "top_k": "top-k of the talker (0 = off)",
+    "top_p": "top-p of the talker",
+    "repetition_penalty": "repetition penalty on the first codebook",
+    "max_new_tokens": "maximum frames (80 ms each) per sentence group",
+    "speed": "playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)",
+    "live_token": "leave empty (the page's own player sets it to receive the audio as raw PCM)",
+}
+
+
 def api_doc(fn) -> str:
-    """The handler's docstring (description, parameters, returns) for the "Use via API" page."""
-    return inspect.getdoc(fn) or ""
+    """The handler's docstring (description, parameters one a line, returns) for the "Use via API" page, with a
+    line from SHARED_PARAMS for each shared argument that the docstring does not describe, in argument order."""
+    doc = inspect.getdoc(fn) or ""
+    head, sep, rest = doc.partition("Parameters:\n")
+    if not sep:
+        return doc
+    params, sep, returns = rest.partition("Returns:")
+    own = {ln.split(":", 1)[0].strip(): ln.strip() for ln in params.splitlines() if ln.strip()}
+    lines = [own.pop(a, None) or (f"{a}: {SHARED_PARAMS[a]}" if a in SHARED_PARAMS else None)
+             for a in inspect.signature(fn).parameters]
+    lines = [ln for ln in lines if ln] + list(own.values())
+    return head + "Parameters:\n" + "".join(f"    {ln}\n" for ln in lines) + sep + returns
 
 
 def _slots(voice_1, file_1, weight_1, voice_2, file_2, weight_2, voice_3, file_3, weight_3, voice_4, file_4,
@@ -171,15 +196,6 @@ class Handlers:
             voice: a CustomVoice speaker name (e.g. "ryan", "vivian"), "preset:<id>" for our Base preset clips (e.g. "preset:emma"), or "my:<name>" for a voice of this session
             language: "auto" or a language name the model knows (e.g. "english", "chinese")
             instruct: speaking-style instruction (only for checkpoints that follow instructions, e.g. 1.7B CustomVoice; otherwise ignored)
-            seed: random seed (used when randomize is false)
-            randomize: draw a new seed for this request (the seed used is returned)
-            temperature: sampling temperature of the talker
-            top_k: top-k of the talker (0 = off)
-            top_p: top-p of the talker
-            repetition_penalty: repetition penalty on the first codebook
-            max_new_tokens: maximum frames (80 ms each) per sentence group
-            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
-            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), the full lossless WAV, the status line (time to first audio, real-time factor, audio length), the seed used
         """
@@ -213,15 +229,6 @@ class Handlers:
             file_format: "safetensors" or "json" for the voice file
             text: what to say with the cloned voice
             language: "auto" or a language name
-            seed: random seed (used when randomize is false)
-            randomize: draw a new seed for this request
-            temperature: sampling temperature
-            top_k: top-k (0 = off)
-            top_p: top-p
-            repetition_penalty: repetition penalty
-            max_new_tokens: maximum frames (80 ms each) per sentence group
-            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
-            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used, the voice file
         """
@@ -353,15 +360,6 @@ class Handlers:
             weight_4: weight of voice D
             a_to_b: with two voices, the position from A (0) to B (100), in percent
             language: "auto" or a language name
-            seed: random seed (used when randomize is false)
-            randomize: draw a new seed for this request
-            temperature: sampling temperature
-            top_k: top-k (0 = off)
-            top_p: top-p
-            repetition_penalty: repetition penalty
-            max_new_tokens: maximum frames (80 ms each) per sentence group
-            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
-            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """
@@ -404,10 +402,6 @@ class Handlers:
             language: "auto" or a language name
             seed: random seed (used when randomize is false); the same seed renders all five points
             randomize: draw one new seed for the sweep
-            temperature: sampling temperature
-            top_k: top-k (0 = off)
-            top_p: top-p
-            repetition_penalty: repetition penalty
             max_new_tokens: maximum frames (80 ms each)
             speed: playback speed of the five WAVs, 0.25-4.0 (the pitch is kept)
         Returns:
@@ -496,15 +490,6 @@ class Handlers:
             text: what to say
             description: the voice, in words (e.g. "A warm, low male voice, speaking slowly")
             language: "auto" or a language name
-            seed: random seed (used when randomize is false)
-            randomize: draw a new seed for this request
-            temperature: sampling temperature
-            top_k: top-k (0 = off)
-            top_p: top-p
-            repetition_penalty: repetition penalty
-            max_new_tokens: maximum frames (80 ms each) per sentence group
-            speed: playback speed, 0.25-4.0 (1 = as generated; the pitch is kept)
-            live_token: leave empty (the page's own player sets it to receive the audio as raw PCM)
         Returns:
             live audio chunks (only where the server has ffmpeg; for live audio use /v1/audio/speech, stream=true), full lossless WAV, status line, seed used
         """

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from server.registry import EngineRegistry
-from tts_engine import TTSError
+from tts_engine import TTSError, cache_paths
 from tts_engine.voices.voice import Voice
 
 from .config import NATIVE, ROLE_LABEL, ROLES, AppConfig
@@ -43,9 +43,7 @@ def speaker_label(name: str) -> str:
 
 
 def cache_root(cfg: AppConfig) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live"
+    return Path(cfg.cache_dir) if cfg.cache_dir else cache_paths.cache_root()
 
 
 def _tiny_checkpoint(role: str, cache: Path) -> Path:

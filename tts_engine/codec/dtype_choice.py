@@ -21,24 +21,20 @@ from pathlib import Path
 
 import torch
 
+from ..cache_paths import cache_root
+from ..cpu_info import cpu_info
+
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_DTYPE"
 FP32_MARGIN = 0.9   # fp32 replaces bf16 only when it takes < 90 % of bf16's time
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "choices" / "codec_dtype.json"
+    return cache_root() / "choices" / "codec_dtype.json"
 
 
 def machine_key(dec=None) -> str:
-    cpu = "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_info().model_name or "unknown cpu"
     size = "" if dec is None else (f" | decoder {dec.cfg.decoder_dim}/{dec.cfg.latent_dim}/{dec.cfg.hidden_size}"
                                    f"x{dec.cfg.num_hidden_layers}")
     return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | torch {torch.__version__}{size}"

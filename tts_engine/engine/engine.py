@@ -140,8 +140,8 @@ class TTSEngine:
         if compile_predictor if compile_predictor is not None else compiled_predictor.wanted():
             self._compiled_predictor_status = self.runner.compile_predictor()
         self.scheduler = Scheduler(self.max_batch, max_waiting)
-        self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer)
-        self.worker.primed = DecoderPrimeCache(32 if reference_cache else 0)
+        self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
+                                   primed=DecoderPrimeCache(32 if reference_cache else 0))
         if overlap_codec is None:
             overlap_codec = OVERLAP_CODEC_CPU_DEFAULT and not gpu
         self.worker.overlap_codec(overlap_codec, codec_threads)

@@ -31,12 +31,14 @@ log = logging.getLogger("tts_engine")
 
 
 class EngineWorker:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, speech_tokenizer):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, speech_tokenizer, primed=None):
+        """`primed`: a voices.reference_cache.DecoderPrimeCache (decoder states after ICL reference codes, reused
+        by the next request with the same reference), or None to prime every request afresh."""
         self.runner, self.scheduler, self.speech_tokenizer = runner, scheduler, speech_tokenizer
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
-        self.primed = None    # voices.reference_cache.DecoderPrimeCache: decoder states after ICL reference codes
+        self.primed = primed
         self._start_lock = threading.Lock()
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread

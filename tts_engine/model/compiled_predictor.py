@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_paths import cache_root
 from .layers import rms_norm, signed_sin, rope_cos_sin, apply_rope
 
 log = logging.getLogger("tts_engine")
@@ -32,7 +33,7 @@ COMPILE_BUDGET_S = 60.0         # a warm-up compile slower than this is not used
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "inductor"
+    return cache_root() / "inductor"
 
 
 def wanted() -> bool:

@@ -45,10 +45,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import cache_paths, cpu_info
+
 log = logging.getLogger("tts_engine")
 
 TUNE_ENV = "TTS_KERNEL_TUNE"        # 0 / off / no: measure nothing, use each format's default
-CACHE_ENV = "TTS_CACHE_DIR"
+CACHE_ENV = cache_paths.ENV
 TABLE_VERSION = 1
 ROW_BUCKETS = (1, 4)                # a call with M rows uses bucket 1 for M <= 2, else 4
 MAX_DECODE_ROWS = 16                # more rows than this is a prompt prefill: not a per-frame call
@@ -59,39 +61,17 @@ ROUNDS = 3                          # rounds over the weights (twice as many whe
 MIN_COPIES = 8                      # weights per timing at least (the scratch buffer grows for big shapes)
 BUSY_LOAD = 1.5                     # load average per core above which a timing takes twice the rounds
 INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an import cycle; test checks they agree)
-_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
-          "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "bf16", "i8mm")
 
 
 # --- the machine ----------------------------------------------------------------------------------------------
 def cache_root() -> Path:
-    """The project's cache folder: $TTS_CACHE_DIR, else $XDG_CACHE_HOME/qwen3-tts-live (~/.cache/...)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live"
+    """The project's cache folder: $TTS_CACHE_DIR (the app's --cache-dir), else ~/.cache/qwen3-tts-live."""
+    return cache_paths.cache_root()
 
 
 def cpu_identity() -> dict:
     """CPU model name, vendor / family / model and the SIMD flags that decide kernel speed (/proc/cpuinfo)."""
-    info = {"model_name": "", "vendor": "", "family": "", "model": "", "flags": []}
-    keys = {"model name": "model_name", "vendor_id": "vendor", "cpu family": "family", "model": "model"}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break                                   # the first processor is enough
-                k, _, v = line.partition(":")
-                k, v = k.strip(), v.strip()
-                if k in keys:
-                    info[keys[k]] = v
-                elif k in ("flags", "Features"):
-                    have = set(v.split())
-                    info["flags"] = [fl for fl in _FLAGS if fl in have]
-    except OSError:
-        import platform
-
-        info["model_name"] = platform.processor() or platform.machine()
-    return info
+    return cpu_info.cache_key()
 
 
 def machine_key() -> dict:

@@ -12,6 +12,7 @@ import torch
 from ..checkpoint import SafetensorsFile, build_on_meta, load_module, read_json, resolve_checkpoint
 from ..codec.speech_tokenizer import SpeechTokenizer
 from ..config import ModelConfig
+from ..cpu_info import cpu_info
 from ..errors import TTSError
 from ..text_tokenizer import TextTokenizer
 from .prompt import PromptBuilder
@@ -31,14 +32,7 @@ CPU_DTYPE_ENV = "TTS_CPU_DTYPE"   # auto (default) | fp32 | bf16: the CPU defaul
 
 def cpu_flags() -> set[str]:
     """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_info().flags)
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -3,38 +3,18 @@ plain large memory read measured with torch (the floor a one-stream decoder's we
 from __future__ import annotations
 
 import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 
-# the flags that decide which kernels a CPU engine can use
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
-              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve")
+from .. import cpu_info
 
 
 def cpuinfo(text: str | None = None) -> dict:
-    """{model, family, model_no, flags (set), cpus} of the first processor in /proc/cpuinfo."""
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            text = ""
-    info = {"model": platform.processor() or platform.machine(), "family": None, "model_no": None, "flags": set()}
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip(), val.strip()
-        if key == "model name":
-            info["model"] = val
-        elif key == "cpu family":
-            info["family"] = val
-        elif key == "model":
-            info["model_no"] = val
-        elif key in ("flags", "Features"):
-            info["flags"] = set(val.split())
-    info["cpus"] = os.cpu_count()
-    return info
+    """{model, family, model_no, flags (set), cpus} of the first processor in /proc/cpuinfo (or in `text`)."""
+    info = cpu_info.cpu_info() if text is None else cpu_info.parse(text)
+    return {"model": info.name, "family": info.family or None, "model_no": info.model or None,
+            "flags": set(info.flags), "cpus": os.cpu_count()}
 
 
 def machine_key(info: dict) -> str:
@@ -44,7 +24,8 @@ def machine_key(info: dict) -> str:
 
 
 def simd_flags(info: dict) -> str:
-    return " ".join(f for f in SIMD_FLAGS if f in info["flags"]) or "none of " + ", ".join(SIMD_FLAGS[:4])
+    have = [f for f in cpu_info.SIMD_FLAGS if f in info["flags"]]
+    return " ".join(have) or "none of " + ", ".join(cpu_info.SIMD_FLAGS[:4])
 
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> dict:

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache_paths import cache_root
 from ..errors import TTSError
 from .voice import Voice
 
@@ -23,7 +24,7 @@ REQUIRED = ("id", "name", "language", "clip", "transcript", "source", "licence")
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "presets"
+    return cache_root() / "presets"
 
 
 @dataclass(frozen=True)
