@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections import defaultdict
 
@@ -26,6 +27,7 @@ from ..errors import TTSError
 from .codec_thread import CodecThread, decode_group
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
+from .threads import MATMUL, ThreadGovernor
 
 log = logging.getLogger("tts_engine")
 
@@ -41,6 +43,9 @@ class EngineWorker:
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
         self.codec: CodecThread | None = None   # set by `overlap_codec`: later chunks decode on their own thread
+        self.governor: ThreadGovernor | None = None   # CPU: the frames' OpenMP threads, chosen by measuring them
+        self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
+        self._default_threads = torch.get_num_threads()
 
     def overlap_codec(self, on: bool, threads: int | None = 1) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -117,7 +122,36 @@ class EngineWorker:
             self.step()
 
     # --- one frame boundary ----------------------------------------------------------------------------
+    def govern_threads(self, governor: ThreadGovernor | None, matmul_threads=None) -> None:
+        """Run every frame step with the OpenMP threads `governor` chooses by measuring frames (None: the process's
+        threads, as before); `matmul_threads`: the switch of `threads.serial_between_matmuls` on the runner's model,
+        for the governor's "matmul" option."""
+        self.governor, self.matmul_threads = governor, matmul_threads
+
+    def _use_threads(self, option) -> None:
+        serial = option == MATMUL
+        n = 1 if serial else int(option)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        if self.matmul_threads is not None:
+            self.matmul_threads.set(serial)
+
     def _step(self) -> None:
+        g = self.governor
+        if g is None:
+            return self._step_with(None, None)
+        n_rows = len(self.scheduler.running) + len(self.scheduler.waiting)
+        key = (min(n_rows, self.runner.rows), self.codec is not None and self.codec.busy)
+        option = g.choose(key)
+        self._use_threads(option)
+        try:
+            self._step_with(g, (key, option))
+        finally:
+            self._use_threads(self._default_threads)
+            if self.matmul_threads is not None:
+                self.matmul_threads.set(False)
+
+    def _step_with(self, g: ThreadGovernor | None, choice) -> None:
         for seq in list(self.scheduler.running):
             if seq.cancelled.is_set() or seq.codec_error is not None:
                 self._end(seq)
@@ -129,7 +163,10 @@ class EngineWorker:
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if not active:
             return
+        t0 = time.perf_counter()
         self._decode(active)
+        if g is not None and choice[0][0] == len(active):   # (a frame of the batch the situation was keyed by)
+            g.record(choice[0], choice[1], time.perf_counter() - t0)
         self.steps += 1
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
         if ready:
