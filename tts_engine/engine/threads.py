@@ -49,11 +49,17 @@ class _Situation:
     turn: int = 0                               # which non-best option the next exploration tries
 
 
+def situation(rows: int, codec_busy: bool) -> tuple[int, bool]:
+    """The governor's situation key: the batch as 1-2 rows or more (the kernels' row buckets), and whether the
+    engine's codec thread is decoding meanwhile."""
+    return (1 if rows <= 2 else 4, bool(codec_busy))
+
+
 class ThreadGovernor:
     """Chooses the worker's threads per frame by the measured wall time of frames run each way."""
 
     def __init__(self, threads: int | None = None, matmul_option: bool = False, explore_every: int = 8,
-                 max_interval: int = 128, alpha: float = 0.3, warm_frames: int = 2):
+                 max_interval: int = 128, alpha: float = 0.3, warm_frames: int = 1):
         self.threads = int(threads or torch.get_num_threads())
         opts: list = [1]
         if self.threads > 1:
