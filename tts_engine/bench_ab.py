@@ -4,8 +4,9 @@ Loads the random-weight checkpoint twice, once with another checkout's `tts_engi
 as `tts_base`) and once with this one (B), and runs the streaming benchmark (`bench.run_concurrency`: first audio
 from submit, x real time per stream, audio seconds per wall second) on each, interleaved round by round (A B, B A,
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
-device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL`
-adds B engines with other `TTSEngine` arguments (e.g. `--variant overlap=overlap_codec=1`).
+device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
+adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`;
+e.g. `--variant overlap=overlap_codec=1`).
 """
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ def _value(v: str):
         return v
 
 
+SWITCHES = ("overlap_codec", "govern_threads", "split_frames")
+
+
+def _switch(engine, setting: dict) -> None:
+    """Put B's engine in a variant's state (between runs, nothing in flight): overlap_codec, govern_threads,
+    split_frames; what `setting` leaves out is this checkout's default."""
+    from .engine.engine import OVERLAP_CODEC_CPU_DEFAULT
+
+    unknown = set(setting) - set(SWITCHES)
+    if unknown:
+        raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
+    engine.worker.overlap_codec(bool(setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)), 1)
+    kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
+    engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
+    if engine.worker.governor is not None and kept is not None:
+        engine.worker.governor = kept
+    engine._kept_governor = kept
+    engine.worker.split_frames = setting.get("split_frames")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tts_engine.bench_ab", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A), e.g. /work/main")
@@ -68,11 +89,12 @@ def main(argv=None) -> int:
         engines["A (base)"] = import_module("tts_base.engine.engine").TTSEngine.from_pretrained(ckpt, **kw)
     from .engine.engine import TTSEngine
 
-    engines["B (this)"] = TTSEngine.from_pretrained(ckpt, **kw)
-    for v in a.variant:
+    b = engines["B (this)"] = TTSEngine.from_pretrained(ckpt, **kw)
+    settings = {"B (this)": {}}
+    for v in a.variant:   # the same B engine, switched before each of its runs (one copy of the weights)
         name, _, args = v.partition("=")
-        extra = {k: _value(x) for k, _, x in (s.partition("=") for s in args.split(","))}
-        engines[f"B {name}"] = TTSEngine.from_pretrained(ckpt, **kw, **extra)
+        settings[f"B {name}"] = {k: _value(x) for k, _, x in (s.partition("=") for s in args.split(","))}
+        engines[f"B {name}"] = b
     for e in engines.values():
         e.speakers_for_bench = e.speakers
         run_concurrency(e, 1, 4, a.first_chunk)   # warm-up
@@ -83,6 +105,8 @@ def main(argv=None) -> int:
         order = names[r % len(names):] + names[:r % len(names)]
         for c in conc:
             for n in order:
+                if n in settings:
+                    _switch(engines[n], settings[n])
                 row = run_concurrency(engines[n], c, a.frames, a.first_chunk)
                 res.setdefault((n, c), []).append(row)
                 print(f"round {r} {n} c={c}: first audio {row['ttfa_p50_ms']:.0f} ms, x real time "
@@ -100,16 +124,16 @@ def main(argv=None) -> int:
         s = [x["audio_s_per_s"] for x in rows]
         lines.append(f"| {n} | {c} | {statistics.median(f):.0f} ({min(f):.0f}) | {statistics.median(f99):.0f} | "
                      f"{statistics.median(x):.3f} ({max(x):.3f}) | {statistics.median(s):.2f} ({max(s):.2f}) |")
-    for n, e in engines.items():
-        tc = getattr(e, "thread_choice", None)
-        if tc:
-            lines.append(f"\n{n}: thread governor's averages (ms per frame, frames) {tc}")
+    tc = getattr(b, "thread_choice", None)
+    if tc:
+        lines.append(f"\nB: thread governor's averages at the end ((rows 1-2 / more, codec busy): option: (ms per "
+                     f"frame, frames)) {tc}")
     text = "\n".join(lines)
     print(text)
     if a.out:
         with open(a.out, "a", encoding="utf-8") as fh:
             fh.write("\n" + text + "\n")
-    for e in engines.values():
+    for e in {id(e): e for e in engines.values()}.values():
         e.close()
     return 0
 

@@ -153,7 +153,12 @@ def serial_between_matmuls(model: nn.Module, threads: int) -> MatmulThreads:
     that, while the returned switch is on in the calling thread, it runs with `threads` intra-op threads and puts
     one thread back after: the other ops of a frame then never enter the OpenMP pool. Off: the layer runs as
     before (one attribute read more per call)."""
+    switch = getattr(model, "_matmul_threads", None)
+    if switch is not None:   # wrapped before: the same switch
+        switch.threads = threads
+        return switch
     switch = MatmulThreads(threads)
+    model._matmul_threads = switch
     for m in model.modules():
         if not (isinstance(m, nn.Linear) or type(m).__name__.endswith("Linear")) or "forward" in m.__dict__:
             continue
@@ -162,12 +167,10 @@ def serial_between_matmuls(model: nn.Module, threads: int) -> MatmulThreads:
 
 
 def _wrapped(forward, switch: MatmulThreads):
-    n = switch.threads
-
     def run(x, *args, **kw):
         if not switch.serial:
             return forward(x, *args, **kw)
-        torch.set_num_threads(n)
+        torch.set_num_threads(switch.threads)
         try:
             return forward(x, *args, **kw)
         finally:
