@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 MATMUL = "matmul"   # option: N threads inside the linear layers only
+PROMISING = 0.9     # an explored option whose frame took < 90 % of the best's average is explored often again
 
 
 @dataclass
@@ -123,7 +124,7 @@ class ThreadGovernor:
             # option looks as fast as the best (or is it now), back off while it keeps losing
             best_ema = s.stats[before].ema
             st.add(seconds, max(self.alpha, 0.5))
-            promising = seconds < best_ema or self.best(key) != before
+            promising = seconds < PROMISING * best_ema or self.best(key) != before
             s.interval = self.explore_every if promising else min(2 * s.interval, self.max_interval)
 
     def snapshot(self) -> dict:
