@@ -14,8 +14,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
@@ -83,7 +81,7 @@ def main(argv=None) -> int:
     kw = dict(device="cpu", quantize=q, max_batch=max(conc), max_seq_len=a.frames + 160)
     engines = {}
     if not a.no_base_variants:
-        base = load_checkout("tts_base", a.base)
+        load_checkout("tts_base", a.base)
         from importlib import import_module
 
         engines["A (base)"] = import_module("tts_base.engine.engine").TTSEngine.from_pretrained(ckpt, **kw)
