@@ -55,13 +55,13 @@ def test_first_chunk_comes_before_the_talker_step(folder):
     eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=1)
     eng.drive_in_caller()
     seen = []
-    orig = eng.runner.advance
+    orig = eng.runner._advance
 
-    def advance(rows, codes):
+    def advance(*a):
         seen.append(stream.seq.out.qsize())
-        return orig(rows, codes)
+        return orig(*a)
 
-    eng.runner.advance = advance
+    eng.runner._advance = advance
     stream = eng.stream(TEXT, voice="ryan", seed=0, max_new_tokens=6, first_chunk_frames=1, sampling=FIXED)
     first = next(stream)
     assert len(first) == 1920 and seen[0] == 1    # the first chunk was queued before the first talker step

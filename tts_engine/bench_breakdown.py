@@ -2,7 +2,7 @@
 
 Runs the streaming benchmark (`bench.run_concurrency`, random-weight checkpoint, fixed length) on one engine with
 its worker's parts timed from the inside: each request's prefill, the code predictor half and the talker half of
-every frame (`ModelRunner.complete` / `advance`), and every codec decode (by group size and chunk frames), each in
+every frame (`ModelRunner._predict_residuals` / `_advance`), and every codec decode (by group size and chunk frames), each in
 wall time and in the worker thread's CPU time (on a machine shared with other programs the CPU time is the steadier
 figure). Also the first audio of one stream split into its parts (request building, prefill, the first frame's code
 predictor, the first chunk's codec decode). `--threads 1` runs the engine at one thread without the thread
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     acc = _Acc()
     w, r = engine.worker, engine.runner
     acc.wrap(w, "_prefill", "prefill (one request)")
-    acc.wrap(r, "complete", lambda rows: f"code predictor half, {len(rows)} row(s)")
-    acc.wrap(r, "advance", lambda rows, codes: f"talker half, {len(rows)} row(s)")
+    acc.wrap(r, "_predict_residuals", lambda h, *a: f"code predictor half, {h.shape[0]} row(s)")
+    acc.wrap(r, "_advance", lambda rr, *a: f"talker half, {rr.shape[0]} row(s)")
     acc.wrap(w, "_step", "worker step (all of it)")
     real_group = worker_mod.decode_group
 

@@ -80,6 +80,7 @@ class ModelRunner:
         # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
         # talker step (outside the bf16 gemv switch); the worker decodes completed chunks there
         self.on_frame_codes = None
+        self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
 
     def compile_predictor(self) -> str:
@@ -192,18 +193,15 @@ class ModelRunner:
 
         Returns (codes [B, 16] of the completed frame, done [B]): done means the id drawn for the next
         frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last. With
-        `on_frame_codes` set (and no CUDA graphs) the frame runs as `complete`, the hook, then `advance`.
+        `on_frame_codes` set (and no CUDA graphs) the hook gets the codes between the two halves (`complete`,
+        `advance`: the same computations).
         Dense rows 0..B-1 take the static path (a CUDA graph where captured); other row sets, eager."""
         B = len(rows)
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        hook = self.on_frame_codes
-        if hook is not None and self.graphs is None:   # the frame in two halves, `hook(codes)` between them
-            codes = self.complete(rows)
-            hook(codes)
-            return codes, self.advance(rows, codes)
         gemv = self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
+        self._onednn_outside = torch._C._get_mkldnn_enabled()
         with aten_bf16_gemv(gemv):
             codes, done = self._decode(rows, B, read_len)
         for i in rows:
@@ -286,7 +284,22 @@ class ModelRunner:
     def _frame_core(self, r, cache_rows, rp: RowParams, read_len: int):
         frame_idx = self.step[r] - 1                        # index of the frame being completed
         codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
+        if self.on_frame_codes is not None and self.graphs is None:   # (never inside a CUDA graph capture)
+            self._hand_over(codes)
         return codes, self._advance(r, cache_rows, rp, read_len, codes)
+
+    def _hand_over(self, codes: torch.Tensor) -> None:
+        """on_frame_codes(codes) with oneDNN as it was outside the frame's bf16 gemv switch (the codec decodes
+        there: its linear layers need oneDNN)."""
+        inside, outside = torch._C._get_mkldnn_enabled(), self._onednn_outside
+        if inside == outside:
+            self.on_frame_codes(codes)
+            return
+        torch._C._set_mkldnn_enabled(outside)
+        try:
+            self.on_frame_codes(codes)
+        finally:
+            torch._C._set_mkldnn_enabled(inside)
 
     def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1
