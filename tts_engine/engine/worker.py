@@ -177,8 +177,8 @@ class EngineWorker:
 
     @property
     def split_frames(self) -> bool:
-        """CPU eager: each frame runs as its two halves (`ModelRunner.complete`, `advance`) with the chunks it
-        completes decoded between them, so a chunk's audio does not wait for the talker step after its last frame
+        """CPU eager: each frame's codes go to `ModelRunner.on_frame_codes` between its two halves (the code
+        predictor, the talker step) and the chunks it completes are decoded there, so a chunk's audio does not wait for the talker step after its last frame
         (first audio one talker step sooner). Settable; False: whole frames, then the chunks (as on a GPU)."""
         if self._split_frames is not None:
             return self._split_frames
