@@ -85,6 +85,11 @@ class CodecThread:
         self._thread = None
 
     @property
+    def busy(self) -> bool:
+        """A decode (or an ending) handed over is still waiting or running."""
+        return not self._idle.is_set()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -101,7 +101,7 @@ class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
                  reference_cache: int = 128, overlap_codec: bool | None = None, codec_threads: int | None = 1,
-                 compile_predictor: bool | None = None):
+                 compile_predictor: bool | None = None, govern_threads: bool | None = None):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -114,7 +114,10 @@ class TTSEngine:
         thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
         `OVERLAP_CODEC_CPU_DEFAULT`, off on a GPU; docs/benchmarks.md has the A/B). compile_predictor: one-stream
         code-predictor passes through a compiled graph on a CPU (tts_engine/model/compiled_predictor.py; default:
-        env TTS_COMPILE_PREDICTOR, off)."""
+        env TTS_COMPILE_PREDICTOR, off). govern_threads: on a CPU in a 16-bit or quantised mode, run each frame with
+        the OpenMP threads (1, all, or all inside the linear layers only) measured fastest at the moment
+        (`threads.ThreadGovernor`: a busy core stalls every op that enters the pool; default: on there, env
+        TTS_GOVERN_THREADS=0 turns it off; fp32 keeps the process's threads)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -145,6 +148,27 @@ class TTSEngine:
         if overlap_codec is None:
             overlap_codec = OVERLAP_CODEC_CPU_DEFAULT and not gpu
         self.worker.overlap_codec(overlap_codec, codec_threads)
+        if govern_threads is None:
+            govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")
+        self._govern_threads(govern_threads and not gpu and model.dtype != torch.float32)
+
+    def _govern_threads(self, on: bool) -> None:
+        threads = torch.get_num_threads()
+        if not on or threads < 2:
+            self.worker.govern_threads(None)
+            return
+        from .threads import ThreadGovernor, serial_between_matmuls
+
+        # (not around a compiled predictor's linear layers: its graph is traced from their forwards)
+        mm = serial_between_matmuls(self.model.talker, threads) if self.model.talker.code_predictor.compiled is None \
+            else None
+        self.worker.govern_threads(ThreadGovernor(threads, matmul_option=mm is not None), mm)
+
+    @property
+    def thread_choice(self) -> dict:
+        """What the thread governor measured: {(rows, codec busy): {option: (average frame ms, frames)}}."""
+        g = self.worker.governor
+        return g.snapshot() if g is not None else {}
 
     @classmethod
     def from_pretrained(cls, model, device=None, dtype=None, text_embedding_on_cpu: bool = False,

@@ -77,6 +77,10 @@ class ModelRunner:
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
+        # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
+        # talker step (outside the bf16 gemv switch); the worker decodes completed chunks there
+        self.on_frame_codes = None
+        self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
 
     def compile_predictor(self) -> str:
@@ -188,18 +192,64 @@ class ModelRunner:
         """Complete one frame for each row in `rows` and start the next.
 
         Returns (codes [B, 16] of the completed frame, done [B]): done means the id drawn for the next
-        frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last.
+        frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last. With
+        `on_frame_codes` set (and no CUDA graphs) the hook gets the codes between the two halves (`complete`,
+        `advance`: the same computations).
         Dense rows 0..B-1 take the static path (a CUDA graph where captured); other row sets, eager."""
         B = len(rows)
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
         gemv = self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
+        self._onednn_outside = torch._C._get_mkldnn_enabled()
         with aten_bf16_gemv(gemv):
             codes, done = self._decode(rows, B, read_len)
         for i in rows:
             self.host_len[i] += 1
         return codes, done
+
+    # --- the same frame in two halves (CPU eager: a chunk's audio can be decoded between them) --------------------
+    @torch.inference_mode()
+    def complete(self, rows: list[int]) -> torch.Tensor:
+        """First half of `decode`: the code predictor completes the current frame of each row in `rows` ->
+        codes [B, 16]. Changes no row state (only the predictor's scratch cache): call `advance` with these codes
+        next, before any other step of these rows. Eager only (no CUDA graph)."""
+        r, _, rp = self._rows_view(rows)
+        with aten_bf16_gemv(self._gemv(len(rows))):
+            return self._predict_residuals(self.hidden[r], self.c0[r], self.step[r] - 1, rp)
+
+    @torch.inference_mode()
+    def advance(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
+        """Second half of `decode`: the talker step that consumes the completed frame `codes` [B, 16] and draws
+        each row's next codebook-0 id -> done [B] (as `decode`'s)."""
+        B = len(rows)
+        read_len = max(self.host_len[i] for i in rows) + 1
+        if read_len > self.max_len:
+            raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
+        r, cache_rows, rp = self._rows_view(rows)
+        with aten_bf16_gemv(self._gemv(B)):
+            done = self._advance(r, cache_rows, rp, read_len, codes)
+        for i in rows:
+            self.host_len[i] += 1
+        return done
+
+    def _gemv(self, B: int) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
+
+    def _rows_view(self, rows: list[int]):
+        """(row index tensor, cache rows (a slice where contiguous), RowParams) of `rows`, as `frame` and
+        `_frame_rows` build them."""
+        B = len(rows)
+        if rows == list(range(B)):
+            r = self.row_index[:B]
+            rp = RowParams(**{k: (v[:B] if k != "host" else self._host_facts(B, general=False))
+                              for k, v in self.rp.__dict__.items()})
+            return r, slice(0, B), rp
+        r = torch.tensor(rows, device=self.device)
+        rp = RowParams(**{k: (v[r] if k != "host" else host_facts([self.params[i] for i in rows]))
+                          for k, v in self.rp.__dict__.items()})
+        contiguous = rows == list(range(rows[0], rows[0] + B))
+        return r, (slice(rows[0], rows[0] + B) if contiguous else r), rp
 
     def _decode(self, rows: list[int], B: int, read_len: int):
         if rows == list(range(B)):
@@ -234,13 +284,31 @@ class ModelRunner:
     def _frame_core(self, r, cache_rows, rp: RowParams, read_len: int):
         frame_idx = self.step[r] - 1                        # index of the frame being completed
         codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
+        if self.on_frame_codes is not None and self.graphs is None:   # (never inside a CUDA graph capture)
+            self._hand_over(codes)
+        return codes, self._advance(r, cache_rows, rp, read_len, codes)
+
+    def _hand_over(self, codes: torch.Tensor) -> None:
+        """on_frame_codes(codes) with oneDNN as it was outside the frame's bf16 gemv switch (the codec decodes
+        there: its linear layers need oneDNN)."""
+        inside, outside = torch._C._get_mkldnn_enabled(), self._onednn_outside
+        if inside == outside:
+            self.on_frame_codes(codes)
+            return
+        torch._C._set_mkldnn_enabled(outside)
+        try:
+            self.on_frame_codes(codes)
+        finally:
+            torch._C._set_mkldnn_enabled(inside)
+
+    def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
+        frame_idx = self.step[r] - 1
         x = self.talker.frame_embed(codes) + self._trailing_at(r, frame_idx)         # [B, D]
         h, logits = self.talker.forward_embeds(x[:, None], self.cache, cache_rows, self.pos[r], read_len)
         # (padding rows of a captured batch bucket also advance; the clamp keeps their writes in bounds)
         self.pos[r] = (self.pos[r] + 1).clamp(max=self.max_len - 1)
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
-        done = self._after_c0(r, h, c0)
-        return codes, done
+        return self._after_c0(r, h, c0)
 
     def _trailing_at(self, r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         n = self.trailing_len[r]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections import defaultdict
 
@@ -26,6 +27,7 @@ from ..errors import TTSError
 from .codec_thread import CodecThread, decode_group
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
+from .threads import MATMUL, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
 
@@ -43,6 +45,10 @@ class EngineWorker:
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
         self.codec: CodecThread | None = None   # set by `overlap_codec`: later chunks decode on their own thread
+        self.governor: ThreadGovernor | None = None   # CPU: the frames' OpenMP threads, chosen by measuring them
+        self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
+        self._default_threads = torch.get_num_threads()
+        self._split_frames: bool | None = None   # None: `split_frames` decides by the device
 
     def overlap_codec(self, on: bool, threads: int | None = 1) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -119,10 +125,39 @@ class EngineWorker:
             self.step()
 
     # --- one frame boundary ----------------------------------------------------------------------------
+    def govern_threads(self, governor: ThreadGovernor | None, matmul_threads=None) -> None:
+        """Run every frame step with the OpenMP threads `governor` chooses by measuring frames (None: the process's
+        threads, as before); `matmul_threads`: the switch of `threads.serial_between_matmuls` on the runner's model,
+        for the governor's "matmul" option."""
+        self.governor, self.matmul_threads = governor, matmul_threads
+
+    def _use_threads(self, option) -> None:
+        serial = option == MATMUL
+        n = 1 if serial else int(option)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        if self.matmul_threads is not None:
+            self.matmul_threads.set(serial)
+
     def _step(self) -> None:
+        g = self.governor
+        if g is None:
+            return self._step_with(None, None)
+        n_rows = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.runner.rows)
+        key = situation(n_rows, self.codec is not None and self.codec.busy)
+        option = g.choose(key)
+        self._use_threads(option)
+        try:
+            self._step_with(g, (key, option))
+        finally:
+            self._use_threads(self._default_threads)
+            if self.matmul_threads is not None:
+                self.matmul_threads.set(False)
+
+    def _step_with(self, g: ThreadGovernor | None, choice) -> None:
         for seq in list(self.scheduler.running):
             if seq.cancelled.is_set() or seq.codec_error is not None:
-                self._end(seq)
+                self._end(seq, seq.codec_error if self.codec is None else None)
         for seq in self.scheduler.admit():
             try:
                 self._prefill(seq)
@@ -131,11 +166,67 @@ class EngineWorker:
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if not active:
             return
-        self._decode(active)
-        self.steps += 1
+        n_active = len(active)
+        t0 = time.perf_counter()
+        between = self._decode(active)   # whole frames, or (CPU) halves with the completed chunks between them
+        spent = time.perf_counter() - t0 - between
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
         if ready:
             self._emit(ready)
+        if g is not None and choice[0] == situation(n_active, choice[0][1]):   # (the batch it was keyed by)
+            g.record(choice[0], choice[1], spent)
+        self.steps += 1
+
+    @property
+    def split_frames(self) -> bool:
+        """CPU eager: each frame's codes go to `ModelRunner.on_frame_codes` between its two halves (the code
+        predictor, the talker step) and the chunks it completes are decoded there, so a chunk's audio does not wait for the talker step after its last frame
+        (first audio one talker step sooner). Settable; False: whole frames, then the chunks (as on a GPU)."""
+        if self._split_frames is not None:
+            return self._split_frames
+        return self.runner.device.type == "cpu" and self.runner.graphs is None
+
+    @split_frames.setter
+    def split_frames(self, on: bool | None) -> None:
+        self._split_frames = on
+
+    def _between_halves(self, active: list[Sequence], codes: torch.Tensor, box: dict) -> None:
+        """`ModelRunner.on_frame_codes` of a split frame: this frame's codes join each row's pending frames (its end
+        flag is known after the talker step) and the chunks now complete are decoded. No row may end here (the
+        talker step of these rows follows): a decode that raises marks its rows' `codec_error`."""
+        t0 = time.perf_counter()
+        box["codes"] = codes
+        unknown = torch.zeros((), dtype=torch.bool)
+        for i, s in enumerate(active):
+            s.pending.append((codes[i], unknown))
+        full = [s for s in active if len(s.pending) >= s.target]
+        if full:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
+            self._emit(full, defer_failures=True)
+        box["s"] = time.perf_counter() - t0
+
+    def _after_halves(self, active: list[Sequence], done: torch.Tensor) -> None:
+        """After a split frame's talker step: a row whose frame was its last ends now (its pending frames emitted,
+        cut there); a row whose chunk decode failed ends with that error."""
+        last, ends = [], []
+        flags = done.cpu()
+        for i, s in enumerate(active):
+            if s.status is not Status.RUNNING:
+                continue
+            if s.codec_error is not None:
+                ends.append(s)
+            elif bool(flags[i]):
+                if s.pending:
+                    s.pending[-1] = (s.pending[-1][0], done[i])
+                    last.append(s)
+                else:            # its last chunk went out between the halves
+                    ends.append(s)
+        for s in ends:
+            if s.codec_error is not None and not isinstance(s.codec_error, TTSError):
+                self._fail(s, s.codec_error)
+            else:
+                self._end(s, s.codec_error)
+        if last:
+            self._emit(last)     # cut at the flag, and ended
 
     def _prefill(self, seq: Sequence) -> None:
         req = seq.request
@@ -162,27 +253,61 @@ class EngineWorker:
             self.primed.put(key, state.clone())
         return state
 
-    def _decode(self, active: list[Sequence]) -> None:
+    def _decode(self, active: list[Sequence]) -> float:
+        """One frame for every sequence in `active`; -> seconds spent between the halves (decoding chunks) of a
+        split frame, else 0."""
         active.sort(key=lambda s: s.row)
         rows = [s.row for s in active]
+        box: dict = {}
+        if self.split_frames:
+            self.runner.on_frame_codes = lambda codes: self._between_halves(active, codes, box)
         try:
             codes, done = self.runner.decode(rows)
         except Exception:
+            if "codes" in box:   # the talker step failed after the code predictor: retry it row by row
+                self._advance_alone(active, box["codes"], _exc()[1])
+                return box.get("s", 0.0)
             if len(active) == 1:
                 self._fail(active[0], _exc()[1])   # logged there (not a TTSError), then made readable
-                return
+                return 0.0
             # isolate the failing request: run each row alone (rows' state only advances on success)
+            self.runner.on_frame_codes = None
             for s in active:
                 try:
                     c, d = self.runner.decode([s.row])
                     s.pending.append((c[0], d[0]))
                 except Exception as e:
                     self._fail(s, e)
-            return
+            return 0.0
+        finally:
+            self.runner.on_frame_codes = None
+        if "codes" in box:
+            self._after_halves(active, done)
+            return box.get("s", 0.0)
         for i, s in enumerate(active):
             s.pending.append((codes[i], done[i]))
+        return 0.0
 
-    def _emit(self, ready: list[Sequence]) -> None:
+    def _advance_alone(self, active: list[Sequence], codes: torch.Tensor, exc: BaseException) -> None:
+        """The talker step of a split frame raised for the batch: run it row by row; a row that fails again ends
+        with its error."""
+        if len(active) == 1:
+            self._fail(active[0], exc)
+            return
+        done = torch.zeros(len(active), dtype=torch.bool)
+        for i, s in enumerate(active):
+            if s.status is not Status.RUNNING:
+                continue
+            try:
+                done[i] = self.runner.advance([s.row], codes[i:i + 1])[0]
+            except Exception as e:
+                s.codec_error = s.codec_error or e   # ended (with this error) by _after_halves
+        self._after_halves(active, done)
+
+    def _emit(self, ready: list[Sequence], defer_failures: bool = False) -> None:
+        """Decode (or hand to the codec thread) the pending frames of `ready` as chunks, cut at an end flag.
+        defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
+        instead of ending them now."""
         flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
@@ -205,7 +330,11 @@ class EngineWorker:
                 decode_group(codec, items)
             except Exception as e:
                 for s, _ in items:
-                    self._fail(s, e)
+                    if defer_failures:
+                        log.error("codec decode failed for request %s: %s", s.id, e)
+                        s.codec_error = _user_error(type(e), e)
+                    else:
+                        self._fail(s, e)
                 continue
         for s in ready:
             if s.status is Status.RUNNING:
