@@ -1,0 +1,190 @@
+// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (tts_engine/model/cpu_ext.py
+// builds this file with g++ on first use and calls it through ctypes; torch is loaded first, so the OpenMP runtime
+// and libtorch_cpu resolve to the process's own and at::parallel_for runs on torch's thread pool).
+//
+// One call per linear layer: y[m, n] = (sum_k xq[m, k] * q[n, k]) * amax[m] * scale127[n]
+//   xq[m, :] = round(x[m, :] * (127 / amax[m])) (int8, round half to even), amax[m] = max |x[m, :]|  (as
+//   kernels.quantize_rows); the int32 sums are exact; y is written in x's dtype (fp32, or bf16 rounded to nearest even).
+//
+// Weight layout (ttsx_pack): u8 = q + 128 (q in [-127, 127] -> [1, 255]) in blocks of 16 output rows:
+//   packed[b][k4][r][j] = q[16 b + r][4 k4 + j] + 128, b < Np / 16, k4 < Kp / 4 (N padded to 16, K to 16; padding is
+//   128, i.e. q = 0). One 64-byte vector holds 4 consecutive k of 16 rows: vpdpbusd (u8 x s8 -> s32, 4 products per
+//   lane) multiplies it by 4 activation bytes broadcast to every lane, so a block is read as one sequential stream.
+//   sum_k (q + 128) * xq = sum_k q * xq + 128 * sum_k xq: the offset costs one subtraction per activation row.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <vector>
+#include <ATen/Parallel.h>
+
+namespace {
+
+constexpr int64_t BLK = 16;   // output rows per block
+constexpr int64_t KU = 16;    // k per unrolled step (4 vectors of 4 k)
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline uint16_t f32_to_bf16(float f) {   // round to nearest even (finite values; NaN stays NaN)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// 16 elements of a row (fp32 or bf16) from x + k as fp32, lanes past `mask` zero
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 load16(const void* x, int is_bf16, int64_t k, __mmask16 mask) {
+  if (is_bf16) {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, (const float*)x + k);
+}
+
+// x row (fp32 or bf16) -> xq (int8, Kp bytes, zero padded); returns amax (as a float) and the sum of xq
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quantize_row(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out, int32_t* sum_out) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, is_bf16, k, mask)));
+  }
+  float amax = _mm512_reduce_max_ps(mx);
+  if (!(amax >= 1e-30f)) amax = 1e-30f;   // kernels.quantize_rows: clamp_(min=1e-30)
+  // torch evaluates `127.0 / amax` as reciprocal(amax) * 127 (two fp32 roundings): the same here
+  const float inv1 = 1.0f / amax;
+  const __m512 inv = _mm512_set1_ps(inv1 * 127.0f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+    // x * (127 / amax) rounded half to even (the default MXCSR mode), as torch.round; |v| <= 127
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, is_bf16, k, mask), inv));
+    sum = _mm512_add_epi32(sum, v);
+    _mm_mask_storeu_epi8(xq + k, mask, _mm512_cvtsepi32_epi8(v));
+  }
+  for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
+  *amax_out = amax;
+  *sum_out = _mm512_reduce_add_epi32(sum);
+}
+
+// R activation rows (R = 1..4) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset)
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* acc) {
+  constexpr int U = R == 1 ? 4 : (R == 2 ? 2 : 1);   // independent accumulators per row
+  __m512i a[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_si512();
+  const int64_t steps = Kp / 4;   // 4-byte k groups, a multiple of 4
+  for (int64_t s = 0; s < steps; s += 4) {
+    const uint8_t* ws = w + s * 64;
+    _mm_prefetch((const char*)(ws + 1024), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i wv = _mm512_loadu_si512((const void*)(ws + j * 64));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        memcpy(&xv, xq[r] + (s + j) * 4, 4);
+        a[r][j % U] = _mm512_dpbusd_epi32(a[r][j % U], wv, _mm512_set1_epi32(xv));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512i t = a[r][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_epi32(t, a[r][u]);
+    _mm512_storeu_si512((void*)(acc + r * BLK), t);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void blocks(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1, int32_t* acc_all,
+            int64_t Np) {
+  int32_t acc[4 * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {   // every row group reads this block (from cache after the first)
+      const int64_t R = M - m0 < 4 ? M - m0 : 4;
+      const int8_t* rows[4];
+      for (int64_t r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * Kp;
+      switch (R) {
+        case 1: block_rows<1>(w, rows, Kp, acc); break;
+        case 2: block_rows<2>(w, rows, Kp, acc); break;
+        case 3: block_rows<3>(w, rows, Kp, acc); break;
+        default: block_rows<4>(w, rows, Kp, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ttsx_version() { return 1; }
+
+int ttsx_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+int64_t ttsx_packed_bytes(int64_t N, int64_t K) { return round_up(N, BLK) * round_up(K, KU); }
+
+// q [N, K] int8 (row-major, rows `ldq` apart) -> packed (ttsx_packed_bytes(N, K) bytes)
+void ttsx_pack(const int8_t* q, int64_t N, int64_t K, int64_t ldq, uint8_t* packed) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
+  for (int64_t n = 0; n < Np; ++n) {
+    const int64_t b = n / BLK, r = n % BLK;
+    for (int64_t k = 0; k < Kp; ++k) {
+      const int v = (n < N && k < K) ? q[n * ldq + k] : 0;
+      packed[((b * (Kp / 4) + k / 4) * BLK + r) * 4 + k % 4] = (uint8_t)(v + 128);
+    }
+  }
+}
+
+// packed -> q [N, K] int8 (the inverse of ttsx_pack)
+void ttsx_unpack(const uint8_t* packed, int64_t N, int64_t K, int8_t* q) {
+  const int64_t Kp = round_up(K, KU);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / BLK, r = n % BLK;
+    for (int64_t k = 0; k < K; ++k) q[n * K + k] = (int8_t)((int)packed[((b * (Kp / 4) + k / 4) * BLK + r) * 4 + k % 4] - 128);
+  }
+}
+
+// The fused layer: x [M, K] (fp32 or bf16, rows `ldx` elements apart), packed weights, scale127 [N] fp32 ->
+// y [M, N] (x's dtype, contiguous). acc_out (or NULL): the exact int32 sums sum_k xq[m, k] * q[n, k], [M, N].
+void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+               const float* scale127, int64_t N, void* y, int32_t* acc_out) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
+  const int64_t esz = is_bf16 ? 2 : 4;
+  std::vector<int8_t> xq(M * Kp);
+  std::vector<float> amax(M);
+  std::vector<int32_t> xsum(M), acc(M * Np);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+  const int64_t nb = Np / BLK;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
+  int32_t* accp = acc.data();
+  const int8_t* xqp = xq.data();
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    blocks(packed, xqp, M, Kp, b0, b1, accp, Np);
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t off = 128 * xsum[m];
+      const float am = amax[m];
+      const int64_t n1 = std::min(N, b1 * BLK);
+      for (int64_t n = b0 * BLK; n < n1; ++n) {
+        const int32_t s = accp[m * Np + n] - off;
+        if (acc_out) acc_out[m * N + n] = s;
+        const float v = (float)s * (am * scale127[n]);
+        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
+        else ((float*)y)[m * N + n] = v;
+      }
+    }
+  });
+}
+
+}  // extern "C"

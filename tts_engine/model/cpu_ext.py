@@ -1,0 +1,179 @@
+"""Our own CPU matmul kernels (`cpu_ext.cpp`): a fused W8A8 layer for the decode shapes (1-4 activation rows) that
+reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction).
+
+Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
+(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, one file per source, torch version and
+compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
+ninja nor pybind nor torch's C++ headers beyond `ATen/Parallel.h` are needed (a `torch.utils.cpp_extension`
+module with a registered op compiles ~4x longer for the same ~1.5-2 us per call). The work of a call is split over
+output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
+
+`available()` is False, with one logged line saying why, when anything fails: no compiler, a build error, a CPU
+without AVX-512 VNNI, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
+candidate only when it is available); nothing here may take the engine down.
+
+Layer math (as kernels.w8a8_int_mm, with exact int32 sums): xq = round(x * 127 / amax_row) (int8),
+y = (xq @ q.T) * amax_row * scale127[n], written in x's dtype. Weights are prepared once (`pack`): blocks of 16
+output rows, 4 consecutive k per 32-bit lane, stored as q + 128 (see cpu_ext.cpp).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tts_engine")
+
+ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
+SOURCE = Path(__file__).with_name("cpu_ext.cpp")
+BLOCK_N, BLOCK_K = 16, 16        # padding of the packed layout (cpu_ext.cpp BLK, KU)
+
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    from .kernels import cache_root   # kernels imports this module; import late
+    return cache_root() / "cpu_ext"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(force: bool = False) -> Path:
+    """Compile cpu_ext.cpp into the cache folder (once per source, torch and compiler) and return the library's
+    path. Raises on any failure (no compiler, compile error)."""
+    if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
+        raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
+    cxx = _compiler()
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    src = SOURCE.read_bytes()
+    torch_dir = Path(torch.__file__).parent
+    tag = hashlib.sha1(src + torch.__version__.encode() + cxx.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"ttsx-{tag}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
+    cmd = [cxx, "-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{torch_dir / 'include'}",
+           str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+           f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cxx} did not run: {e}") from e
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cxx} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-400:]}")
+    tmp.replace(out)   # atomic: a concurrent process sees the old file or the whole new one
+    log.info("tts_engine: built the CPU kernels %s in %.1f s", out, time.perf_counter() - t0)
+    _state["build_seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ttsx_supported.restype = I
+    lib.ttsx_version.restype = I
+    lib.ttsx_packed_bytes.argtypes, lib.ttsx_packed_bytes.restype = [I64, I64], I64
+    lib.ttsx_pack.argtypes, lib.ttsx_pack.restype = [P, I64, I64, I64, P], None
+    lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
+    lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P]
+    lib.ttsx_w8a8.restype = None
+    if not lib.ttsx_supported():
+        raise RuntimeError("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built on first use; None (logged once) when it cannot be built or run here."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" not in _state:
+            lib = None
+            if not enabled():
+                _state["why"] = f"{ENABLE_ENV}=0"
+            else:
+                try:
+                    lib = _load()
+                except Exception as e:   # any failure leaves aten's kernels serving
+                    _state["why"] = f"{type(e).__name__}: {e}"[:300]
+                    log.warning("tts_engine: own CPU kernels not used (%s); aten's kernels serve", _state["why"])
+            _state["lib"] = lib
+    return _state["lib"]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def why_unavailable() -> str | None:
+    library()
+    return _state.get("why")
+
+
+def reset() -> None:
+    """Forget the loaded state (tests: a later `library()` tries again)."""
+    with _lock:
+        _state.clear()
+
+
+# --- the W8A8 layer -----------------------------------------------------------------------------------------------
+def packed_bytes(N: int, K: int) -> int:
+    return -(-N // BLOCK_N) * BLOCK_N * -(-K // BLOCK_K) * BLOCK_K
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout (uint8, 1-D, packed_bytes(N, K))."""
+    lib = library()
+    assert lib is not None and q.dtype == torch.int8 and q.dim() == 2 and q.stride(1) == 1
+    N, K = q.shape
+    out = torch.empty(packed_bytes(N, K), dtype=torch.uint8)
+    lib.ttsx_pack(q.data_ptr(), N, K, q.stride(0), out.data_ptr())
+    return out
+
+
+def unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The inverse of `pack`: int8 [N, K]."""
+    lib = library()
+    assert lib is not None and packed.numel() >= packed_bytes(N, K)
+    q = torch.empty(N, K, dtype=torch.int8)
+    lib.ttsx_unpack(packed.data_ptr(), N, K, q.data_ptr())
+    return q
+
+
+def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
+         acc: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype (module doc). packed: `pack(q)`; scale127 [N] fp32.
+    acc: an int32 [M, N] tensor to receive the exact sums (tests)."""
+    lib = _state.get("lib") or library()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    M, K = x.shape
+    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
+        x = x.contiguous()
+    if packed.numel() < packed_bytes(N, K) or scale127.dtype != torch.float32 or scale127.numel() < N \
+            or not scale127.is_contiguous():
+        raise ValueError(f"packed weight / scale do not fit {N}x{K}")
+    y = torch.empty(M, N, dtype=x.dtype)
+    lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
+                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr())
+    return y
