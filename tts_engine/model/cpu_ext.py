@@ -130,6 +130,13 @@ def why_unavailable() -> str | None:
     return _state.get("why")
 
 
+def tag() -> str:
+    """The identity of the kernels (source and torch version) for the kernel table's machine key."""
+    if "tag" not in _state:
+        _state["tag"] = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return _state["tag"]
+
+
 def reset() -> None:
     """Forget the loaded state (tests: a later `library()` tries again)."""
     with _lock:

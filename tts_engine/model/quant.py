@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import TTSError
-from . import kernels
+from . import cpu_ext, kernels
 
 QUANT_MODES = ("int8", "int4", "w8a8")   # every lossy mode, in one place (app, CLI, bench and auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
@@ -108,37 +108,58 @@ class W8A8Linear(nn.Module):
     """int8 weights x int8 activations: y = (xq @ q.T) * amax_row * scale[n] / 127 (+ bias).
     q [N, K] int8 and scale [N] as in Int8Linear; the activation is rounded per row per call
     (`kernels.quantize_rows`). The kernel of each row bucket is the one measured fastest here
-    (`kernels.KernelTable.choice`; its default where the table has no entry); prompt prefills (more than
-    kernels.MAX_DECODE_ROWS rows) take `torch._int_mm`, a GEMM with exact int32 sums."""
+    (`kernels.KernelTable.choice`; its default where the table has no entry). Where our own kernel ("vnni",
+    `cpu_ext`) is chosen the layer holds q in that kernel's layout (`packed`), and holds q as [N, K] (`qweight`)
+    only if another bucket's kernel needs it. Prompt prefills (more than kernels.MAX_DECODE_ROWS rows) take our
+    kernel where the layer holds it, else `torch._int_mm`; both are exact int32 sums, so every kernel gives the
+    same numbers up to the float rounding of the result."""
 
     def __init__(self, linear: nn.Linear, table: "kernels.KernelTable | None" = None):
         super().__init__()
         w = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                        # [N]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.register_buffer("scale127", scale / 127.0)                              # fp32 [N]
         self.register_buffer("scale127_bf16", (scale / 127.0).to(torch.bfloat16))   # the int8pack kernel's scale
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         table = table or kernels.kernel_table()
         self.kernel_names = {b: table.choice("w8a8", self.out_features, self.in_features, b)
                              for b in kernels.ROW_BUCKETS}
+        self.register_buffer("qweight", None)
+        self.register_buffer("packed", None)
+        self.set_int8_weight(q)
+
+    def set_int8_weight(self, q: torch.Tensor) -> None:
+        """Hold the int8 weight q [N, K] in the layout(s) the chosen kernels read."""
+        names = set(self.kernel_names.values())
+        self.packed = cpu_ext.pack(q) if "vnni" in names else None
+        self.qweight = q.contiguous() if names - {"vnni"} else None
         cands = kernels.FORMATS["w8a8"].candidates
-        self._by_bucket = {b: cands[n] for b, n in self.kernel_names.items()}
+        self._by_bucket = {b: (cands[n], self.packed if n == "vnni" else self.qweight)
+                           for b, n in self.kernel_names.items()}
+        self._prefill = (kernels.w8a8_vnni, self.packed) if self.packed is not None else \
+            (kernels.w8a8_int_mm, self.qweight)
+
+    def int8_weight(self) -> torch.Tensor:
+        """q [N, K] int8, whatever layout the layer holds it in."""
+        if self.qweight is not None:
+            return self.qweight
+        return cpu_ext.unpack(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by [N, K] (fp32)."""
-        return self.qweight.float() * (self.scale127 * 127.0)[:, None]
+        return self.int8_weight().float() * (self.scale127 * 127.0)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, lead = x.dtype, x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
         if m > kernels.MAX_DECODE_ROWS and _dense_rows[0] < (1 << 62):
-            fn = kernels.w8a8_int_mm
+            fn, w = self._prefill
         else:
-            fn = self._by_bucket[kernels.row_bucket(m)]
-        y = fn(x2, self.qweight, self.scale127, self.scale127_bf16).to(dtype).reshape(*lead, self.out_features)
+            fn, w = self._by_bucket[kernels.row_bucket(m)]
+        y = fn(x2, w, self.scale127, self.scale127_bf16).to(dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
