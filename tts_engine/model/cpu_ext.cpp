@@ -120,6 +120,18 @@ void blocks(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int6
   }
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+int64_t read_chunk(const uint8_t* q, int64_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512((const void*)(q + i)));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512((const void*)(q + i + 64)));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512((const void*)(q + i + 128)));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void*)(q + i + 192)));
+  }
+  return _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -185,6 +197,19 @@ void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
       }
     }
   });
+}
+
+// A plain read of n bytes (64-byte loads, split over torch's threads): the memory floor beside the kernels
+// (tts_engine.bench_matmuls gbps). Returns a value that depends on every byte so the reads cannot be dropped.
+int64_t ttsx_read(const uint8_t* p, int64_t n) {
+  const int64_t chunk = 1 << 16, nc = n / chunk;
+  std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);
+  at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) part[c] = read_chunk(p + c * chunk, chunk);
+  });
+  int64_t s = 0;
+  for (int64_t v : part) s ^= v;
+  return s;
 }
 
 }  // extern "C"

@@ -76,7 +76,9 @@ def build(force: bool = False) -> Path:
         raise RuntimeError(f"{cxx} did not run: {e}") from e
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{cxx} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-400:]}")
+        msg = (r.stderr or r.stdout).strip().splitlines()
+        first = [ln for ln in msg if "error" in ln][:2] or msg[-2:]
+        raise RuntimeError(f"{cxx} failed ({r.returncode}): {' | '.join(first)[:400]}")
     tmp.replace(out)   # atomic: a concurrent process sees the old file or the whole new one
     log.info("tts_engine: built the CPU kernels %s in %.1f s", out, time.perf_counter() - t0)
     _state["build_seconds"] = time.perf_counter() - t0
@@ -93,6 +95,7 @@ def _load() -> ctypes.CDLL:
     lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
     lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P]
     lib.ttsx_w8a8.restype = None
+    lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
     if not lib.ttsx_supported():
         raise RuntimeError("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
     return lib
@@ -184,3 +187,10 @@ def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
     lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
                   scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr())
     return y
+
+
+def read_bytes(buf: torch.Tensor) -> int:
+    """A plain read of a contiguous tensor's bytes with 64-byte loads on torch's threads (the memory floor)."""
+    lib = library()
+    assert lib is not None and buf.is_contiguous()
+    return lib.ttsx_read(buf.data_ptr(), buf.numel() * buf.element_size())
