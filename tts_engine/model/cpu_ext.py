@@ -60,7 +60,7 @@ def build(force: bool = False) -> Path:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     src = SOURCE.read_bytes()
     torch_dir = Path(torch.__file__).parent
-    tag = hashlib.sha1(src + torch.__version__.encode() + cxx.encode()).hexdigest()[:16]
+    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
     out = _cache_dir() / f"ttsx-{tag}.so"
     if out.exists() and not force:
         return out
