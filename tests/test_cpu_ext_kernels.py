@@ -155,3 +155,70 @@ def test_switched_off_by_environment(fresh_state, monkeypatch):
     monkeypatch.setenv(cpu_ext.ENABLE_ENV, "0")
     assert not cpu_ext.available() and cpu_ext.why_unavailable() == f"{cpu_ext.ENABLE_ENV}=0"
     assert kernels.register_cpu_ext() is None and "vnni" not in kernels.FORMATS["w8a8"].candidates
+
+
+# --- W4A8: int4 weights (quant.Int4Linear's groups, scales and zeros) x int8 activation rows --------------------
+@pytest.mark.parametrize("N,K", [(16, 64), (37, 128), (100, 320), (1024, 1024)])
+def test_w4a8_matches_the_same_arithmetic_in_float64(ext, N, K):
+    from tts_engine.model.quant import int4_quantize
+
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    q, sz = int4_quantize(w, 64)
+    packed = ext.pack4(q, sz)
+    assert packed.numel() == ext.packed4_bytes(N, K)
+    # the weight the kernel must multiply by: (q - 8) * scale + zero with the bf16 scale and zero of each group
+    s = sz[..., 0].float().T.repeat_interleave(64, dim=1)
+    z = sz[..., 1].float().T.repeat_interleave(64, dim=1)
+    wdeq = ((q - 8) * s + z).double()
+    for rows in (1, 2, 3, 4, 9):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, K, generator=g).to(dtype)
+            xq, amax = kernels.quantize_rows(x)
+            exact = (xq.double() @ wdeq.T) * amax.double() / 127
+            y = ext.w4a8(x, packed, N)
+            assert y.dtype == dtype and y.shape == (rows, N)
+            err = ((y.double() - exact).norm() / exact.norm()).item()
+            assert err < (2e-6 if dtype == torch.float32 else 4e-3), (rows, dtype, err)   # fp32 sums / bf16 result
+
+
+def test_w4a8_layer_is_the_int4_weight_with_int8_activations(ext, cache):
+    from tts_engine.model import quant
+
+    torch.manual_seed(5)
+    lin = nn.Linear(256, 96, bias=True)
+    w4 = quant.quantize_linear(lin, "w4a8")
+    i4 = quant.quantize_linear(lin, "int4")
+    assert isinstance(w4, quant.W4A8Linear) and isinstance(i4, quant.Int4Linear)
+    q, sz = quant.int4_quantize(lin.weight.detach().float(), 64)
+    exact = (q - 8) * sz[..., 0].float().T.repeat_interleave(64, 1) + sz[..., 1].float().T.repeat_interleave(64, 1)
+    torch.testing.assert_close(w4.dequantized(), exact, rtol=1e-5, atol=1e-7)   # the same int4 weight as int4's,
+    torch.testing.assert_close(i4.dequantized(), exact, rtol=8e-3, atol=1e-5)   # (read back there in bf16)
+    x = torch.randn(3, 256)
+    ref = lin(x)
+    y4, yi = w4(x), i4(x)
+    assert ((y4 - ref).norm() / ref.norm()).item() < 0.12                    # int4's bound in test_quant
+    assert ((y4 - yi).norm() / yi.norm()).item() < 0.02                      # + the int8 activation rounding
+    assert "w4a8" in quant.available_modes()
+    assert quant.precision_label(torch.bfloat16, "w4a8") == "int4 weights x int8 activations"
+    assert not quant.W4A8Linear.supports(nn.Linear(100, 16))                 # K not a multiple of 64: stays dense
+
+
+def test_w4a8_is_not_offered_without_the_kernels(fresh_state, monkeypatch):
+    from tts_engine.errors import TTSError
+    from tts_engine.model import quant
+    from tts_engine.model.talker import Talker  # noqa: F401  (quantize_talker's argument type)
+
+    monkeypatch.setenv(cpu_ext.ENABLE_ENV, "0")
+    assert "w4a8" not in quant.available_modes() and "w8a8" in quant.available_modes()
+    kernels.register_cpu_ext()
+    assert "vnni" not in kernels.FORMATS["w4a8"].candidates
+
+    class FakeTalker(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.norm = nn.LayerNorm(4)
+
+    with pytest.raises(TTSError, match="w4a8"):
+        quant.quantize_talker(FakeTalker(), "w4a8")

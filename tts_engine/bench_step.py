@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tts_engine.bench_step", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A), e.g. /work/main")
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], default="0.6b")
-    p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4", "w8a8"], default="int8")
-    p.add_argument("--base-mode", choices=["fp32", "bf16", "int8", "int4", "w8a8"],
+    p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4", "w8a8", "w4a8"], default="int8")
+    p.add_argument("--base-mode", choices=["fp32", "bf16", "int8", "int4", "w8a8", "w4a8"],
                    help="A's mode when it differs from B's (--mode), e.g. --base-mode int8 --mode w8a8")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=4)
@@ -113,9 +113,9 @@ def main(argv=None) -> int:
     if (base_mode == "fp32") != (a.mode == "fp32"):
         p.error("--base-mode and --mode must both be fp32 or both not")
     dtype = torch.float32 if a.mode == "fp32" else torch.bfloat16
-    quant = a.mode if a.mode in ("int8", "int4", "w8a8") else None
+    quant = a.mode if a.mode in ("int8", "int4", "w8a8", "w4a8") else None
     torch.manual_seed(0)
-    tA, state = build_talker("tts_base", cfg, dtype, base_mode if base_mode in ("int8", "int4", "w8a8") else None)
+    tA, state = build_talker("tts_base", cfg, dtype, base_mode if base_mode in ("int8", "int4", "w8a8", "w4a8") else None)
     tB, _ = build_talker("tts_engine", cfg, dtype, quant, state)
     del state
     max_len = 2 * a.rounds * a.frames * 3 + 200

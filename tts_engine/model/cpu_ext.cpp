@@ -132,6 +132,79 @@ int64_t read_chunk(const uint8_t* q, int64_t n) {
   return _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
 }
 
+
+// ---- W4A8: int4 weights (groups of G = 64 input columns, per group and row a bf16 scale and zero:
+// w = (q - 8) * scale + zero, q in 0..15, as quant.Int4Linear) x int8 activation rows.
+// Layout (ttsx_pack4): per block of 16 output rows and per group, 8 vectors of 64 bytes: vector t (t < 8) holds
+// k4-step t of the group in its low nibbles and k4-step t + 8 in its high nibbles (4 consecutive k of 16 rows per
+// step, as the int8 layout), then one vector of 16 bf16 scales and 16 bf16 zeros (the block's rows): 576 bytes.
+// y = amax / 127 * sum_g [ scale * (sum_{k in g} q * xq - 8 * sum_{k in g} xq) + zero * sum_{k in g} xq ].
+constexpr int64_t G4 = 64;
+constexpr int64_t GBYTES = 8 * 64 + 64;
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void block4_rows(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                        float* out) {
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t x0, x1;
+        memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+        memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], lo, _mm512_set1_epi32(x0));
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], hi, _mm512_set1_epi32(x1));
+      }
+    }
+    const __m512i sz = _mm512_loadu_si512((const void*)(wg + 512));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+    const __m512 ze = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+    for (int r = 0; r < R; ++r) {
+      const int32_t gs = gsum[r][g];
+      const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(a[r][0], a[r][1]), _mm512_set1_epi32(8 * gs));
+      f[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d), f[r]);
+      f[r] = _mm512_fmadd_ps(ze, _mm512_set1_ps((float)gs), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * BLK, f[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
+             int64_t b1, float* acc_all, int64_t Np) {
+  const int64_t ng = Kp / G4;
+  float acc[4 * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * ng * GBYTES;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = M - m0 < 4 ? M - m0 : 4;
+      const int8_t* rows[4];
+      const int32_t* gs[4];
+      for (int64_t r = 0; r < R; ++r) { rows[r] = xq + (m0 + r) * Kp; gs[r] = gsum + (m0 + r) * ng; }
+      switch (R) {
+        case 1: block4_rows<1>(w, rows, gs, ng, acc); break;
+        case 2: block4_rows<2>(w, rows, gs, ng, acc); break;
+        case 3: block4_rows<3>(w, rows, gs, ng, acc); break;
+        default: block4_rows<4>(w, rows, gs, ng, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -192,6 +265,64 @@ void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
         const int32_t s = accp[m * Np + n] - off;
         if (acc_out) acc_out[m * N + n] = s;
         const float v = (float)s * (am * scale127[n]);
+        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
+        else ((float*)y)[m * N + n] = v;
+      }
+    }
+  });
+}
+
+int64_t ttsx_packed4_bytes(int64_t N, int64_t K) { return round_up(N, BLK) / BLK * (round_up(K, G4) / G4) * GBYTES; }
+
+// q [N, K] (0..15 as uint8, row-major), scale_zero [K / 64, N, 2] bf16 (quant.Int4Linear's) -> packed4. K % 64 == 0
+// is not required: columns past K are q = 8 with scale and zero of the last group (w = zero * 0 input: x is 0 there).
+void ttsx_pack4(const uint8_t* q, const uint16_t* scale_zero, int64_t N, int64_t K, uint8_t* packed) {
+  const int64_t Np = round_up(N, BLK), ng = round_up(K, G4) / G4;
+  memset(packed, 0, ttsx_packed4_bytes(N, K));
+  for (int64_t b = 0; b < Np / BLK; ++b)
+    for (int64_t g = 0; g < ng; ++g) {
+      uint8_t* wg = packed + (b * ng + g) * GBYTES;
+      for (int64_t r = 0; r < BLK; ++r) {
+        const int64_t n = b * BLK + r;
+        for (int64_t kk = 0; kk < G4; ++kk) {
+          const int64_t k = g * G4 + kk, step = kk / 4, j = kk % 4;
+          const int v = (n < N && k < K) ? (q[n * K + k] & 15) : 8;
+          uint8_t* byte = wg + (step % 8) * 64 + r * 4 + j;
+          *byte |= step < 8 ? v : (v << 4);
+        }
+        uint16_t* sz = (uint16_t*)(wg + 512);
+        sz[r] = n < N ? scale_zero[(g * N + n) * 2] : 0;
+        sz[16 + r] = n < N ? scale_zero[(g * N + n) * 2 + 1] : 0;
+      }
+    }
+}
+
+// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype)
+void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
+               void* y) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, G4), ng = Kp / G4;
+  const int64_t esz = is_bf16 ? 2 : 4;
+  std::vector<int8_t> xq(M * Kp);
+  std::vector<float> amax(M);
+  std::vector<int32_t> xsum(M), gsum(M * ng);
+  std::vector<float> acc(M * Np);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    for (int64_t g = 0; g < ng; ++g) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < G4; ++k) s += xq[m * Kp + g * G4 + k];
+      gsum[m * ng + g] = s;
+    }
+  }
+  float* accp = acc.data();
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
+  at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
+    blocks4(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
+    for (int64_t m = 0; m < M; ++m) {
+      const float am = amax[m] * (1.0f / 127.0f);
+      const int64_t n1 = std::min(N, b1 * BLK);
+      for (int64_t n = b0 * BLK; n < n1; ++n) {
+        const float v = accp[m * Np + n] * am;
         if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
         else ((float*)y)[m * N + n] = v;
       }

@@ -95,6 +95,9 @@ def _load() -> ctypes.CDLL:
     lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
     lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P]
     lib.ttsx_w8a8.restype = None
+    lib.ttsx_packed4_bytes.argtypes, lib.ttsx_packed4_bytes.restype = [I64, I64], I64
+    lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
+    lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P], None
     lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
     if not lib.ttsx_supported():
         raise RuntimeError("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
@@ -194,3 +197,39 @@ def read_bytes(buf: torch.Tensor) -> int:
     lib = library()
     assert lib is not None and buf.is_contiguous()
     return lib.ttsx_read(buf.data_ptr(), buf.numel() * buf.element_size())
+
+
+# --- the W4A8 layer (int4 weights of quant.Int4Linear x int8 activation rows) -------------------------------------
+INT4_GROUP = 64   # the kernel's group (quant.INT4_GROUP)
+
+
+def packed4_bytes(N: int, K: int) -> int:
+    return -(-N // BLOCK_N) * (-(-K // INT4_GROUP)) * (8 * 64 + 64)
+
+
+def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15, any integer dtype), scale_zero [K/64, N, 2] bf16 -> the W4A8 kernel's layout (uint8)."""
+    lib = library()
+    N, K = q.shape
+    assert lib is not None and scale_zero.dtype == torch.bfloat16 and scale_zero.shape == (-(-K // 64), N, 2)
+    q8 = q.to(torch.uint8).contiguous()
+    sz = scale_zero.contiguous()
+    out = torch.empty(packed4_bytes(N, K), dtype=torch.uint8)
+    lib.ttsx_pack4(q8.data_ptr(), sz.data_ptr(), N, K, out.data_ptr())
+    return out
+
+
+def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
+    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights."""
+    lib = _state.get("lib") or library()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    M, K = x.shape
+    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
+        x = x.contiguous()
+    if packed4.numel() < packed4_bytes(N, K):
+        raise ValueError(f"packed int4 weight does not fit {N}x{K}")
+    y = torch.empty(M, N, dtype=x.dtype)
+    lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,
+                  y.data_ptr())
+    return y

@@ -31,6 +31,8 @@ numbers up to float summation order:
           are the same int8 values in a blocked layout, `cpu_ext.pack`; a candidate only where it builds and the
           CPU has AVX-512 VNNI)
   "int4"  aten's packed int4 + bf16 (scale, zero) per group: "int4pack" (aten._weight_int4pack_mm_for_cpu)
+  "w4a8"  int4 + bf16 (scale, zero) per group of 64 in our kernel's layout, activations rounded to int8 per row:
+          "vnni" (`cpu_ext.w4a8`; the format has no candidate where our kernels do not run)
 """
 from __future__ import annotations
 
@@ -198,6 +200,10 @@ def w8a8_vnni(x, packed, scale127, scale127_bf16=None):
     return cpu_ext.w8a8(x, packed, scale127, scale127.numel())
 
 
+def w4a8_vnni(x, packed4, N):
+    return cpu_ext.w4a8(x, packed4, N)
+
+
 def int4_pack(x, packed, group, scale_zero):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero)
 
@@ -235,6 +241,10 @@ def _w8a8_packed_view(buf, N, K):
     return buf[: cpu_ext.packed_bytes(N, K)], s, s.to(torch.bfloat16)
 
 
+def _w4a8_view(buf, N, K):
+    return buf[: cpu_ext.packed4_bytes(N, K)], N
+
+
 def _int4_view(buf, N, K):
     # aten's CPU int4 packing is [N, K / 2] uint8 (two 4-bit values a byte); the timing only needs its size
     packed = buf[: N * K // 2].view(N, K // 2)
@@ -248,6 +258,7 @@ FORMATS: dict[str, Format] = {
     "w8a8": Format("w8a8", 1, {"int_mm": w8a8_int_mm, "int8pack_a8": w8a8_int8pack}, "int_mm",
                    _w8a8_view),
     "int4": Format("int4", 0.5, {"int4pack": int4_pack}, "int4pack", _int4_view),
+    "w4a8": Format("w4a8", 0.5625, {}, "vnni", _w4a8_view),
 }
 
 
@@ -258,9 +269,11 @@ def register_cpu_ext() -> str | None:
     if not cpu_ext.available():
         cands.pop("vnni", None)
         layouts.pop("vnni", None)
+        FORMATS["w4a8"].candidates.pop("vnni", None)
         return None
     cands.setdefault("vnni", w8a8_vnni)
     layouts.setdefault("vnni", (_w8a8_packed_view, cpu_ext.packed_bytes))
+    FORMATS["w4a8"].candidates.setdefault("vnni", w4a8_vnni)
     return cpu_ext.tag()
 
 
