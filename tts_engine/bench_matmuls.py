@@ -58,19 +58,19 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
         P = [cpu_ext.pack(w) for w in W]
         cands = {"plain read": lambda: [cpu_ext.read_bytes(w) for w in W], **cands,
                  "w8a8_vnni": lambda: [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]}
+    else:
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
     # int4 (the same shapes; GB/s of the int4 bytes and scales each kernel reads): aten's int4pack, our W4A8
     q4 = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g) for n, k in shapes]
     sz = [torch.rand(k // 64, n, 2, generator=g).to(torch.bfloat16) for n, k in shapes]
     A4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, quant.INT4_INNER_K_TILES) for q in q4]
     bytes4 = sum(a.numel() * a.element_size() + s.numel() * 2 for a, s in zip(A4, sz))
-    cands["int4pack (int4)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[q.shape[1]], a, 64, s)
-                                        for q, a, s in zip(q4, A4, sz)]
+    cands["int4pack (int4)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], a, 64, s)
+                                        for (_, k), a, s in zip(shapes, A4, sz)]
     if cpu_ext.available():
         P4 = [cpu_ext.pack4(q, s) for q, s in zip(q4, sz)]
-        cands["w4a8_vnni (int4)"] = lambda: [kernels.w4a8_vnni(xs[q.shape[1]], p, q.shape[0]) for q, p in zip(q4, P4)]
+        cands["w4a8_vnni (int4)"] = lambda: [kernels.w4a8_vnni(xs[k], p, n) for (n, k), p in zip(shapes, P4)]
     del q4
-    else:
-        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
     times = {n: [] for n in cands}
     with torch.inference_mode():
         for _ in range(rounds):

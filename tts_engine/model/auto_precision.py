@@ -33,6 +33,7 @@ BUILTIN_QUALITY = {
     "int8": {"hidden_cos_min": 0.99984, "c0_logits_cos_min": 0.99984, "cp_logits_cos_min": 0.99993},
     "w8a8": {"hidden_cos_min": 0.99965, "c0_logits_cos_min": 0.99960, "cp_logits_cos_min": 0.99983},
     "int4": {"hidden_cos_min": 0.98731, "c0_logits_cos_min": 0.98587, "cp_logits_cos_min": 0.99359},
+    "w4a8": {"hidden_cos_min": 0.98726, "c0_logits_cos_min": 0.98573, "cp_logits_cos_min": 0.99358},
 }
 MODE_FORMAT = {"int8": "int8", "w8a8": "w8a8", "int4": "int4", "w4a8": "w4a8"}
 DENSE_KERNEL = {"bf16": "aten", "fp32": "linear"}   # what ModelRunner runs for one row of a dense engine
