@@ -222,3 +222,30 @@ def test_w4a8_is_not_offered_without_the_kernels(fresh_state, monkeypatch):
 
     with pytest.raises(TTSError, match="w4a8"):
         quant.quantize_talker(FakeTalker(), "w4a8")
+
+
+# --- the AVX2 path (CPUs without AVX-512 VNNI), forced on this CPU ------------------------------------------------
+def test_the_avx2_path_gives_the_same_exact_sums(fresh_state, monkeypatch):
+    from tts_engine.model import quant
+
+    if not ({"avx2", "fma"} <= set(kernels.cpu_identity()["flags"]) and shutil.which("g++") and cpu_ext.enabled()):
+        pytest.skip("no AVX2 + FMA or no g++ here")
+    monkeypatch.setenv(cpu_ext.ISA_ENV, "avx2")
+    assert cpu_ext.available(), cpu_ext.why_unavailable()
+    assert cpu_ext.isa() == "avx2" and not cpu_ext.has_w4a8() and "w4a8" not in quant.available_modes()
+    assert kernels.register_cpu_ext().endswith("-avx2") and "vnni" not in kernels.FORMATS["w4a8"].candidates
+    g = torch.Generator().manual_seed(11)
+    for N, K in [(37, 50), (256, 1024)]:
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        q[0, :] = 127
+        s127 = torch.rand(N, generator=g) * 1e-4
+        packed = cpu_ext.pack(q)
+        for rows in (1, 2, 4, 5):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, K, generator=g) * 3).to(dtype)
+                x[0, :] = x[0, :].abs()
+                acc = torch.empty(rows, N, dtype=torch.int32)
+                y = cpu_ext.w8a8(x, packed, s127, N, acc)
+                xq, _ = kernels.quantize_rows(x)
+                assert torch.equal(acc.long(), xq.long() @ q.long().T), (N, K, rows, dtype)
+                torch.testing.assert_close(y, kernels.w8a8_int_mm(x, q, s127).to(dtype), rtol=0, atol=0)

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <algorithm>
+#include <cmath>
 #include <vector>
 #include <ATen/Parallel.h>
 
@@ -205,11 +207,76 @@ void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64
   }
 }
 
+// ---- AVX2 (no VNNI): the same packed layout and the same exact int32 sums, with 16-bit products: the u8 weights
+// (q + 128, up to 255) are widened to 16 bits (vpmovzxbw) and multiplied by the int8 activation pairs with vpmaddwd
+// (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767). Lanes hold (row, k pair); pairs are added at the end.
+__attribute__((target("avx2,fma")))
+void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out,
+                       int32_t* sum_out) {
+  auto at = [&](int64_t k) -> float {
+    if (is_bf16) { uint32_t u = (uint32_t)((const uint16_t*)x)[k] << 16; float f; memcpy(&f, &u, 4); return f; }
+    return ((const float*)x)[k];
+  };
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(at(k)));
+  if (!(amax >= 1e-30f)) amax = 1e-30f;
+  const float inv1 = 1.0f / amax;
+  const float inv = inv1 * 127.0f;
+  int32_t s = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int v = _mm_cvtss_si32(_mm_set_ss(at(k) * inv));   // round half to even (MXCSR default)
+    xq[k] = (int8_t)std::max(-127, std::min(127, v));
+    s += xq[k];
+  }
+  for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
+  *amax_out = amax;
+  *sum_out = s;
+}
+
+__attribute__((target("avx2,fma")))
+void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
+                 int32_t* acc_all, int64_t Np) {
+  const int64_t steps = Kp / 4;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq + m * Kp;
+      // acc[i]: rows 4i..4i+3, each as two k pairs (8 int32 lanes)
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int64_t st = 0; st < steps; ++st) {
+        // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
+        const __m128i x4 = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(*(const int32_t*)(xr + st * 4)));   // x0..x3 as i16
+        const __m256i xb = _mm256_broadcastq_epi64(x4);                                           // 4 rows x (x0..x3)
+        const uint8_t* ws = w + st * 64;
+        for (int i = 0; i < 4; ++i) {
+          const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w16, xb));
+        }
+      }
+      int32_t* out = acc_all + m * Np + b * BLK;
+      for (int i = 0; i < 4; ++i) {
+        alignas(32) int32_t t[8];
+        _mm256_store_si256((__m256i*)t, acc[i]);
+        for (int r = 0; r < 4; ++r) out[4 * i + r] = t[2 * r] + t[2 * r + 1];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 int ttsx_version() { return 1; }
+
+int ttsx_supported();
+
+// 2: AVX-512 VNNI (every kernel), 1: AVX2 + FMA (W8A8 only), 0: neither
+int ttsx_isa() {
+  __builtin_cpu_init();
+  if (ttsx_supported()) return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
 
 int ttsx_supported() {
   __builtin_cpu_init();
@@ -243,20 +310,23 @@ void ttsx_unpack(const uint8_t* packed, int64_t N, int64_t K, int8_t* q) {
 // The fused layer: x [M, K] (fp32 or bf16, rows `ldx` elements apart), packed weights, scale127 [N] fp32 ->
 // y [M, N] (x's dtype, contiguous). acc_out (or NULL): the exact int32 sums sum_k xq[m, k] * q[n, k], [M, N].
 void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
-               const float* scale127, int64_t N, void* y, int32_t* acc_out) {
+               const float* scale127, int64_t N, void* y, int32_t* acc_out, int isa) {
   const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
   const int64_t esz = is_bf16 ? 2 : 4;
   std::vector<int8_t> xq(M * Kp);
   std::vector<float> amax(M);
   std::vector<int32_t> xsum(M), acc(M * Np);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+  for (int64_t m = 0; m < M; ++m) {
+    if (isa == 2) quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    else quantize_row_avx2((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+  }
   const int64_t nb = Np / BLK;
   const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
   int32_t* accp = acc.data();
   const int8_t* xqp = xq.data();
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
-    blocks(packed, xqp, M, Kp, b0, b1, accp, Np);
+    if (isa == 2) blocks(packed, xqp, M, Kp, b0, b1, accp, Np);
+    else blocks_avx2(packed, xqp, M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const int32_t off = 128 * xsum[m];
       const float am = amax[m];

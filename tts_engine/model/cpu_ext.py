@@ -1,5 +1,6 @@
 """Our own CPU matmul kernels (`cpu_ext.cpp`): a fused W8A8 layer for the decode shapes (1-4 activation rows) that
-reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction).
+reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction), with an
+AVX2 path (16-bit products, vpmaddwd) for CPUs without it, and a W4A8 layer (AVX-512 VNNI only).
 
 Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
 (`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, one file per source, torch version and
@@ -9,7 +10,7 @@ module with a registered op compiles ~4x longer for the same ~1.5-2 us per call)
 output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
 
 `available()` is False, with one logged line saying why, when anything fails: no compiler, a build error, a CPU
-without AVX-512 VNNI, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
+without AVX2, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
 candidate only when it is available); nothing here may take the engine down.
 
 Layer math (as kernels.w8a8_int_mm, with exact int32 sums): xq = round(x * 127 / amax_row) (int8),
@@ -34,6 +35,8 @@ import torch
 log = logging.getLogger("tts_engine")
 
 ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
+ISA_ENV = "TTS_CPU_EXT_ISA"     # auto (default) / avx512 / avx2: which code path (avx2 on a VNNI CPU: to test it)
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 BLOCK_N, BLOCK_K = 16, 16        # padding of the packed layout (cpu_ext.cpp BLK, KU)
 
@@ -89,18 +92,26 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ttsx_supported.restype = I
+    lib.ttsx_isa.restype = I
     lib.ttsx_version.restype = I
     lib.ttsx_packed_bytes.argtypes, lib.ttsx_packed_bytes.restype = [I64, I64], I64
     lib.ttsx_pack.argtypes, lib.ttsx_pack.restype = [P, I64, I64, I64, P], None
     lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
-    lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P]
+    lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P, I]
     lib.ttsx_w8a8.restype = None
     lib.ttsx_packed4_bytes.argtypes, lib.ttsx_packed4_bytes.restype = [I64, I64], I64
     lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
     lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P], None
     lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
-    if not lib.ttsx_supported():
-        raise RuntimeError("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+    isa = lib.ttsx_isa()
+    want = os.environ.get(ISA_ENV, "auto").strip().lower()
+    if want == "avx2" and isa >= 1:
+        isa = 1
+    elif want == "avx512" and isa < 2:
+        raise RuntimeError(f"{ISA_ENV}=avx512 but this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+    if isa == 0:
+        raise RuntimeError("this CPU has neither AVX-512 VNNI nor AVX2 + FMA")
+    _state["isa"] = isa
     return lib
 
 
@@ -128,7 +139,18 @@ def library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
+    """The W8A8 kernel runs here (AVX-512 VNNI, or the AVX2 path)."""
     return library() is not None
+
+
+def isa() -> str | None:
+    """The code path in use: "avx512-vnni", "avx2", or None where the kernels are not available."""
+    return ISA_NAMES.get(_state.get("isa", 0)) if available() else None
+
+
+def has_w4a8() -> bool:
+    """The W4A8 kernel runs here (AVX-512 VNNI only)."""
+    return available() and _state.get("isa") == 2
 
 
 def why_unavailable() -> str | None:
@@ -139,7 +161,8 @@ def why_unavailable() -> str | None:
 def tag() -> str:
     """The identity of the kernels (source and torch version) for the kernel table's machine key."""
     if "tag" not in _state:
-        _state["tag"] = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+        _state["tag"] = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12] + \
+            f"-{isa()}"
     return _state["tag"]
 
 
@@ -188,7 +211,7 @@ def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
         raise ValueError(f"packed weight / scale do not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
-                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr())
+                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr(), _state["isa"])
     return y
 
 
@@ -211,7 +234,7 @@ def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
     """q [N, K] (0..15, any integer dtype), scale_zero [K/64, N, 2] bf16 -> the W4A8 kernel's layout (uint8)."""
     lib = library()
     N, K = q.shape
-    assert lib is not None and scale_zero.dtype == torch.bfloat16 and scale_zero.shape == (-(-K // 64), N, 2)
+    assert lib is not None and has_w4a8() and scale_zero.dtype == torch.bfloat16 and scale_zero.shape == (-(-K // 64), N, 2)
     q8 = q.to(torch.uint8).contiguous()
     sz = scale_zero.contiguous()
     out = torch.empty(packed4_bytes(N, K), dtype=torch.uint8)
@@ -227,7 +250,7 @@ def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
     M, K = x.shape
     if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
         x = x.contiguous()
-    if packed4.numel() < packed4_bytes(N, K):
+    if packed4.numel() < packed4_bytes(N, K) or not has_w4a8():
         raise ValueError(f"packed int4 weight does not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,

@@ -28,8 +28,8 @@ numbers up to float summation order:
           "int_mm" (torch._int_mm on the transposed view of [N, K]: int32 sums, VNNI where the CPU has it),
           "int8pack_a8" (the int8 activation, exact in bf16, through the weight-only int8 kernel),
           "vnni" (our own fused kernel, `cpu_ext`: quantise, VNNI int8 dot products, scale, one call; its weights
-          are the same int8 values in a blocked layout, `cpu_ext.pack`; a candidate only where it builds and the
-          CPU has AVX-512 VNNI)
+          are the same int8 values in a blocked layout, `cpu_ext.pack`; a candidate only where it builds; on a
+          CPU without AVX-512 VNNI the same candidate runs its AVX2 path, `cpu_ext.isa()`)
   "int4"  aten's packed int4 + bf16 (scale, zero) per group: "int4pack" (aten._weight_int4pack_mm_for_cpu)
   "w4a8"  int4 + bf16 (scale, zero) per group of 64 in our kernel's layout, activations rounded to int8 per row:
           "vnni" (`cpu_ext.w4a8`; the format has no candidate where our kernels do not run)
@@ -273,7 +273,10 @@ def register_cpu_ext() -> str | None:
         return None
     cands.setdefault("vnni", w8a8_vnni)
     layouts.setdefault("vnni", (_w8a8_packed_view, cpu_ext.packed_bytes))
-    FORMATS["w4a8"].candidates.setdefault("vnni", w4a8_vnni)
+    if cpu_ext.has_w4a8():
+        FORMATS["w4a8"].candidates.setdefault("vnni", w4a8_vnni)
+    else:
+        FORMATS["w4a8"].candidates.pop("vnni", None)
     return cpu_ext.tag()
 
 

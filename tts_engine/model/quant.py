@@ -258,7 +258,7 @@ class W4A8Linear(nn.Module):
 
 def available_modes() -> tuple[str, ...]:
     """The lossy modes that run here: every mode of QUANT_MODES, but "w4a8" only where our own kernels do."""
-    return tuple(m for m in QUANT_MODES if m != "w4a8" or cpu_ext.available())
+    return tuple(m for m in QUANT_MODES if m != "w4a8" or cpu_ext.has_w4a8())
 
 
 def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> nn.Module:
@@ -304,9 +304,9 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     if talker.model.norm.weight.device.type != "cpu":
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
-    if mode == "w4a8" and not cpu_ext.available():
-        raise TTSError(f"quantize='w4a8' needs our own CPU kernels, which do not run here "
-                       f"({cpu_ext.why_unavailable()}); use int4")
+    if mode == "w4a8" and not cpu_ext.has_w4a8():
+        raise TTSError(f"quantize='w4a8' needs our own AVX-512 VNNI CPU kernel, which does not run here "
+                       f"({cpu_ext.why_unavailable() or cpu_ext.isa()}); use int4")
     cp = talker.code_predictor
     # one matmul for q/k/v and one for gate/up: fewer kernel calls per layer; per-channel (int8) and per-row-group
     # (int4) quantisation of the stacked rows is the quantisation of each part
