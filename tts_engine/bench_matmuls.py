@@ -67,7 +67,7 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
     bytes4 = sum(a.numel() * a.element_size() + s.numel() * 2 for a, s in zip(A4, sz))
     cands["int4pack (int4)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], a, 64, s)
                                         for (_, k), a, s in zip(shapes, A4, sz)]
-    if cpu_ext.available():
+    if cpu_ext.has_w4a8():
         P4 = [cpu_ext.pack4(q, s) for q, s in zip(q4, sz)]
         cands["w4a8_vnni (int4)"] = lambda: [kernels.w4a8_vnni(xs[k], p, n) for (n, k), p in zip(shapes, P4)]
     del q4
@@ -78,6 +78,7 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
                 t0 = time.perf_counter()
                 f()
                 times[n].append(time.perf_counter() - t0)
+    print(f"own kernels: {cpu_ext.isa()}")
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds, "
           f"{rows} row(s), {total / 1e6:.0f} MB of int8 weights rotated ({len(W)} matmuls)")
     for n, v in times.items():
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     for _ in range(rounds):
         for m in modes:
             times[m].append(1e3 * sweep(calls[m], xs))
+    print(f"own kernels: {cpu_ext.isa()}")
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds")
     for m in modes:
         v = sorted(times[m])

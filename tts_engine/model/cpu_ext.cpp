@@ -82,7 +82,6 @@ inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, in
   const int64_t steps = Kp / 4;   // 4-byte k groups, a multiple of 4
   for (int64_t s = 0; s < steps; s += 4) {
     const uint8_t* ws = w + s * 64;
-    _mm_prefetch((const char*)(ws + 1024), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i wv = _mm512_loadu_si512((const void*)(ws + j * 64));
