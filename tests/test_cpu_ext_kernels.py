@@ -109,8 +109,17 @@ def test_a_w8a8_layer_on_the_vnni_kernel_holds_only_the_packed_weight(ext, cache
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(2, rows, 200).to(dtype)
             torch.testing.assert_close(own(x), aten(x), rtol=0, atol=0)
+    if "own_avx2" in kernels.FORMATS["w8a8"].candidates:   # the AVX2 path, timed beside VNNI on a VNNI CPU
+        for b in kernels.ROW_BUCKETS:
+            t.entries[t.entry_key("w8a8", 70, 200, b)] = {"winner": "own_avx2", "us": {}}
+        avx2 = W8A8Linear(lin, t)
+        assert avx2.qweight is None and avx2.kernel_names == {1: "own_avx2", 4: "own_avx2"}
+        for rows in (1, 3):
+            x = torch.randn(rows, 200).to(torch.bfloat16)
+            torch.testing.assert_close(avx2(x), aten(x), rtol=0, atol=0)
     # mixed: one bucket on each kernel -> both layouts held, each bucket runs its own
     t.entries[t.entry_key("w8a8", 70, 200, 1)] = {"winner": "vnni", "us": {}}
+    t.entries[t.entry_key("w8a8", 70, 200, 4)] = {"winner": "int_mm", "us": {}}
     mixed = W8A8Linear(lin, t)
     assert mixed.packed is not None and mixed.qweight is not None
     x = torch.randn(1, 200)
@@ -130,7 +139,7 @@ def test_no_compiler_leaves_the_aten_kernels(fresh_state, monkeypatch, caplog):
     assert "no C++ compiler" in cpu_ext.why_unavailable()
     kernels.reset_kernel_table()
     t = kernels.kernel_table()
-    assert t.key["cpu_ext"] is None and "vnni" not in kernels.FORMATS["w8a8"].candidates
+    assert t.key["cpu_ext"] is None and not set(kernels.OWN_PACKED) & set(kernels.FORMATS["w8a8"].candidates)
     t.ensure("w8a8", [(48, 64)])
     assert set(t.lookup("w8a8", 48, 64, 1)["us"]) == {"int_mm", "int8pack_a8"}
     lin = nn.Linear(64, 48)

@@ -58,6 +58,14 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
         P = [cpu_ext.pack(w) for w in W]
         cands = {"plain read": lambda: [cpu_ext.read_bytes(w) for w in W], **cands,
                  "w8a8_vnni": lambda: [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]}
+        if cpu_ext.isa() == "avx512-vnni" and {"avx2", "fma"} <= set(kernels.cpu_identity()["flags"]):
+            def avx2_path():   # the AVX2 code path of the same kernel (what a CPU without VNNI runs)
+                cpu_ext._state["isa"] = 1
+                try:
+                    return [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]
+                finally:
+                    cpu_ext._state["isa"] = 2
+            cands["w8a8_own_avx2_path"] = avx2_path
     else:
         print(f"own kernels not available: {cpu_ext.why_unavailable()}")
     # int4 (the same shapes; GB/s of the int4 bytes and scales each kernel reads): aten's int4pack, our W4A8

@@ -197,9 +197,10 @@ def unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
 
 
 def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
-         acc: torch.Tensor | None = None) -> torch.Tensor:
+         acc: torch.Tensor | None = None, path: int | None = None) -> torch.Tensor:
     """x [M, K] fp32/bf16 -> y [M, N] in x's dtype (module doc). packed: `pack(q)`; scale127 [N] fp32.
-    acc: an int32 [M, N] tensor to receive the exact sums (tests)."""
+    acc: an int32 [M, N] tensor to receive the exact sums (tests). path: 1 = the AVX2 code path even on a VNNI
+    CPU (both are timed by the kernel table there), None = the best this CPU has."""
     lib = _state.get("lib") or library()
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
@@ -211,7 +212,8 @@ def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
         raise ValueError(f"packed weight / scale do not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
-                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr(), _state["isa"])
+                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr(),
+                  min(path or 2, _state["isa"]))
     return y
 
 

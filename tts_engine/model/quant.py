@@ -136,11 +136,11 @@ class W8A8Linear(nn.Module):
 
     def set_int8_weight(self, q: torch.Tensor) -> None:
         """Hold the int8 weight q [N, K] in the layout(s) the chosen kernels read."""
-        names = set(self.kernel_names.values())
-        self.packed = cpu_ext.pack(q) if "vnni" in names else None
-        self.qweight = q.contiguous() if names - {"vnni"} else None
+        names, own = set(self.kernel_names.values()), set(kernels.OWN_PACKED)
+        self.packed = cpu_ext.pack(q) if names & own else None
+        self.qweight = q.contiguous() if names - own else None
         cands = kernels.FORMATS["w8a8"].candidates
-        self._by_bucket = {b: (cands[n], self.packed if n == "vnni" else self.qweight)
+        self._by_bucket = {b: (cands[n], self.packed if n in own else self.qweight)
                            for b, n in self.kernel_names.items()}
         self._prefill = (kernels.w8a8_vnni, self.packed) if self.packed is not None else \
             (kernels.w8a8_int_mm, self.qweight)
