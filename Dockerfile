@@ -8,8 +8,9 @@ FROM python:3.11-slim
 # ffmpeg is optional (the app, its streaming and its tests run without it); it is kept because it reads
 # compressed reference clips that libsndfile cannot (m4a, aac, webm, ...) and lets the Gradio endpoints also
 # stream live audio chunks to gradio_client. mp3 export does not use it (libsndfile encodes mp3).
+# g++ builds our own CPU matmul kernels on first use (tts_engine/model/cpu_ext.cpp; optional: without it aten's serve).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ffmpeg \
+ && apt-get install -y --no-install-recommends ffmpeg g++ \
  && rm -rf /var/lib/apt/lists/*
 
 # Hugging Face Spaces run containers as uid 1000

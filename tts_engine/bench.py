@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="does the fast path work here? graphs vs eager greedy "
                    "codes at batch 1 and 4 (identical), then the one-stream speed; exit status 1 on a mismatch")
     p.add_argument("--quantize", choices=[*QUANT_MODES, "auto"], help="quantised talker and code predictor "
-                   "(int8 / int4 weights, w8a8 int8 weights x int8 activations; auto: the fastest acceptable here)")
+                   "(int8 / int4 weights, w8a8 / w4a8 int8 or int4 weights x int8 activations; auto: the fastest acceptable here)")
     p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
                    "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over frames at one stream, "

@@ -2,7 +2,13 @@
 architecture (random weights) in each mode, interleaved A, B, A, B... in one process, one input row, in model
 order as ModelRunner runs them (the talker's linear layers once, the code predictor's and one lm_head 15 times,
 under the runner's oneDNN switch for bf16 rows). Prints the min and median ms per frame of each mode: the part of
-the frame the kernel choice decides, without the rest of the engine. Loads one model per mode (~1 GB each)."""
+the frame the kernel choice decides, without the rest of the engine. Loads one model per mode (~1 GB each).
+
+`python -m tts_engine.bench_matmuls gbps [ROUNDS] [ROWS]`: the int8 kernels alone, in GB/s of weight read: the
+talker's per-layer shapes (fused q/k/v, o, fused gate/up, down) x 28 layers of random int8 weights (~430 MB, more
+than any L3), one call each, one input row (ROWS), candidates interleaved round by round: a plain read of the same
+bytes (the floor, `cpu_ext.read_bytes`), `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm`
+(`kernels.w8a8_int_mm`, quantising included) and our own fused kernel (`kernels.w8a8_vnni`)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +23,7 @@ from .engine.model_runner import aten_bf16_gemv
 from .model import quant
 from .model.qwen3_tts import Qwen3TTSModel
 
-LINEARS = (nn.Linear, quant.Int8Linear, quant.W8A8Linear, quant.Int4Linear)
+LINEARS = (nn.Linear, quant.Int8Linear, quant.W8A8Linear, quant.Int4Linear, quant.W4A8Linear)
 
 
 def frame_calls(talker) -> list[nn.Module]:
@@ -35,8 +41,66 @@ def sweep(calls: list[nn.Module], xs: dict) -> float:
     return time.perf_counter() - t0
 
 
+def gbps(rounds: int = 7, rows: int = 1) -> None:
+    from .model import cpu_ext, kernels
+
+    D, Dq, Dkv, inter, layers = 1024, 2048, 1024, 3072, 28        # the 0.6B talker
+    shapes = [(Dq + 2 * Dkv, D), (D, Dq), (2 * inter, D), (D, inter)] * layers
+    g = torch.Generator().manual_seed(0)
+    W = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g) for n, k in shapes]
+    S = [torch.rand(n, generator=g) * 1e-4 for n, _ in shapes]
+    SB = [s.to(torch.bfloat16) for s in S]
+    xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
+    total = sum(w.numel() for w in W)
+    cands = {"int8pack": lambda: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], w, s) for w, s in zip(W, SB)],
+             "w8a8_int_mm": lambda: [kernels.w8a8_int_mm(xs[w.shape[1]], w, s) for w, s in zip(W, S)]}
+    if cpu_ext.available():
+        P = [cpu_ext.pack(w) for w in W]
+        cands = {"plain read": lambda: [cpu_ext.read_bytes(w) for w in W], **cands,
+                 "w8a8_vnni": lambda: [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]}
+        if cpu_ext.isa() == "avx512-vnni" and {"avx2", "fma"} <= set(kernels.cpu_identity()["flags"]):
+            def avx2_path():   # the AVX2 code path of the same kernel (what a CPU without VNNI runs)
+                cpu_ext._state["isa"] = 1
+                try:
+                    return [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]
+                finally:
+                    cpu_ext._state["isa"] = 2
+            cands["w8a8_own_avx2_path"] = avx2_path
+    else:
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+    # int4 (the same shapes; GB/s of the int4 bytes and scales each kernel reads): aten's int4pack, our W4A8
+    q4 = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g) for n, k in shapes]
+    sz = [torch.rand(k // 64, n, 2, generator=g).to(torch.bfloat16) for n, k in shapes]
+    A4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, quant.INT4_INNER_K_TILES) for q in q4]
+    bytes4 = sum(a.numel() * a.element_size() + s.numel() * 2 for a, s in zip(A4, sz))
+    cands["int4pack (int4)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], a, 64, s)
+                                        for (_, k), a, s in zip(shapes, A4, sz)]
+    if cpu_ext.has_w4a8():
+        P4 = [cpu_ext.pack4(q, s) for q, s in zip(q4, sz)]
+        cands["w4a8_vnni (int4)"] = lambda: [kernels.w4a8_vnni(xs[k], p, n) for (n, k), p in zip(shapes, P4)]
+    del q4
+    times = {n: [] for n in cands}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for n, f in cands.items():
+                t0 = time.perf_counter()
+                f()
+                times[n].append(time.perf_counter() - t0)
+    print(f"own kernels: {cpu_ext.isa()}")
+    print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds, "
+          f"{rows} row(s), {total / 1e6:.0f} MB of int8 weights rotated ({len(W)} matmuls)")
+    for n, v in times.items():
+        v, b = sorted(v), (bytes4 if "int4" in n else total)
+        print(f"{n}: best {b / v[0] / 1e9:.1f} GB/s, median {b / v[len(v) // 2] / 1e9:.1f} GB/s, "
+              f"best {1e3 * v[0]:.1f} ms")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "gbps":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
+        gbps(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1)
+        return 0
     modes = (argv[0] if argv else "int8,w8a8").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 7
     torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
@@ -51,6 +115,7 @@ def main(argv=None) -> int:
     for _ in range(rounds):
         for m in modes:
             times[m].append(1e3 * sweep(calls[m], xs))
+    print(f"own kernels: {cpu_ext.isa()}")
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds")
     for m in modes:
         v = sorted(times[m])

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -90,7 +91,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tts_engine.bench_step", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A), e.g. /work/main")
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], default="0.6b")
-    p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4"], default="int8")
+    p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4", "w8a8", "w4a8"], default="int8")
+    p.add_argument("--base-mode", choices=["fp32", "bf16", "int8", "int4", "w8a8", "w4a8"],
+                   help="A's mode when it differs from B's (--mode), e.g. --base-mode int8 --mode w8a8")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--frames", type=int, default=4, help="frames per variant per round (rounds x frames in all)")
@@ -106,17 +109,20 @@ def main(argv=None) -> int:
     from .config import ModelConfig
 
     cfg = ModelConfig.from_dict(read_json(checkpoint_for(a.arch, torch.bfloat16) / "config.json"))
+    base_mode = a.base_mode or a.mode
+    if (base_mode == "fp32") != (a.mode == "fp32"):
+        p.error("--base-mode and --mode must both be fp32 or both not")
     dtype = torch.float32 if a.mode == "fp32" else torch.bfloat16
-    quant = a.mode if a.mode in ("int8", "int4") else None
+    quant = a.mode if a.mode in ("int8", "int4", "w8a8", "w4a8") else None
     torch.manual_seed(0)
-    tA, state = build_talker("tts_base", cfg, dtype, quant)
+    tA, state = build_talker("tts_base", cfg, dtype, base_mode if base_mode in ("int8", "int4", "w8a8", "w4a8") else None)
     tB, _ = build_talker("tts_engine", cfg, dtype, quant, state)
     del state
     max_len = 2 * a.rounds * a.frames * 3 + 200
     rA, mA, sA = make_runner("tts_base", tA, cfg, dtype, a.batch, max_len)
     rB, mB, sB = make_runner("tts_engine", tB, cfg, dtype, a.batch, max_len)
     rows = list(range(a.batch))
-    out = {"device": _device(), "arch": a.arch, "mode": a.mode, "batch": a.batch, "threads": torch.get_num_threads()}
+    out = {"device": _device(), "arch": a.arch, "mode": a.mode, "base_mode": base_mode, "batch": a.batch, "threads": torch.get_num_threads()}
     variants = [("A", rA, mA, sA, tA), ("B", rB, mB, sB, tB)]
     compiled = None
     if a.compile:
@@ -156,6 +162,7 @@ def main(argv=None) -> int:
                 for _ in range(3):
                     r.decode(rows)
             out[n]["aten_calls_per_frame"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 3
+    out["load_average"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
     return 0
 

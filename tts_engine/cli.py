@@ -78,8 +78,8 @@ def main(argv=None) -> int:
     s.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU; on a CPU bf16 where it has AVX-512 BF16 or AMX, else fp32)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (the eager per-frame step)")
     s.add_argument("--quantize", choices=[*QUANT_MODES, "auto"],
-                   help="quantised talker and code predictor (CPU; lossy, faster): int8 / int4 weights, w8a8 int8 "
-                        "weights x int8 activations; auto: the fastest acceptable mode measured on this CPU")
+                   help="quantised talker and code predictor (CPU; lossy, faster): int8 / int4 weights, w8a8 / w4a8 int8 "
+                        "or int4 weights x int8 activations (w4a8: AVX-512 VNNI CPUs); auto: the fastest acceptable mode measured on this CPU")
     s.add_argument("--out", required=True)
     s.add_argument("--codes-out", help="also save the generated codes, int64 (frames, 16), as .npy")
     s.set_defaults(fn=_synth)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from . import kernels
-from .quant import QUANT_MODES
+from .quant import available_modes
 
 log = logging.getLogger("tts_engine")
 
@@ -33,8 +33,9 @@ BUILTIN_QUALITY = {
     "int8": {"hidden_cos_min": 0.99984, "c0_logits_cos_min": 0.99984, "cp_logits_cos_min": 0.99993},
     "w8a8": {"hidden_cos_min": 0.99965, "c0_logits_cos_min": 0.99960, "cp_logits_cos_min": 0.99983},
     "int4": {"hidden_cos_min": 0.98731, "c0_logits_cos_min": 0.98587, "cp_logits_cos_min": 0.99359},
+    "w4a8": {"hidden_cos_min": 0.98726, "c0_logits_cos_min": 0.98573, "cp_logits_cos_min": 0.99358},
 }
-MODE_FORMAT = {"int8": "int8", "w8a8": "w8a8", "int4": "int4"}
+MODE_FORMAT = {"int8": "int8", "w8a8": "w8a8", "int4": "int4", "w4a8": "w4a8"}
 DENSE_KERNEL = {"bf16": "aten", "fp32": "linear"}   # what ModelRunner runs for one row of a dense engine
 
 
@@ -82,7 +83,8 @@ def estimate_frame_ms(mode: str | None, dense: str, talker_cfg, table: kernels.K
     shapes = frame_shapes(talker_cfg, fused)
     fmt_of = {}
     for N, K, _ in shapes:   # int4's kernel takes N % 16 == 0 and K % group == 0 only; other layers stay dense
-        fmt_of[(N, K)] = dense if fmt == "int4" and (N % 16 or K % kernels.INT4_GROUP) else fmt
+        fmt_of[(N, K)] = dense if (fmt == "int4" and (N % 16 or K % kernels.INT4_GROUP)
+                                    or fmt == "w4a8" and K % kernels.INT4_GROUP) else fmt
     for f in set(fmt_of.values()):
         table.ensure(f, [s for s, g in fmt_of.items() if g == f], buckets=(1,))
     total = 0.0
@@ -143,7 +145,7 @@ def pick(dense: torch.dtype, talker_cfg=None, folder: Path | None = None,
     dense_name = "bf16" if dense == torch.bfloat16 else "fp32"
     records = read_quality(folder)
     speed, rejected = {}, []
-    for mode in (None,) + QUANT_MODES:
+    for mode in (None,) + available_modes():
         if mode is not None:
             rep = records.get(mode) or BUILTIN_QUALITY.get(mode)
             if rep is None or not acceptable(rep):

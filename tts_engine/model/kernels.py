@@ -26,8 +26,14 @@ numbers up to float summation order:
   "int8"  int8 [N, K] + bf16 scale [N], bf16 activations: "int8pack" (aten._weight_int8pack_mm)
   "w8a8"  int8 [N, K] + fp32 scale [N], activations rounded to int8 per row (absmax):
           "int_mm" (torch._int_mm on the transposed view of [N, K]: int32 sums, VNNI where the CPU has it),
-          "int8pack_a8" (the int8 activation, exact in bf16, through the weight-only int8 kernel)
+          "int8pack_a8" (the int8 activation, exact in bf16, through the weight-only int8 kernel),
+          "vnni" (our own fused kernel, `cpu_ext`: quantise, VNNI int8 dot products, scale, one call; its weights
+          are the same int8 values in a blocked layout, `cpu_ext.pack`; a candidate only where it builds; on a
+          CPU without AVX-512 VNNI the same candidate runs its AVX2 path, `cpu_ext.isa()`),
+          "own_avx2" (that AVX2 path on a CPU that has VNNI too, timed beside it; same layout)
   "int4"  aten's packed int4 + bf16 (scale, zero) per group: "int4pack" (aten._weight_int4pack_mm_for_cpu)
+  "w4a8"  int4 + bf16 (scale, zero) per group of 64 in our kernel's layout, activations rounded to int8 per row:
+          "vnni" (`cpu_ext.w4a8`; the format has no candidate where our kernels do not run)
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cache_paths, cpu_info
+from . import cpu_ext
 
 log = logging.getLogger("tts_engine")
 
@@ -75,10 +82,11 @@ def cpu_identity() -> dict:
 
 
 def machine_key() -> dict:
-    """What a kernel measurement depends on: the CPU, its flags, torch's version and SIMD level, the threads."""
+    """What a kernel measurement depends on: the CPU, its flags, torch's version and SIMD level, the threads, and
+    whether our own kernels (`cpu_ext`, built here on first use) are candidates."""
     return {"cpu": cpu_identity(), "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "version": TABLE_VERSION}
+            "version": TABLE_VERSION, "cpu_ext": register_cpu_ext()}
 
 
 def table_path(key: dict) -> Path:
@@ -166,6 +174,24 @@ def w8a8_int8pack(x, q, scale127, scale127_bf16):
     return torch.ops.aten._weight_int8pack_mm(xq, q, scale127_bf16) * amax
 
 
+def w8a8_vnni(x, packed, scale127, scale127_bf16=None):
+    """The numbers of `w8a8_int_mm` (exact int32 sums, the same rounding; result in x's dtype) in one call of our
+    own kernel: packed = cpu_ext.pack(q), N = scale127's length."""
+    return cpu_ext.w8a8(x, packed, scale127, scale127.numel())
+
+
+def w8a8_own_avx2(x, packed, scale127, scale127_bf16=None):
+    """`w8a8_vnni`'s AVX2 code path (16-bit products) on a CPU that also has VNNI: timed beside it."""
+    return cpu_ext.w8a8(x, packed, scale127, scale127.numel(), path=1)
+
+
+OWN_PACKED = ("vnni", "own_avx2")   # the W8A8 candidates that read cpu_ext.pack's layout
+
+
+def w4a8_vnni(x, packed4, N):
+    return cpu_ext.w4a8(x, packed4, N)
+
+
 def int4_pack(x, packed, group, scale_zero):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero)
 
@@ -180,6 +206,7 @@ class Format:
     default: str
     weights: Callable
     act_dtype: torch.dtype = torch.bfloat16
+    layouts: dict = field(default_factory=dict)   # candidate -> (weights(buf, N, K), bytes(N, K)) of its own layout
 
 
 def _dense_view(dtype):
@@ -197,6 +224,15 @@ def _w8a8_view(buf, N, K):
     return buf.view(torch.int8)[: N * K].view(N, K), s, s.to(torch.bfloat16)
 
 
+def _w8a8_packed_view(buf, N, K):
+    s = torch.full((N,), 1e-4)
+    return buf[: cpu_ext.packed_bytes(N, K)], s, s.to(torch.bfloat16)
+
+
+def _w4a8_view(buf, N, K):
+    return buf[: cpu_ext.packed4_bytes(N, K)], N
+
+
 def _int4_view(buf, N, K):
     # aten's CPU int4 packing is [N, K / 2] uint8 (two 4-bit values a byte); the timing only needs its size
     packed = buf[: N * K // 2].view(N, K // 2)
@@ -210,7 +246,33 @@ FORMATS: dict[str, Format] = {
     "w8a8": Format("w8a8", 1, {"int_mm": w8a8_int_mm, "int8pack_a8": w8a8_int8pack}, "int_mm",
                    _w8a8_view),
     "int4": Format("int4", 0.5, {"int4pack": int4_pack}, "int4pack", _int4_view),
+    "w4a8": Format("w4a8", 0.5625, {}, "vnni", _w4a8_view),
 }
+
+
+def register_cpu_ext() -> str | None:
+    """Make our own kernels candidates where they build and run here (`cpu_ext.available()`, built on first use);
+    -> their tag for the machine key (None where unavailable, then aten's kernels stand alone)."""
+    cands, layouts = FORMATS["w8a8"].candidates, FORMATS["w8a8"].layouts
+    if not cpu_ext.available():
+        for n in OWN_PACKED:
+            cands.pop(n, None)
+            layouts.pop(n, None)
+        FORMATS["w4a8"].candidates.pop("vnni", None)
+        return None
+    cands.setdefault("vnni", w8a8_vnni)
+    layouts.setdefault("vnni", (_w8a8_packed_view, cpu_ext.packed_bytes))
+    if cpu_ext.isa() == "avx512-vnni" and {"avx2", "fma"} <= set(cpu_identity()["flags"]):
+        cands.setdefault("own_avx2", w8a8_own_avx2)
+        layouts.setdefault("own_avx2", (_w8a8_packed_view, cpu_ext.packed_bytes))
+    else:
+        cands.pop("own_avx2", None)
+        layouts.pop("own_avx2", None)
+    if cpu_ext.has_w4a8():
+        FORMATS["w4a8"].candidates.setdefault("vnni", w4a8_vnni)
+    else:
+        FORMATS["w4a8"].candidates.pop("vnni", None)
+    return cpu_ext.tag()
 
 
 def row_bucket(rows: int) -> int:
@@ -228,19 +290,21 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     A candidate that raises is left out. `buf`: a scratch buffer to reuse (uint8, >= one weight)."""
     f = FORMATS[fmt]
     candidates = f.candidates if candidates is None else candidates
-    wbytes = int(N * K * f.bytes_per_weight)
+    wbytes = max([int(N * K * f.bytes_per_weight)] + [nb(N, K) for n, (_, nb) in f.layouts.items() if n in candidates])
     if buf is None:
         buf = scratch_buffer()
     copies = max(MIN_COPIES, min(MAX_COPIES, buf.numel() // max(1, wbytes)))
     if buf.numel() < wbytes * copies:
         buf = torch.full((wbytes * copies,), 0x3C, dtype=torch.uint8)
-    weights = [f.weights(buf[i * wbytes:(i + 1) * wbytes], N, K) for i in range(copies)]
+    # every candidate's weights (in its own layout where it has one) at the same places of the buffer
+    weights = {name: [f.layouts.get(name, (f.weights,))[0](buf[i * wbytes:(i + 1) * wbytes], N, K)
+                      for i in range(copies)] for name in candidates}
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(0)).to(f.act_dtype)
     ok: dict[str, Callable] = {}
     for name, fn in candidates.items():
         try:
             with torch.inference_mode():
-                y = fn(x, *weights[0])
+                y = fn(x, *weights[name][0])
             if tuple(y.shape) != (rows, N) or not bool(torch.isfinite(y.float()).all()):
                 raise RuntimeError(f"gave shape {tuple(y.shape)} / non-finite values")
             ok[name] = fn
@@ -257,7 +321,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
                 for j, name in enumerate(names):   # candidates interleaved, each on a weight not read lately
                     k = (i + j * copies // len(names)) % copies
                     t0 = clock()
-                    ok[name](x, *weights[k])
+                    ok[name](x, *weights[name][k])
                     dt = clock() - t0
                     if dt < best[name][k]:
                         best[name][k] = dt

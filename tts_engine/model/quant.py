@@ -19,6 +19,10 @@ Modes:
           weight-only int8 kernel fed the int8 activation) is chosen per shape by measuring both on the CPU at
           hand (`kernels.KernelTable`, remembered per machine in the cache folder).
 
+  "w4a8"  the int4 weights of "int4" (same groups, scales and zeros) x int8 activations (rounded per row as in
+          "w8a8"): our own kernel only (`cpu_ext.w4a8`, AVX-512 VNNI: int32 sums per group, then the group's scale
+          and zero); on a CPU or machine where that kernel cannot run the mode is not offered (`available_modes`).
+
 The weight-only kernels are vectorised for bf16 activations only (measured on a 2-core Zen 4 with one input row: fp32
 activations read 1.5-2 GB/s of weight, bf16 activations 13-35 GB/s), so the quantised matmuls take bf16
 inputs (MATMUL_DTYPE) whatever the engine's activation dtype, and give back that dtype: the rest of the
@@ -36,9 +40,9 @@ import torch
 from torch import nn
 
 from ..errors import TTSError
-from . import kernels
+from . import cpu_ext, kernels
 
-QUANT_MODES = ("int8", "int4", "w8a8")   # every lossy mode, in one place (app, CLI, bench and auto enumerate it)
+QUANT_MODES = ("int8", "int4", "w8a8", "w4a8")   # every lossy mode, in one place (app, CLI, bench, auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
 INT4_INNER_K_TILES = 8   # packing layout of the CPU int4 kernel
 MATMUL_DTYPE = torch.bfloat16
@@ -108,42 +112,76 @@ class W8A8Linear(nn.Module):
     """int8 weights x int8 activations: y = (xq @ q.T) * amax_row * scale[n] / 127 (+ bias).
     q [N, K] int8 and scale [N] as in Int8Linear; the activation is rounded per row per call
     (`kernels.quantize_rows`). The kernel of each row bucket is the one measured fastest here
-    (`kernels.KernelTable.choice`; its default where the table has no entry); prompt prefills (more than
-    kernels.MAX_DECODE_ROWS rows) take `torch._int_mm`, a GEMM with exact int32 sums."""
+    (`kernels.KernelTable.choice`; its default where the table has no entry). Where our own kernel ("vnni",
+    `cpu_ext`) is chosen the layer holds q in that kernel's layout (`packed`), and holds q as [N, K] (`qweight`)
+    only if another bucket's kernel needs it. Prompt prefills (more than kernels.MAX_DECODE_ROWS rows) take our
+    kernel where the layer holds it, else `torch._int_mm`; both are exact int32 sums, so every kernel gives the
+    same numbers up to the float rounding of the result."""
 
     def __init__(self, linear: nn.Linear, table: "kernels.KernelTable | None" = None):
         super().__init__()
         w = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                        # [N]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.register_buffer("scale127", scale / 127.0)                              # fp32 [N]
         self.register_buffer("scale127_bf16", (scale / 127.0).to(torch.bfloat16))   # the int8pack kernel's scale
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         table = table or kernels.kernel_table()
         self.kernel_names = {b: table.choice("w8a8", self.out_features, self.in_features, b)
                              for b in kernels.ROW_BUCKETS}
+        self.register_buffer("qweight", None)
+        self.register_buffer("packed", None)
+        self.set_int8_weight(q)
+
+    def set_int8_weight(self, q: torch.Tensor) -> None:
+        """Hold the int8 weight q [N, K] in the layout(s) the chosen kernels read."""
+        names, own = set(self.kernel_names.values()), set(kernels.OWN_PACKED)
+        self.packed = cpu_ext.pack(q) if names & own else None
+        self.qweight = q.contiguous() if names - own else None
         cands = kernels.FORMATS["w8a8"].candidates
-        self._by_bucket = {b: cands[n] for b, n in self.kernel_names.items()}
+        self._by_bucket = {b: (cands[n], self.packed if n in own else self.qweight)
+                           for b, n in self.kernel_names.items()}
+        self._prefill = (kernels.w8a8_vnni, self.packed) if self.packed is not None else \
+            (kernels.w8a8_int_mm, self.qweight)
+
+    def int8_weight(self) -> torch.Tensor:
+        """q [N, K] int8, whatever layout the layer holds it in."""
+        if self.qweight is not None:
+            return self.qweight
+        return cpu_ext.unpack(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by [N, K] (fp32)."""
-        return self.qweight.float() * (self.scale127 * 127.0)[:, None]
+        return self.int8_weight().float() * (self.scale127 * 127.0)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, lead = x.dtype, x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
         if m > kernels.MAX_DECODE_ROWS and _dense_rows[0] < (1 << 62):
-            fn = kernels.w8a8_int_mm
+            fn, w = self._prefill
         else:
-            fn = self._by_bucket[kernels.row_bucket(m)]
-        y = fn(x2, self.qweight, self.scale127, self.scale127_bf16).to(dtype).reshape(*lead, self.out_features)
+            fn, w = self._by_bucket[kernels.row_bucket(m)]
+        y = fn(x2, w, self.scale127, self.scale127_bf16).to(dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights x int8 "
                 f"activations, kernels {self.kernel_names}")
+
+
+def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (fp32) -> (q [N, K] int32 in 0..15, scale_zero [K/G, N, 2] bf16): group-wise asymmetric, 16 levels
+    from each group's min to its max, w ~= (q - 8) * scale + zero (the "int4" and "w4a8" modes)."""
+    N, K = w.shape
+    wg = w.reshape(N, K // group, group)
+    lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)                                      # [N, K/G, 1]
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(N, K)
+    zero = lo + 8.0 * scale
+    sz = torch.stack([scale.reshape(N, K // group), zero.reshape(N, K // group)], dim=-1)  # [N, K/G, 2]
+    return q, sz.transpose(0, 1).contiguous().to(MATMUL_DTYPE)
 
 
 class Int4Linear(nn.Module):
@@ -156,14 +194,9 @@ class Int4Linear(nn.Module):
         w = linear.weight.detach().float()
         N, K = w.shape
         self.in_features, self.out_features, self.group = K, N, group
-        wg = w.reshape(N, K // group, group)
-        lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-12)                                  # [N, K/G, 1]
-        q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(N, K)
-        zero = lo + 8.0 * scale
-        sz = torch.stack([scale.reshape(N, K // group), zero.reshape(N, K // group)], dim=-1)  # [N, K/G, 2]
+        q, sz = int4_quantize(w, group)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES))
-        self.register_buffer("scale_zero", sz.transpose(0, 1).contiguous().to(MATMUL_DTYPE))
+        self.register_buffer("scale_zero", sz)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     @staticmethod
@@ -188,6 +221,46 @@ class Int4Linear(nn.Module):
                 f"int4 groups of {self.group}")
 
 
+class W4A8Linear(nn.Module):
+    """int4 weights (quantised as Int4Linear: groups of cpu_ext.INT4_GROUP input columns, bf16 scale and zero each)
+    x int8 activation rows (rounded per row per call, as W8A8Linear), in one call of our own kernel
+    (`cpu_ext.w4a8`; weights held in its layout only, `packed4`)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        N, K = w.shape
+        self.in_features, self.out_features, self.group = K, N, cpu_ext.INT4_GROUP
+        q, sz = int4_quantize(w, self.group)
+        self.register_buffer("packed4", cpu_ext.pack4(q, sz))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        return linear.in_features % cpu_ext.INT4_GROUP == 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by [N, K] (fp32), read back through the kernel: row k of the identity
+        rounds to 127 at k, so column k of the result is the weight (to fp32 rounding)."""
+        eye = torch.eye(self.in_features)
+        return cpu_ext.w4a8(eye, self.packed4, self.out_features).T.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        y = cpu_ext.w4a8(x.reshape(-1, self.in_features), self.packed4, self.out_features)
+        y = y.to(dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group} "
+                "x int8 activations")
+
+
+def available_modes() -> tuple[str, ...]:
+    """The lossy modes that run here: every mode of QUANT_MODES, but "w4a8" only where our own kernels do."""
+    return tuple(m for m in QUANT_MODES if m != "w4a8" or cpu_ext.has_w4a8())
+
+
 def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> nn.Module:
     """One nn.Linear -> its quantised replacement (or the layer itself where the kernel cannot take its shape).
     group: int4 group size (default INT4_GROUP)."""
@@ -197,6 +270,8 @@ def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> n
         return Int4Linear(linear, group) if Int4Linear.supports(linear, group) else linear
     if mode == "w8a8":
         return W8A8Linear(linear)
+    if mode == "w4a8":
+        return W4A8Linear(linear) if W4A8Linear.supports(linear) else linear
     raise TTSError(f"unknown quantize mode {mode!r}")
 
 
@@ -229,6 +304,9 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     if talker.model.norm.weight.device.type != "cpu":
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
+    if mode == "w4a8" and not cpu_ext.has_w4a8():
+        raise TTSError(f"quantize='w4a8' needs our own AVX-512 VNNI CPU kernel, which does not run here "
+                       f"({cpu_ext.why_unavailable() or cpu_ext.isa()}); use int4")
     cp = talker.code_predictor
     # one matmul for q/k/v and one for gate/up: fewer kernel calls per layer; per-channel (int8) and per-row-group
     # (int4) quantisation of the stacked rows is the quantisation of each part
@@ -259,8 +337,8 @@ def precision_label(dtype: torch.dtype, quantize: str | None) -> str:
     if quantize is None:
         return name
     mm = {torch.bfloat16: "bf16"}[MATMUL_DTYPE]
-    if quantize == "w8a8":
-        return "int8 weights x int8 activations" + ("" if name == mm else f" ({name} elsewhere)")
+    if quantize in ("w8a8", "w4a8"):
+        return f"int{quantize[1]} weights x int8 activations" + ("" if name == mm else f" ({name} elsewhere)")
     if name == mm:
         return f"{quantize} weights ({mm} activations)"
     return f"{quantize} weights ({mm} matmuls, {name} elsewhere)"

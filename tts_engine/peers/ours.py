@@ -3,8 +3,8 @@ streaming API exactly as `python -m tts_engine.bench` times it (one stream, end-
 after one frame), plus the bench's per-part profile and the weight bytes each frame reads.
 
 Precisions: the checkpoint's weights in the dtype the engine picks on this CPU (bf16 where native, else fp32),
-then every `--quantize` mode the engine offers (`tts_engine.model.quant.QUANT_MODES`, so a mode added there is
-benchmarked without a change here).
+then every `--quantize` mode the engine offers here (`tts_engine.model.quant.available_modes()`, so a mode added to
+QUANT_MODES is benchmarked without a change here).
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from ..engine.engine import TTSEngine
-from ..model.quant import QUANT_MODES
+from ..model.quant import available_modes
 from .table import OURS, Run
 
 TEXT = "Ladies and gentlemen, please remain calm."   # the text of python -m tts_engine.bench
 
 
 def modes() -> list[str | None]:
-    """None (the checkpoint's weights) and each quantize mode of the engine."""
-    return [None, *QUANT_MODES]
+    """None (the checkpoint's weights) and each quantize mode of the engine that runs on this machine."""
+    return [None, *available_modes()]
 
 
 def module_bytes(m: nn.Module) -> int:

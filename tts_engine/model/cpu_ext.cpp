@@ -1,0 +1,415 @@
+// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (tts_engine/model/cpu_ext.py
+// builds this file with g++ on first use and calls it through ctypes; torch is loaded first, so the OpenMP runtime
+// and libtorch_cpu resolve to the process's own and at::parallel_for runs on torch's thread pool).
+//
+// One call per linear layer: y[m, n] = (sum_k xq[m, k] * q[n, k]) * amax[m] * scale127[n]
+//   xq[m, :] = round(x[m, :] * (127 / amax[m])) (int8, round half to even), amax[m] = max |x[m, :]|  (as
+//   kernels.quantize_rows); the int32 sums are exact; y is written in x's dtype (fp32, or bf16 rounded to nearest even).
+//
+// Weight layout (ttsx_pack): u8 = q + 128 (q in [-127, 127] -> [1, 255]) in blocks of 16 output rows:
+//   packed[b][k4][r][j] = q[16 b + r][4 k4 + j] + 128, b < Np / 16, k4 < Kp / 4 (N padded to 16, K to 16; padding is
+//   128, i.e. q = 0). One 64-byte vector holds 4 consecutive k of 16 rows: vpdpbusd (u8 x s8 -> s32, 4 products per
+//   lane) multiplies it by 4 activation bytes broadcast to every lane, so a block is read as one sequential stream.
+//   sum_k (q + 128) * xq = sum_k q * xq + 128 * sum_k xq: the offset costs one subtraction per activation row.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#include <ATen/Parallel.h>
+
+namespace {
+
+constexpr int64_t BLK = 16;   // output rows per block
+constexpr int64_t KU = 16;    // k per unrolled step (4 vectors of 4 k)
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline uint16_t f32_to_bf16(float f) {   // round to nearest even (finite values; NaN stays NaN)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// 16 elements of a row (fp32 or bf16) from x + k as fp32, lanes past `mask` zero
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 load16(const void* x, int is_bf16, int64_t k, __mmask16 mask) {
+  if (is_bf16) {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, (const float*)x + k);
+}
+
+// x row (fp32 or bf16) -> xq (int8, Kp bytes, zero padded); returns amax (as a float) and the sum of xq
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quantize_row(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out, int32_t* sum_out) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, is_bf16, k, mask)));
+  }
+  float amax = _mm512_reduce_max_ps(mx);
+  if (!(amax >= 1e-30f)) amax = 1e-30f;   // kernels.quantize_rows: clamp_(min=1e-30)
+  // torch evaluates `127.0 / amax` as reciprocal(amax) * 127 (two fp32 roundings): the same here
+  const float inv1 = 1.0f / amax;
+  const __m512 inv = _mm512_set1_ps(inv1 * 127.0f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+    // x * (127 / amax) rounded half to even (the default MXCSR mode), as torch.round; |v| <= 127
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, is_bf16, k, mask), inv));
+    sum = _mm512_add_epi32(sum, v);
+    _mm_mask_storeu_epi8(xq + k, mask, _mm512_cvtsepi32_epi8(v));
+  }
+  for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
+  *amax_out = amax;
+  *sum_out = _mm512_reduce_add_epi32(sum);
+}
+
+// R activation rows (R = 1..4) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset)
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* acc) {
+  constexpr int U = R == 1 ? 4 : (R == 2 ? 2 : 1);   // independent accumulators per row
+  __m512i a[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_si512();
+  const int64_t steps = Kp / 4;   // 4-byte k groups, a multiple of 4
+  for (int64_t s = 0; s < steps; s += 4) {
+    const uint8_t* ws = w + s * 64;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i wv = _mm512_loadu_si512((const void*)(ws + j * 64));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        memcpy(&xv, xq[r] + (s + j) * 4, 4);
+        a[r][j % U] = _mm512_dpbusd_epi32(a[r][j % U], wv, _mm512_set1_epi32(xv));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512i t = a[r][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_epi32(t, a[r][u]);
+    _mm512_storeu_si512((void*)(acc + r * BLK), t);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void blocks(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1, int32_t* acc_all,
+            int64_t Np) {
+  int32_t acc[4 * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {   // every row group reads this block (from cache after the first)
+      const int64_t R = M - m0 < 4 ? M - m0 : 4;
+      const int8_t* rows[4];
+      for (int64_t r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * Kp;
+      switch (R) {
+        case 1: block_rows<1>(w, rows, Kp, acc); break;
+        case 2: block_rows<2>(w, rows, Kp, acc); break;
+        case 3: block_rows<3>(w, rows, Kp, acc); break;
+        default: block_rows<4>(w, rows, Kp, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+int64_t read_chunk(const uint8_t* q, int64_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512((const void*)(q + i)));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512((const void*)(q + i + 64)));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512((const void*)(q + i + 128)));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void*)(q + i + 192)));
+  }
+  return _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+}
+
+
+// ---- W4A8: int4 weights (groups of G = 64 input columns, per group and row a bf16 scale and zero:
+// w = (q - 8) * scale + zero, q in 0..15, as quant.Int4Linear) x int8 activation rows.
+// Layout (ttsx_pack4): per block of 16 output rows and per group, 8 vectors of 64 bytes: vector t (t < 8) holds
+// k4-step t of the group in its low nibbles and k4-step t + 8 in its high nibbles (4 consecutive k of 16 rows per
+// step, as the int8 layout), then one vector of 16 bf16 scales and 16 bf16 zeros (the block's rows): 576 bytes.
+// y = amax / 127 * sum_g [ scale * (sum_{k in g} q * xq - 8 * sum_{k in g} xq) + zero * sum_{k in g} xq ].
+constexpr int64_t G4 = 64;
+constexpr int64_t GBYTES = 8 * 64 + 64;
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void block4_rows(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                        float* out) {
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t x0, x1;
+        memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+        memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], lo, _mm512_set1_epi32(x0));
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], hi, _mm512_set1_epi32(x1));
+      }
+    }
+    const __m512i sz = _mm512_loadu_si512((const void*)(wg + 512));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+    const __m512 ze = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+    for (int r = 0; r < R; ++r) {
+      const int32_t gs = gsum[r][g];
+      const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(a[r][0], a[r][1]), _mm512_set1_epi32(8 * gs));
+      f[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d), f[r]);
+      f[r] = _mm512_fmadd_ps(ze, _mm512_set1_ps((float)gs), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * BLK, f[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
+             int64_t b1, float* acc_all, int64_t Np) {
+  const int64_t ng = Kp / G4;
+  float acc[4 * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * ng * GBYTES;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = M - m0 < 4 ? M - m0 : 4;
+      const int8_t* rows[4];
+      const int32_t* gs[4];
+      for (int64_t r = 0; r < R; ++r) { rows[r] = xq + (m0 + r) * Kp; gs[r] = gsum + (m0 + r) * ng; }
+      switch (R) {
+        case 1: block4_rows<1>(w, rows, gs, ng, acc); break;
+        case 2: block4_rows<2>(w, rows, gs, ng, acc); break;
+        case 3: block4_rows<3>(w, rows, gs, ng, acc); break;
+        default: block4_rows<4>(w, rows, gs, ng, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+// ---- AVX2 (no VNNI): the same packed layout and the same exact int32 sums, with 16-bit products: the u8 weights
+// (q + 128, up to 255) are widened to 16 bits (vpmovzxbw) and multiplied by the int8 activation pairs with vpmaddwd
+// (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767). Lanes hold (row, k pair); pairs are added at the end.
+__attribute__((target("avx2,fma")))
+void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out,
+                       int32_t* sum_out) {
+  auto at = [&](int64_t k) -> float {
+    if (is_bf16) { uint32_t u = (uint32_t)((const uint16_t*)x)[k] << 16; float f; memcpy(&f, &u, 4); return f; }
+    return ((const float*)x)[k];
+  };
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(at(k)));
+  if (!(amax >= 1e-30f)) amax = 1e-30f;
+  const float inv1 = 1.0f / amax;
+  const float inv = inv1 * 127.0f;
+  int32_t s = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int v = _mm_cvtss_si32(_mm_set_ss(at(k) * inv));   // round half to even (MXCSR default)
+    xq[k] = (int8_t)std::max(-127, std::min(127, v));
+    s += xq[k];
+  }
+  for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
+  *amax_out = amax;
+  *sum_out = s;
+}
+
+__attribute__((target("avx2,fma")))
+void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
+                 int32_t* acc_all, int64_t Np) {
+  const int64_t steps = Kp / 4;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq + m * Kp;
+      // acc[i]: rows 4i..4i+3, each as two k pairs (8 int32 lanes)
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int64_t st = 0; st < steps; ++st) {
+        // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
+        const __m128i x4 = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(*(const int32_t*)(xr + st * 4)));   // x0..x3 as i16
+        const __m256i xb = _mm256_broadcastq_epi64(x4);                                           // 4 rows x (x0..x3)
+        const uint8_t* ws = w + st * 64;
+        for (int i = 0; i < 4; ++i) {
+          const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w16, xb));
+        }
+      }
+      int32_t* out = acc_all + m * Np + b * BLK;
+      for (int i = 0; i < 4; ++i) {
+        alignas(32) int32_t t[8];
+        _mm256_store_si256((__m256i*)t, acc[i]);
+        for (int r = 0; r < 4; ++r) out[4 * i + r] = t[2 * r] + t[2 * r + 1];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ttsx_version() { return 1; }
+
+int ttsx_supported();
+
+// 2: AVX-512 VNNI (every kernel), 1: AVX2 + FMA (W8A8 only), 0: neither
+int ttsx_isa() {
+  __builtin_cpu_init();
+  if (ttsx_supported()) return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+int ttsx_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+int64_t ttsx_packed_bytes(int64_t N, int64_t K) { return round_up(N, BLK) * round_up(K, KU); }
+
+// q [N, K] int8 (row-major, rows `ldq` apart) -> packed (ttsx_packed_bytes(N, K) bytes)
+void ttsx_pack(const int8_t* q, int64_t N, int64_t K, int64_t ldq, uint8_t* packed) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
+  for (int64_t n = 0; n < Np; ++n) {
+    const int64_t b = n / BLK, r = n % BLK;
+    for (int64_t k = 0; k < Kp; ++k) {
+      const int v = (n < N && k < K) ? q[n * ldq + k] : 0;
+      packed[((b * (Kp / 4) + k / 4) * BLK + r) * 4 + k % 4] = (uint8_t)(v + 128);
+    }
+  }
+}
+
+// packed -> q [N, K] int8 (the inverse of ttsx_pack)
+void ttsx_unpack(const uint8_t* packed, int64_t N, int64_t K, int8_t* q) {
+  const int64_t Kp = round_up(K, KU);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / BLK, r = n % BLK;
+    for (int64_t k = 0; k < K; ++k) q[n * K + k] = (int8_t)((int)packed[((b * (Kp / 4) + k / 4) * BLK + r) * 4 + k % 4] - 128);
+  }
+}
+
+// The fused layer: x [M, K] (fp32 or bf16, rows `ldx` elements apart), packed weights, scale127 [N] fp32 ->
+// y [M, N] (x's dtype, contiguous). acc_out (or NULL): the exact int32 sums sum_k xq[m, k] * q[n, k], [M, N].
+void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+               const float* scale127, int64_t N, void* y, int32_t* acc_out, int isa) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
+  const int64_t esz = is_bf16 ? 2 : 4;
+  std::vector<int8_t> xq(M * Kp);
+  std::vector<float> amax(M);
+  std::vector<int32_t> xsum(M), acc(M * Np);
+  for (int64_t m = 0; m < M; ++m) {
+    if (isa == 2) quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    else quantize_row_avx2((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+  }
+  const int64_t nb = Np / BLK;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
+  int32_t* accp = acc.data();
+  const int8_t* xqp = xq.data();
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    if (isa == 2) blocks(packed, xqp, M, Kp, b0, b1, accp, Np);
+    else blocks_avx2(packed, xqp, M, Kp, b0, b1, accp, Np);
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t off = 128 * xsum[m];
+      const float am = amax[m];
+      const int64_t n1 = std::min(N, b1 * BLK);
+      for (int64_t n = b0 * BLK; n < n1; ++n) {
+        const int32_t s = accp[m * Np + n] - off;
+        if (acc_out) acc_out[m * N + n] = s;
+        const float v = (float)s * (am * scale127[n]);
+        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
+        else ((float*)y)[m * N + n] = v;
+      }
+    }
+  });
+}
+
+int64_t ttsx_packed4_bytes(int64_t N, int64_t K) { return round_up(N, BLK) / BLK * (round_up(K, G4) / G4) * GBYTES; }
+
+// q [N, K] (0..15 as uint8, row-major), scale_zero [K / 64, N, 2] bf16 (quant.Int4Linear's) -> packed4. K % 64 == 0
+// is not required: columns past K are q = 8 with scale and zero of the last group (w = zero * 0 input: x is 0 there).
+void ttsx_pack4(const uint8_t* q, const uint16_t* scale_zero, int64_t N, int64_t K, uint8_t* packed) {
+  const int64_t Np = round_up(N, BLK), ng = round_up(K, G4) / G4;
+  memset(packed, 0, ttsx_packed4_bytes(N, K));
+  for (int64_t b = 0; b < Np / BLK; ++b)
+    for (int64_t g = 0; g < ng; ++g) {
+      uint8_t* wg = packed + (b * ng + g) * GBYTES;
+      for (int64_t r = 0; r < BLK; ++r) {
+        const int64_t n = b * BLK + r;
+        for (int64_t kk = 0; kk < G4; ++kk) {
+          const int64_t k = g * G4 + kk, step = kk / 4, j = kk % 4;
+          const int v = (n < N && k < K) ? (q[n * K + k] & 15) : 8;
+          uint8_t* byte = wg + (step % 8) * 64 + r * 4 + j;
+          *byte |= step < 8 ? v : (v << 4);
+        }
+        uint16_t* sz = (uint16_t*)(wg + 512);
+        sz[r] = n < N ? scale_zero[(g * N + n) * 2] : 0;
+        sz[16 + r] = n < N ? scale_zero[(g * N + n) * 2 + 1] : 0;
+      }
+    }
+}
+
+// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype)
+void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
+               void* y) {
+  const int64_t Np = round_up(N, BLK), Kp = round_up(K, G4), ng = Kp / G4;
+  const int64_t esz = is_bf16 ? 2 : 4;
+  std::vector<int8_t> xq(M * Kp);
+  std::vector<float> amax(M);
+  std::vector<int32_t> xsum(M), gsum(M * ng);
+  std::vector<float> acc(M * Np);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    for (int64_t g = 0; g < ng; ++g) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < G4; ++k) s += xq[m * Kp + g * G4 + k];
+      gsum[m * ng + g] = s;
+    }
+  }
+  float* accp = acc.data();
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
+  at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
+    blocks4(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
+    for (int64_t m = 0; m < M; ++m) {
+      const float am = amax[m] * (1.0f / 127.0f);
+      const int64_t n1 = std::min(N, b1 * BLK);
+      for (int64_t n = b0 * BLK; n < n1; ++n) {
+        const float v = accp[m * Np + n] * am;
+        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
+        else ((float*)y)[m * N + n] = v;
+      }
+    }
+  });
+}
+
+// A plain read of n bytes (64-byte loads, split over torch's threads): the memory floor beside the kernels
+// (tts_engine.bench_matmuls gbps). Returns a value that depends on every byte so the reads cannot be dropped.
+int64_t ttsx_read(const uint8_t* p, int64_t n) {
+  const int64_t chunk = 1 << 16, nc = n / chunk;
+  std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);
+  at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) part[c] = read_chunk(p + c * chunk, chunk);
+  });
+  int64_t s = 0;
+  for (int64_t v : part) s ^= v;
+  return s;
+}
+
+}  // extern "C"

@@ -1,0 +1,260 @@
+"""Our own CPU matmul kernels (`cpu_ext.cpp`): a fused W8A8 layer for the decode shapes (1-4 activation rows) that
+reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction), with an
+AVX2 path (16-bit products, vpmaddwd) for CPUs without it, and a W4A8 layer (AVX-512 VNNI only).
+
+Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
+(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, one file per source, torch version and
+compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
+ninja nor pybind nor torch's C++ headers beyond `ATen/Parallel.h` are needed (a `torch.utils.cpp_extension`
+module with a registered op compiles ~4x longer for the same ~1.5-2 us per call). The work of a call is split over
+output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
+
+`available()` is False, with one logged line saying why, when anything fails: no compiler, a build error, a CPU
+without AVX2, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
+candidate only when it is available); nothing here may take the engine down.
+
+Layer math (as kernels.w8a8_int_mm, with exact int32 sums): xq = round(x * 127 / amax_row) (int8),
+y = (xq @ q.T) * amax_row * scale127[n], written in x's dtype. Weights are prepared once (`pack`): blocks of 16
+output rows, 4 consecutive k per 32-bit lane, stored as q + 128 (see cpu_ext.cpp).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tts_engine")
+
+ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
+ISA_ENV = "TTS_CPU_EXT_ISA"     # auto (default) / avx512 / avx2: which code path (avx2 on a VNNI CPU: to test it)
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
+SOURCE = Path(__file__).with_name("cpu_ext.cpp")
+BLOCK_N, BLOCK_K = 16, 16        # padding of the packed layout (cpu_ext.cpp BLK, KU)
+
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    from .kernels import cache_root   # kernels imports this module; import late
+    return cache_root() / "cpu_ext"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(force: bool = False) -> Path:
+    """Compile cpu_ext.cpp into the cache folder (once per source, torch and compiler) and return the library's
+    path. Raises on any failure (no compiler, compile error)."""
+    if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
+        raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
+    cxx = _compiler()
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    src = SOURCE.read_bytes()
+    torch_dir = Path(torch.__file__).parent
+    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"ttsx-{tag}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
+    cmd = [cxx, "-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{torch_dir / 'include'}",
+           str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+           f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cxx} did not run: {e}") from e
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        msg = (r.stderr or r.stdout).strip().splitlines()
+        first = [ln for ln in msg if "error" in ln][:2] or msg[-2:]
+        raise RuntimeError(f"{cxx} failed ({r.returncode}): {' | '.join(first)[:400]}")
+    tmp.replace(out)   # atomic: a concurrent process sees the old file or the whole new one
+    log.info("tts_engine: built the CPU kernels %s in %.1f s", out, time.perf_counter() - t0)
+    _state["build_seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ttsx_supported.restype = I
+    lib.ttsx_isa.restype = I
+    lib.ttsx_version.restype = I
+    lib.ttsx_packed_bytes.argtypes, lib.ttsx_packed_bytes.restype = [I64, I64], I64
+    lib.ttsx_pack.argtypes, lib.ttsx_pack.restype = [P, I64, I64, I64, P], None
+    lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
+    lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P, I]
+    lib.ttsx_w8a8.restype = None
+    lib.ttsx_packed4_bytes.argtypes, lib.ttsx_packed4_bytes.restype = [I64, I64], I64
+    lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
+    lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P], None
+    lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
+    isa = lib.ttsx_isa()
+    want = os.environ.get(ISA_ENV, "auto").strip().lower()
+    if want == "avx2" and isa >= 1:
+        isa = 1
+    elif want == "avx512" and isa < 2:
+        raise RuntimeError(f"{ISA_ENV}=avx512 but this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+    if isa == 0:
+        raise RuntimeError("this CPU has neither AVX-512 VNNI nor AVX2 + FMA")
+    _state["isa"] = isa
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built on first use; None (logged once) when it cannot be built or run here."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" not in _state:
+            lib = None
+            if not enabled():
+                _state["why"] = f"{ENABLE_ENV}=0"
+            else:
+                try:
+                    lib = _load()
+                except Exception as e:   # any failure leaves aten's kernels serving
+                    _state["why"] = f"{type(e).__name__}: {e}"[:300]
+                    log.warning("tts_engine: own CPU kernels not used (%s); aten's kernels serve", _state["why"])
+            _state["lib"] = lib
+    return _state["lib"]
+
+
+def available() -> bool:
+    """The W8A8 kernel runs here (AVX-512 VNNI, or the AVX2 path)."""
+    return library() is not None
+
+
+def isa() -> str | None:
+    """The code path in use: "avx512-vnni", "avx2", or None where the kernels are not available."""
+    return ISA_NAMES.get(_state.get("isa", 0)) if available() else None
+
+
+def has_w4a8() -> bool:
+    """The W4A8 kernel runs here (AVX-512 VNNI only)."""
+    return available() and _state.get("isa") == 2
+
+
+def why_unavailable() -> str | None:
+    library()
+    return _state.get("why")
+
+
+def tag() -> str:
+    """The identity of the kernels (source and torch version) for the kernel table's machine key."""
+    if "tag" not in _state:
+        _state["tag"] = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12] + \
+            f"-{isa()}"
+    return _state["tag"]
+
+
+def reset() -> None:
+    """Forget the loaded state (tests: a later `library()` tries again)."""
+    with _lock:
+        _state.clear()
+
+
+# --- the W8A8 layer -----------------------------------------------------------------------------------------------
+def packed_bytes(N: int, K: int) -> int:
+    return -(-N // BLOCK_N) * BLOCK_N * -(-K // BLOCK_K) * BLOCK_K
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout (uint8, 1-D, packed_bytes(N, K))."""
+    lib = library()
+    assert lib is not None and q.dtype == torch.int8 and q.dim() == 2 and q.stride(1) == 1
+    N, K = q.shape
+    out = torch.empty(packed_bytes(N, K), dtype=torch.uint8)
+    lib.ttsx_pack(q.data_ptr(), N, K, q.stride(0), out.data_ptr())
+    return out
+
+
+def unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The inverse of `pack`: int8 [N, K]."""
+    lib = library()
+    assert lib is not None and packed.numel() >= packed_bytes(N, K)
+    q = torch.empty(N, K, dtype=torch.int8)
+    lib.ttsx_unpack(packed.data_ptr(), N, K, q.data_ptr())
+    return q
+
+
+def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
+         acc: torch.Tensor | None = None, path: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype (module doc). packed: `pack(q)`; scale127 [N] fp32.
+    acc: an int32 [M, N] tensor to receive the exact sums (tests). path: 1 = the AVX2 code path even on a VNNI
+    CPU (both are timed by the kernel table there), None = the best this CPU has."""
+    lib = _state.get("lib") or library()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    M, K = x.shape
+    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
+        x = x.contiguous()
+    if packed.numel() < packed_bytes(N, K) or scale127.dtype != torch.float32 or scale127.numel() < N \
+            or not scale127.is_contiguous():
+        raise ValueError(f"packed weight / scale do not fit {N}x{K}")
+    y = torch.empty(M, N, dtype=x.dtype)
+    lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
+                  scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr(),
+                  min(path or 2, _state["isa"]))
+    return y
+
+
+def read_bytes(buf: torch.Tensor) -> int:
+    """A plain read of a contiguous tensor's bytes with 64-byte loads on torch's threads (the memory floor)."""
+    lib = library()
+    assert lib is not None and buf.is_contiguous()
+    return lib.ttsx_read(buf.data_ptr(), buf.numel() * buf.element_size())
+
+
+# --- the W4A8 layer (int4 weights of quant.Int4Linear x int8 activation rows) -------------------------------------
+INT4_GROUP = 64   # the kernel's group (quant.INT4_GROUP)
+
+
+def packed4_bytes(N: int, K: int) -> int:
+    return -(-N // BLOCK_N) * (-(-K // INT4_GROUP)) * (8 * 64 + 64)
+
+
+def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15, any integer dtype), scale_zero [K/64, N, 2] bf16 -> the W4A8 kernel's layout (uint8)."""
+    lib = library()
+    N, K = q.shape
+    assert lib is not None and has_w4a8() and scale_zero.dtype == torch.bfloat16 and scale_zero.shape == (-(-K // 64), N, 2)
+    q8 = q.to(torch.uint8).contiguous()
+    sz = scale_zero.contiguous()
+    out = torch.empty(packed4_bytes(N, K), dtype=torch.uint8)
+    lib.ttsx_pack4(q8.data_ptr(), sz.data_ptr(), N, K, out.data_ptr())
+    return out
+
+
+def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
+    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights."""
+    lib = _state.get("lib") or library()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    M, K = x.shape
+    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
+        x = x.contiguous()
+    if packed4.numel() < packed4_bytes(N, K) or not has_w4a8():
+        raise ValueError(f"packed int4 weight does not fit {N}x{K}")
+    y = torch.empty(M, N, dtype=x.dtype)
+    lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,
+                  y.data_ptr())
+    return y
