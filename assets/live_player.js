@@ -7,7 +7,7 @@
 // `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
 // starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
 // hands the token to Python as the event's last input, so the Gradio event reports on the same run. The hook
-// hands it over only once the first audio is in the player (at most 500 ms later): Gradio's own work for the event
+// hands it over only once the player has 0.2 s in hand (at most 500 ms later): Gradio's own work for the event
 // (in the page and on the server) then does not compete with the first chunk. When the server may not start the
 // run early it answers 202 at once, the hook hands the token over, and the player reads with a GET. (A hook
 // without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
@@ -22,7 +22,8 @@
 // rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then the typical rate of its
 // last five chunks (a late chunk now and then is not believed, a stream that stays slow is; a slow start is
 // forgotten as fast). It plans for r' = r / 1.2: when r' >= 1 it plays at once (with 0.3 s buffered first when
-// r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// r < 1.8), unless the next chunk (its size from X-Live-Chunks at the start, else twice the last) would come too
+// late for what is buffered. Otherwise it waits ("buffering") until the buffer B
 // covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
 // when the server sent it, else assumed as long as what came so far), plus a chunk. The first start also waits
 // as long after the first byte as the chunks of this page's last runs came late for a start at their first byte
@@ -61,7 +62,8 @@
   // LAG_WINDOW_S) and starts that much after the first byte, less LAG_TOLERATED_MS (at most MAX_START_LAG_MS)
   const LAG_WINDOW_S = 2.5, LAG_TOLERATED_MS = 50, MAX_START_LAG_MS = 1500, LAG_RUNS = 3;
   // The audio device's buffer: the smallest the browser allows (0). Chromium's 'interactive' is a 10 ms buffer and
-  // ~42 ms from a rendered sample to the speaker; the smallest halves that (~21 ms at 24 kHz). `?live_latency=`
+  // ~42 ms from a rendered sample to the speaker at 24 kHz; the smallest halves that (~21 ms; ~11 ms at the
+  // output's own rate, see CONTEXT_RATE). `?live_latency=`
   // ('interactive', 'balanced' or seconds) overrides it.
   const LATENCY = (() => {
     const v = params.get('live_latency');
