@@ -602,27 +602,44 @@
       return run.firstByteAt + lag - performance.now();
     }
 
-    // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives: at rate r it
-    // lands (its size / r) after the last one, give or take some jitter. 0: start now.
+    // Milliseconds to wait before starting so that the buffer lasts until the next chunks arrive: at rate r each
+    // lands (the audio made since the last one / r) after it, give or take some jitter. The next chunks: the rest of
+    // the server's plan of a stream's first chunks (X-Live-Chunks: 1, 1, 2, 4, 8, 12 frames; within the expected
+    // length), else one guessed twice the last. Chunks that double in size at about 2x real time leave almost no
+    // slack at each step (each takes as long to make as the audio before it lasts), so the whole plan counts, not
+    // only the next chunk. 0: start now.
     waitForNextChunk(run, buffered) {
       const r = this.rate(run);
       if (r == null) return 0;
-      const next = this.nextChunk(run) / SR;
-      const arrives = run.lastByteAt + (next / Math.max(r, 0.05)) * 1000 * 1.1 + 25;
-      return Math.min(arrives - performance.now() - buffered * 1000, 1000);
+      const now = performance.now(), rr = Math.max(r, 0.05);
+      let made = 0, ahead = buffered, wait = -Infinity;
+      for (const n of this.nextChunks(run)) {
+        made += n;
+        const arrives = run.lastByteAt + (made / SR / rr) * 1000 * 1.1 + 25;
+        wait = Math.max(wait, arrives - now - ahead * 1000);
+        ahead += n / SR;
+      }
+      return Math.min(wait, 1000);
     }
 
-    // Samples of the chunk that comes next. The server says how large a part's first chunks are (X-Live-Chunks:
-    // one frame, one frame, then doubling), which counts where the samples so far end exactly at one of them;
-    // otherwise chunks tend to grow (the engine doubles them: 2, 4, 8, 12 frames), so it is guessed twice the last.
-    nextChunk(run) {
+    // Samples of the chunks that come next. The server says how large a part's first chunks are (X-Live-Chunks),
+    // which counts where the samples so far end exactly at one of them (the rest of the plan, as far as the
+    // expected length goes); otherwise chunks tend to grow (the engine doubles them: 2, 4, 8, 12 frames), so the
+    // next one is guessed twice the last.
+    nextChunks(run) {
       let end = 0;
-      for (const n of run.plan || []) {
-        if (end === run.received) return n;
-        end += n;
+      const plan = run.plan || [];
+      for (let k = 0; k < plan.length; k++) {
+        if (end === run.received) {
+          const rest = [], limit = run.expected != null ? run.expected * SR : Infinity;
+          for (let j = k; j < plan.length && end < limit; j++) { rest.push(plan[j]); end += plan[j]; }
+          if (rest.length) return rest;
+          break;
+        }
+        end += plan[k];
         if (end > run.received) break;
       }
-      return Math.min(2 * run.lastChunk, SR);
+      return [Math.min(2 * run.lastChunk, SR)];
     }
 
     onBackendEvent(ev) {
