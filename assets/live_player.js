@@ -7,7 +7,7 @@
 // `fetch("live/<token>?session=…&api=<endpoint>", {method: "POST", body: {data: formValues}})` at once, which
 // starts the generation on the server without waiting for Gradio's round trip (ui/early_start.py), and the hook
 // hands the token to Python as the event's last input, so the Gradio event reports on the same run. The hook
-// hands it over only once the first audio is in the player (at most 500 ms later): Gradio's own work for the event
+// hands it over only once the player has 0.2 s in hand (at most 500 ms later): Gradio's own work for the event
 // (in the page and on the server) then does not compete with the first chunk. When the server may not start the
 // run early it answers 202 at once, the hook hands the token over, and the player reads with a GET. (A hook
 // without form values, `takeToken()`, or none within 60 ms: a plain `GET live/<token>` that waits for the Gradio
@@ -22,7 +22,8 @@
 // rate (header X-Live-Rate) until it has measured this stream's own arrival rate, and then the typical rate of its
 // last five chunks (a late chunk now and then is not believed, a stream that stays slow is; a slow start is
 // forgotten as fast). It plans for r' = r / 1.2: when r' >= 1 it plays at once (with 0.3 s buffered first when
-// r < 1.8). Otherwise it waits ("buffering") until the buffer B
+// r < 1.8), unless the next chunk (its size from X-Live-Chunks at the start, else twice the last) would come too
+// late for what is buffered. Otherwise it waits ("buffering") until the buffer B
 // covers the shortfall of the rest: B >= R (1/r' - 1), R the audio still to come (from X-Live-Expected-Seconds
 // when the server sent it, else assumed as long as what came so far), plus a chunk. The first start also waits
 // as long after the first byte as the chunks of this page's last runs came late for a start at their first byte
@@ -61,20 +62,26 @@
   // LAG_WINDOW_S) and starts that much after the first byte, less LAG_TOLERATED_MS (at most MAX_START_LAG_MS)
   const LAG_WINDOW_S = 2.5, LAG_TOLERATED_MS = 50, MAX_START_LAG_MS = 1500, LAG_RUNS = 3;
   // The audio device's buffer: the smallest the browser allows (0). Chromium's 'interactive' is a 10 ms buffer and
-  // ~42 ms from a rendered sample to the speaker; the smallest halves that (~21 ms at 24 kHz). `?live_latency=`
+  // ~42 ms from a rendered sample to the speaker at 24 kHz; the smallest halves that (~21 ms; ~11 ms at the
+  // output's own rate, see CONTEXT_RATE). `?live_latency=`
   // ('interactive', 'balanced' or seconds) overrides it.
   const LATENCY = (() => {
     const v = params.get('live_latency');
     if (v == null || v === '') return 0;
     return isNaN(parseFloat(v)) ? v : parseFloat(v);
   })();
+  // The AudioContext's sample rate: the output device's own where the worklet plays (it resamples the 24 kHz
+  // stream), 24 kHz for the scheduled buffers. `?live_rate=24000` (or another rate) sets it (to compare).
+  const CONTEXT_RATE = parseFloat(params.get('live_rate')) || null;
   // The click's Gradio event waits (in its js= hook) until the player has the first audio, at most this long: the
   // event's own work (the page's loading indicators, its request, the server's event handling) would otherwise
   // share the page's main thread and the server's CPU with the first chunk, which arrives ~30-100 ms later than
   // it could. The event only reports on a run the player's request started (ui/early_start.py).
-  // "The first audio": this many chunks (by the second the player plays, with the next chunk in hand, so the event's
-  // work on the main thread does not make it run dry).
-  const HOLD_EVENT_MS = 500, HOLD_EVENT_CHUNKS = 2;
+  // "The first audio": this many seconds of it in the player's buffer, not yet played (the event's work on the main
+  // thread and the server, ~40-100 ms, then falls where the player has that much in hand and does not make it run
+  // dry; let go after the second chunk of one frame, with ~0.1 s in hand, it delayed the third chunk by ~80 ms and
+  // the player ran dry).
+  const HOLD_EVENT_MS = 500, HOLD_EVENT_S = 0.2;
 
   function token() {
     const b = new Uint8Array(16);
@@ -89,7 +96,7 @@
       this.ctx = ctx;
       this.onEvent = onEvent;
       this.node = new AudioWorkletNode(ctx, 'live-pcm-player', {numberOfInputs: 0, outputChannelCount: [1],
-        processorOptions: {capacity: RING_SECONDS * SR}});
+        processorOptions: {capacity: RING_SECONDS * SR, inRate: SR}});
       this.node.connect(dest);
       this.node.port.onmessage = (e) => this.onMessage(e.data);
       this.reset();
@@ -128,8 +135,11 @@
     play() { this.node.port.postMessage({type: 'play'}); }
     end() { this.node.port.postMessage({type: 'end'}); }
     clear() { this.overflow = []; this.reset(); }
-    buffered() {
-      return this.sent - this.stats.read + this.overflow.reduce((a, s) => a + s.length, 0);
+    // Samples it can still play; `all`: counting those the worklet holds back while the stream goes on (its
+    // resampler needs a few samples past the one it plays: `hold`), which it plays once the stream has ended.
+    buffered(all) {
+      const n = this.sent - this.stats.read + this.overflow.reduce((a, s) => a + s.length, 0);
+      return all ? n : Math.max(0, n - (this.stats.hold || 0));
     }
     played() { return this.stats.played; }
     sumsq() { return this.stats.sumsq; }
@@ -220,7 +230,7 @@
       this.handoff = null;   // the token waiting for Gradio's js= hook
       this.lags = [];        // startLag (ms) of the last LAG_RUNS runs that played to their end
       this.holdEventMs = HOLD_EVENT_MS;   // 0: the Gradio event goes at once (benchmarks compare)
-      this.holdEventChunks = HOLD_EVENT_CHUNKS;
+      this.holdEventS = HOLD_EVENT_S;
       document.addEventListener('click', (e) => this.onClick(e), true);
       // Any earlier gesture (pressing the button, typing the text) may already start the audio device, so that
       // the click itself does not wait for it (user activation: pointerdown and keydown count, as click does).
@@ -249,8 +259,14 @@
       if (this.ctx) return this.ready;
       const AC = window.AudioContext || window.webkitAudioContext;
       if (!AC) { this.ready = Promise.resolve(); return this.ready; }
-      for (const opts of [{sampleRate: SR, latencyHint: LATENCY}, {sampleRate: SR, latencyHint: 'interactive'},
+      // With the worklet: a context at the output's own rate (the worklet resamples; a 24 kHz context makes the
+      // browser resample behind it, ~10 ms more output latency). Without it: 24 kHz, so that the browser's own
+      // resampler, not an AudioBufferSourceNode's interpolation, converts the stream's rate.
+      const worklet = !FORCE_SCHEDULED && window.isSecureContext && !!window.AudioWorkletNode;
+      const rate = CONTEXT_RATE || (worklet ? null : SR);
+      for (const opts of [{sampleRate: rate, latencyHint: LATENCY}, {sampleRate: SR, latencyHint: 'interactive'},
         {latencyHint: 'interactive'}]) {   // the last: a resampling context (AudioBuffers at 24 kHz still play)
+        if (opts.sampleRate == null) delete opts.sampleRate;
         try { this.ctx = new AC(opts); break; } catch (e) { /* next */ }
       }
       if (!this.ctx) { this.ready = Promise.resolve(); return this.ready; }
@@ -258,8 +274,7 @@
       this.analyser.fftSize = 2048;
       this.analyser.connect(this.ctx.destination);
       const onEvent = (ev) => this.onBackendEvent(ev);
-      const canWorklet = !FORCE_SCHEDULED && this.ctx.audioWorklet && window.AudioWorkletNode
-        && this.ctx.sampleRate === SR;
+      const canWorklet = !FORCE_SCHEDULED && this.ctx.audioWorklet && window.AudioWorkletNode;
       if (!canWorklet) {
         this.backend = new ScheduledBackend(this.ctx, this.analyser, onEvent);
         this.ready = Promise.resolve();
@@ -296,7 +311,7 @@
       const tok = token();
       const run = {token: tok, source, clickTime, state: 'buffering', controller: new AbortController(),
         received: 0, chunks: 0, arrivals: [], maxStallMs: 0, firstByteAt: null, headersAt: null, rateHint: null,
-        expected: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
+        expected: null, plan: null, streamDone: false, serverDone: false, underruns: 0, carry: null, peakRms: 0, log: [],
         requestAt: null, early: false, timeline: [], startLag: 0, started: false,
         heard: false, pos: 0, silentRun: 0, maxSilentRun: 0, silences: [], stalls: [], stallMs: 0, stalledAt: null};
       this.stop('stopped');
@@ -411,6 +426,8 @@
       }
       run.rateHint = parseFloat(resp.headers.get('X-Live-Rate')) || null;
       run.expected = parseFloat(resp.headers.get('X-Live-Expected-Seconds')) || null;
+      run.plan = (resp.headers.get('X-Live-Chunks') || '').split(',').map((x) => Math.round(parseFloat(x) * SR))
+        .filter((n) => n > 0);
       const reader = resp.body.getReader();
       try {
         for (;;) {
@@ -469,7 +486,7 @@
       this.backend.push(f);
       this.decide(run);
       // the first audio is in the player: the Gradio event may go now
-      if (run.release && run.chunks >= this.holdEventChunks) run.release();
+      if (run.release && this.backend.buffered() >= this.holdEventS * SR) run.release();
     }
 
     // Silence inside the stream (a dialogue's pauses, gaps between sentence groups): runs of samples below -60 dBFS
@@ -547,9 +564,10 @@
     decide(run) {
       if (this.run !== run || run.state !== 'buffering') return;
       const b = this.backend.buffered() / SR;
-      if (run.streamDone && b <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
+      const left = this.backend.buffered(true);
+      if (run.streamDone && left <= 0) { this.finish(run, 'ended'); return; }   // ran dry exactly at the end
       run.need = this.needed(run);
-      if (b > 0 && (run.streamDone || b >= run.need)) {
+      if ((b > 0 || (run.streamDone && left > 0)) && (run.streamDone || b >= run.need)) {
         let wait = run.streamDone ? 0 : this.waitForNextChunk(run, b);
         if (!run.started && !run.streamDone) wait = Math.max(wait, this.startDelay(run));
         if (wait > 0) {                       // the next chunk would come too late for what is buffered now
@@ -584,15 +602,44 @@
       return run.firstByteAt + lag - performance.now();
     }
 
-    // Milliseconds to wait before starting so that the buffer lasts until the next chunk arrives. Chunks tend to
-    // grow (the engine doubles them: 2, 4, 8, 12 frames), so the next one is guessed twice the last; at rate r
-    // it lands (size / r) after the last one, give or take some jitter. 0: start now.
+    // Milliseconds to wait before starting so that the buffer lasts until the next chunks arrive: at rate r each
+    // lands (the audio made since the last one / r) after it, give or take some jitter. The next chunks: the rest of
+    // the server's plan of a stream's first chunks (X-Live-Chunks: 1, 1, 2, 4, 8, 12 frames; within the expected
+    // length), else one guessed twice the last. Chunks that double in size at about 2x real time leave almost no
+    // slack at each step (each takes as long to make as the audio before it lasts), so the whole plan counts, not
+    // only the next chunk. 0: start now.
     waitForNextChunk(run, buffered) {
       const r = this.rate(run);
       if (r == null) return 0;
-      const next = Math.min(2 * run.lastChunk, SR) / SR;
-      const arrives = run.lastByteAt + (next / Math.max(r, 0.05)) * 1000 * 1.1 + 25;
-      return Math.min(arrives - performance.now() - buffered * 1000, 1000);
+      const now = performance.now(), rr = Math.max(r, 0.05);
+      let made = 0, ahead = buffered, wait = -Infinity;
+      for (const n of this.nextChunks(run)) {
+        made += n;
+        const arrives = run.lastByteAt + (made / SR / rr) * 1000 * 1.1 + 25;
+        wait = Math.max(wait, arrives - now - ahead * 1000);
+        ahead += n / SR;
+      }
+      return Math.min(wait, 1000);
+    }
+
+    // Samples of the chunks that come next. The server says how large a part's first chunks are (X-Live-Chunks),
+    // which counts where the samples so far end exactly at one of them (the rest of the plan, as far as the
+    // expected length goes); otherwise chunks tend to grow (the engine doubles them: 2, 4, 8, 12 frames), so the
+    // next one is guessed twice the last.
+    nextChunks(run) {
+      let end = 0;
+      const plan = run.plan || [];
+      for (let k = 0; k < plan.length; k++) {
+        if (end === run.received) {
+          const rest = [], limit = run.expected != null ? run.expected * SR : Infinity;
+          for (let j = k; j < plan.length && end < limit; j++) { rest.push(plan[j]); end += plan[j]; }
+          if (rest.length) return rest;
+          break;
+        }
+        end += plan[k];
+        if (end > run.received) break;
+      }
+      return [Math.min(2 * run.lastChunk, SR)];
     }
 
     onBackendEvent(ev) {
@@ -691,6 +738,7 @@
         clickToEventMs: run.releasedAt != null ? run.releasedAt - run.clickTime : null,
         clickToRenderedMs: run.renderedAt != null ? run.renderedAt - run.clickTime : null,
         clickToSoundMs: run.soundAt != null ? run.soundAt - run.clickTime : null,
+        contextRate: this.ctx ? this.ctx.sampleRate : null,
         outputLatencyMs: this.ctx ? ((this.ctx.outputLatency || 0) + (this.ctx.baseLatency || 0)) * 1000 : null,
         underruns: run.underruns, maxStallMs: Math.round(run.maxStallMs), samplesReceived: run.received, samplesPlayed: played,
         secondsPlayed: played / SR, rms: played ? Math.sqrt(ss / played) : 0, analyserRms: run.peakRms,

@@ -6,7 +6,8 @@
 //
 // runs.json: {"hint": 2.6, "expected": 7.9, "runs": [[[ms after the click, ms of audio], ...], ...]}: the chunks as
 // the player's `timeline` metric records them (ms of audio = samples / 24); a run may also be an object {"hint",
-// "expected", "chunks"} (tests/stream_gaps.py --timelines writes them so). Each run is replayed on a fresh page
+// "expected", "chunks", "plan"} (tests/stream_gaps.py --timelines writes them so; "plan": the X-Live-Chunks header,
+// ms of audio of the first chunks). Each run is replayed on a fresh page
 // ("fresh"), and again after the same run played once on that page ("after one like it": the page's own history).
 // Output latency and the audio device are left out: "start" is when the player decided to play.
 'use strict';
@@ -64,7 +65,7 @@ class SimBackend {
   }
 }
 
-function replay(sim, chunks, hint, expected) {
+function replay(sim, chunks, hint, expected, plan) {
   const {player, clock, timers} = sim;
   clock.now += 60000;                       // a new click, a minute later
   const click = clock.now;
@@ -74,6 +75,7 @@ function replay(sim, chunks, hint, expected) {
   timers.splice(0, timers.length);
   run.requestAt = run.headersAt = click;
   run.rateHint = hint; run.expected = expected;
+  run.plan = plan ? plan.map((ms) => Math.round(ms * SR / 1000)) : null;   // X-Live-Chunks (ms of audio each)
   const arrivals = chunks.map(([t, ms]) => [click + t, Math.round(ms * SR / 1000)]);
   let k = 0;
   for (;;) {
@@ -110,10 +112,11 @@ function main() {
     spec.runs.forEach((r, i) => {
       const chunks = Array.isArray(r) ? r : r.chunks;
       const hint = Array.isArray(r) ? spec.hint : r.hint, expected = Array.isArray(r) ? spec.expected : r.expected;
-      const fresh = replay(load(path), chunks, hint, expected);
+      const plan = (Array.isArray(r) ? null : r.plan) || spec.plan;
+      const fresh = replay(load(path), chunks, hint, expected, plan);
       const sim = load(path);
-      replay(sim, chunks, hint, expected);
-      const again = replay(sim, chunks, hint, expected);
+      replay(sim, chunks, hint, expected, plan);
+      const again = replay(sim, chunks, hint, expected, plan);
       const f = (r) => `${r.start} | ${r.underruns} | ${r.stallMs} (max ${r.maxStallMs})`;
       console.log(`| ${path} | ${i + 1} | ${f(fresh)} | ${f(again)} |`);
     });

@@ -167,6 +167,38 @@ def test_stream_chunks_first_after_two_frames(cv):
     assert all(a <= b for a, b in zip(sizes[:-1], sizes[1:-1]))   # later chunks are not smaller (but the last)
 
 
+def test_first_chunk_sizes_given_as_a_list(cv):
+    """first_chunk_frames=(1, 1): two one-frame chunks, then doubling; the same codes and audio as one schedule."""
+    from tts_engine.engine.request import chunk_schedule
+
+    sizes = chunk_schedule((1, 1), 12)
+    assert [next(sizes) for _ in range(7)] == [1, 1, 2, 4, 8, 12, 12]
+    sizes = chunk_schedule(3, 12)
+    assert [next(sizes) for _ in range(4)] == [3, 6, 12, 12]
+    eng = TTSEngine.from_pretrained(str(cv), device="cpu")
+    kw = dict(voice="serena", seed=4, max_new_tokens=20)
+    a = eng.stream("A somewhat longer sentence to speak.", first_chunk_frames=(1, 1), **kw)
+    chunks = list(a)
+    b = eng.stream("A somewhat longer sentence to speak.", first_chunk_frames=2, **kw)
+    whole = np.concatenate(list(b))
+    n = a.codes.shape[0]
+    expect, left = [], n
+    for k in [1, 1, 2, 4, 8, 12]:
+        if left <= 0:
+            break
+        expect.append(min(k, left))
+        left -= k
+    assert [len(c) // 1920 for c in chunks] == expect
+    assert torch.equal(a.codes, b.codes)
+    got = np.concatenate(chunks)
+    assert got.shape == whole.shape
+    assert np.linalg.norm(got - whole) / np.linalg.norm(whole) < 1e-4   # (the decode's float order differs)
+    with pytest.raises(TTSError, match="first_chunk_frames"):
+        eng.stream("Hello.", voice="ryan", first_chunk_frames=(1, 0))
+    with pytest.raises(TTSError, match="first_chunk_frames"):
+        eng.stream("Hello.", voice="ryan", first_chunk_frames=())
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(text="   "), "empty"),
     (dict(text="x" * 6000), "too long"),

@@ -287,6 +287,19 @@ def test_rate_is_learnt_and_sent(live):
     assert float(_get(url, tok2).headers["x-live-rate"]) == pytest.approx(streams.rate, abs=1e-3)
 
 
+def test_first_chunks_are_sent(live):
+    """The handler says how large the stream's first chunks will be (the player's start rule uses it)."""
+    url, streams = live
+    streams.reader_wait_s = 30.0                      # (the GETs come after both writes, on a busy machine too)
+    tok, plain = _token(), _token()
+    with streams.open(tok, SESSION, chunks_s=[0.08, 0.08, 0.16]) as sink:
+        sink.write(_pcm(1920, 1))
+    with streams.open(plain, SESSION) as sink:
+        sink.write(_pcm(1920, 2))
+    assert _get(url, tok).headers["x-live-chunks"] == "0.080,0.080,0.160"
+    assert "x-live-chunks" not in _get(url, plain).headers
+
+
 def test_player_scripts_are_served(live):
     url, _ = live
     for name in ("player.js", "worklet.js"):

@@ -28,7 +28,7 @@ from .config import DEFAULT_SAMPLING, ROLE_LABEL, SR
 from .live_player import LiveStreams, expected_seconds
 from .roles import Models
 from .session import Files, Voices, remember
-from .speak import ActiveStreams, Speaker, SpeechJob, session_key
+from .speak import ActiveStreams, Speaker, SpeechJob, first_chunks_s, session_key
 from .status import status_line
 from .text import chunk_text, to_int16
 
@@ -181,7 +181,8 @@ class Handlers:
         job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
                         sampling=sampling, max_new_tokens=max_new, speed=check_speed(speed))
         if sink is None:
-            sink = self.live.open(live_token, session_key(request), expected_seconds(text) / job.speed)
+            sink = self.live.open(live_token, session_key(request), expected_seconds(text) / job.speed,
+                                  chunks_s=first_chunks_s() if job.speed == 1.0 else None)
         yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink)
 
     def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,

@@ -77,6 +77,7 @@ class _Slot:
         self.first_write: float | None = None
         self.last_write: float | None = None
         self.expected_s: float | None = None
+        self.chunks_s: list[float] | None = None   # audio seconds of the stream's first chunks, as the engine makes them
         self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     # called with the lock held
@@ -176,10 +177,13 @@ class LiveStreams:
             return len(self._slots)
 
     # --- handler side ------------------------------------------------------------------------------------
-    def open(self, token: str | None, session: str | None, expected_seconds: float | None = None) -> LiveSink | None:
+    def open(self, token: str | None, session: str | None, expected_seconds: float | None = None,
+             chunks_s: list[float] | None = None) -> LiveSink | None:
         """The Gradio handler's end of `token`, bound to its `session` (gr.Request.session_hash). None when
         there is no token (gradio_client callers) or it may not be used (malformed, spent, another session's):
-        the handler then generates without a live stream."""
+        the handler then generates without a live stream. `expected_seconds`: the audio's rough length;
+        `chunks_s`: the audio seconds of the stream's first chunks as they will be written (the player's start
+        rule uses them to know when the next chunk is due)."""
         token = (token or "").strip()
         if not token:
             return None
@@ -205,6 +209,7 @@ class LiveStreams:
                 return None
             s.has_writer = True
             s.expected_s = expected_seconds
+            s.chunks_s = list(chunks_s) if chunks_s else None
             s.wake_reader()
             return LiveSink(self, s)
 
@@ -323,6 +328,8 @@ class LiveStreams:
                 h["X-Live-Rate"] = f"{self.rate:.3f}"
             if s.expected_s:
                 h["X-Live-Expected-Seconds"] = f"{s.expected_s:.2f}"
+            if s.chunks_s:
+                h["X-Live-Chunks"] = ",".join(f"{x:.3f}" for x in s.chunks_s)
         return h
 
     # --- bookkeeping (lock held) ---------------------------------------------------------------------

@@ -23,13 +23,25 @@ import numpy as np
 
 from server.speed import StreamStretcher
 from tts_engine import EngineBusyError
+from tts_engine.engine.request import chunk_schedule
 
 from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
 from .text import chunk_text, to_int16
 
-# the first chunk is one frame (80 ms): the listener hears sound one frame step sooner; later chunks double
-# (2, 4, 8, 12 frames), which the page's player buffers for when generation is slower than playback
-FIRST_CHUNK_FRAMES = 1
+# the first two chunks are one frame (80 ms) each: the listener hears sound one frame step after the prompt, and
+# the second chunk comes one frame (plus its decode) later, well before the first 80 ms have played, so the page's
+# player can start on the first chunk instead of waiting to see whether a chunk of two frames comes in time; later
+# chunks double (2, 4, 8, 12 frames), which the player buffers for when generation is slower than playback.
+# The player is told these sizes (`first_chunks_s`, header X-Live-Chunks).
+FIRST_CHUNK_FRAMES = (1, 1)
+FRAME_S = 0.08
+
+
+def first_chunks_s(n: int = 6, speed: float = 1.0) -> list[float]:
+    """Audio seconds of a part's first `n` chunks as the engine emits them (FIRST_CHUNK_FRAMES, then doubling up
+    to 12 frames), played at `speed`."""
+    sizes = chunk_schedule(FIRST_CHUNK_FRAMES, 12)
+    return [next(sizes) * FRAME_S / speed for _ in range(n)]
 # the second part (sentence group, dialogue line) is submitted once the first has made this much audio (or has
 # ended): the first part's small first chunks (1, 2, 4, 8 frames: 1.2 s), which the listener hears while they are
 # made, with nothing in the buffer yet, are made alone, not slowed down by the next part's prefill and a batch of

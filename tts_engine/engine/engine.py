@@ -97,6 +97,17 @@ class TTSStream:
 OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
 
 
+def _chunk_frames(v) -> int | tuple[int, ...]:
+    """`first_chunk_frames` checked: a positive int, or a non-empty tuple of them."""
+    try:
+        out = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else int(v)
+    except (TypeError, ValueError):
+        raise TTSError("first_chunk_frames must be a positive integer or a list of them") from None
+    if (isinstance(out, tuple) and (not out or min(out) < 1)) or (isinstance(out, int) and out < 1):
+        raise TTSError("first_chunk_frames must be a positive integer or a list of them")
+    return out
+
+
 class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
@@ -302,9 +313,10 @@ class TTSEngine:
     def stream(self, text: str, *, voice: Voice | str | None = None, language: str = "auto",
                instruct: str | None = None, seed: int | None = None, sampling: SamplingParams | dict | None = None,
                greedy: bool = False, max_new_tokens: int | None = None, non_streaming_mode: bool | None = None,
-               first_chunk_frames: int = 2, max_chunk_frames: int = 12) -> TTSStream:
+               first_chunk_frames: int | tuple[int, ...] = 2, max_chunk_frames: int = 12) -> TTSStream:
         """Float32 PCM chunks at 24 kHz while generating: the first after `first_chunk_frames` frames
-        (80 ms each), later ones doubling up to `max_chunk_frames`."""
+        (80 ms each), later ones doubling up to `max_chunk_frames`. A tuple gives the first chunks' sizes, e.g.
+        (1, 1): two one-frame chunks, then 2, 4, 8, ... (the second audio comes one frame after the first)."""
         req, seed = self._make_request(text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
                                        non_streaming_mode, first_chunk_frames, max_chunk_frames)
         seq = Sequence(req)
@@ -407,7 +419,7 @@ class TTSEngine:
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise TTSError("the seed must be a non-negative integer")
         params.seed = int(seed)
-        req = Request(prompt=prompt, params=params, first_chunk_frames=int(first_chunk_frames),
+        req = Request(prompt=prompt, params=params, first_chunk_frames=_chunk_frames(first_chunk_frames),
                       max_chunk_frames=int(max_chunk_frames), ref_codes=ref_codes)
         return req, int(seed)
 

@@ -13,14 +13,24 @@ from ..model.sampling import SamplingParams
 class Request:
     prompt: Prompt
     params: SamplingParams
-    first_chunk_frames: int = 2
+    first_chunk_frames: int | tuple[int, ...] = 2
     max_chunk_frames: int = 12
     ref_codes: torch.Tensor | None = None      # ICL: primes the codec decoder, not part of the output
     codes: list[torch.Tensor] = field(default_factory=list)   # generated frames [16] each (CPU, int64)
 
     def chunk_sizes(self):
-        """Frames per emitted chunk: first_chunk_frames, then doubling up to max_chunk_frames."""
-        n = max(1, self.first_chunk_frames)
-        while True:
-            yield n
-            n = min(max(n * 2, 1), max(self.max_chunk_frames, 1))
+        """Frames per emitted chunk (see `chunk_schedule`)."""
+        return chunk_schedule(self.first_chunk_frames, self.max_chunk_frames)
+
+
+def chunk_schedule(first_chunk_frames: int | tuple[int, ...], max_chunk_frames: int):
+    """Frames per emitted chunk, endless: `first_chunk_frames` (an int: the first chunk; a tuple: the first
+    chunks, e.g. (1, 1): two one-frame chunks), then doubling from the last of them up to `max_chunk_frames`."""
+    lead = tuple(first_chunk_frames) if isinstance(first_chunk_frames, (tuple, list)) else (first_chunk_frames,)
+    n = 1
+    for k in lead:
+        n = max(1, int(k))
+        yield n
+    while True:
+        n = min(max(n * 2, 1), max(max_chunk_frames, 1))
+        yield n
