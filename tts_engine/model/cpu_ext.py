@@ -196,17 +196,23 @@ def unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
     return q
 
 
+def _activation_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels read it: fp32 or bf16, unit stride along K, rows at least K apart."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    return x
+
+
 def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
          acc: torch.Tensor | None = None, path: int | None = None) -> torch.Tensor:
     """x [M, K] fp32/bf16 -> y [M, N] in x's dtype (module doc). packed: `pack(q)`; scale127 [N] fp32.
     acc: an int32 [M, N] tensor to receive the exact sums (tests). path: 1 = the AVX2 code path even on a VNNI
     CPU (both are timed by the kernel table there), None = the best this CPU has."""
     lib = _state.get("lib") or library()
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
+    x = _activation_rows(x)
     M, K = x.shape
-    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
-        x = x.contiguous()
     if packed.numel() < packed_bytes(N, K) or scale127.dtype != torch.float32 or scale127.numel() < N \
             or not scale127.is_contiguous():
         raise ValueError(f"packed weight / scale do not fit {N}x{K}")
@@ -247,11 +253,8 @@ def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
 def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
     """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights."""
     lib = _state.get("lib") or library()
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
+    x = _activation_rows(x)
     M, K = x.shape
-    if x.stride(-1) != 1 or (M > 1 and x.stride(0) < K):
-        x = x.contiguous()
     if packed4.numel() < packed4_bytes(N, K) or not has_w4a8():
         raise ValueError(f"packed int4 weight does not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
