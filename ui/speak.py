@@ -223,6 +223,9 @@ class Speaker:
                 spans.append((pieces[k].line, n, n))
                 made, first = 0, None             # this part's samples so far; (when, samples) of its first chunk
                 for chunk in stream:
+                    if halted():                  # Stop came while this chunk was queued: no "Streaming" status
+                        stopped = True            # may follow the stop's own (it would stay on the page)
+                        break
                     made += len(chunk)
                     first = first or (time.perf_counter(), len(chunk))
                     if (ahead is None and k + 1 < len(pieces) and not busy and not halted()
