@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine
-from tts_engine.codec import dtype_choice, speech_tokenizer
+from tts_engine.codec import dtype_choice, packed_conv, speech_tokenizer
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
 
@@ -25,6 +25,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TTS_CACHE_DIR", "")
     monkeypatch.delenv(dtype_choice.ENV, raising=False)
+    monkeypatch.delenv(dtype_choice.CONV_ENV, raising=False)
     return tmp_path / "qwen3-tts-live" / "choices" / "codec_dtype.json"
 
 
@@ -41,7 +42,8 @@ def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t
     dec = _dec(torch.bfloat16)
     got = dtype_choice.choose(dec)
     assert got.pre_conv.conv.weight.dtype == want and (got is dec) == (want == torch.bfloat16)
-    assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 4        # warm-up + 3 interleaved
+    n_conv = 2 if packed_conv.available() else 1                                 # aten and packed convs
+    assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 3 * n_conv   # warm-up + 2 interleaved
     saved = json.loads(cache.read_text())[dtype_choice.machine_key(dec)]
     assert saved["dtype"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
     # the next load reads the choice instead of measuring
@@ -58,7 +60,8 @@ def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t
 def test_fp32_models_and_the_override(cache, monkeypatch):
     monkeypatch.setattr(dtype_choice, "time_decoder", lambda *a, **k: pytest.fail("fp32 decoders are not timed"))
     d32 = _dec(torch.float32)
-    assert dtype_choice.choose(d32) is d32                                  # exact path untouched
+    assert dtype_choice.choose(d32) is d32 and d32.conv_mode == "aten"      # exact path untouched
+    monkeypatch.setenv(dtype_choice.CONV_ENV, "aten")                       # both forced: nothing timed
     monkeypatch.setenv(dtype_choice.ENV, "bf16")
     d16 = _dec(torch.bfloat16)
     assert dtype_choice.choose(d16) is d16
@@ -87,3 +90,46 @@ def test_engine_streams_with_a_decoder_dtype_unlike_the_talkers(cache, monkeypat
         assert all(c.dtype == np.float32 and np.isfinite(c).all() for c in chunks)
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(not packed_conv.available(), reason="no oneDNN packed convolutions in this torch")
+@pytest.mark.parametrize("fast, want_dtype, want_conv", [("bf16 packed", torch.bfloat16, "packed"),
+                                                         ("bf16 aten", torch.bfloat16, "aten"),
+                                                         ("fp32 packed", torch.float32, "packed")])
+def test_auto_keeps_the_faster_conv_path_and_remembers_it(cache, monkeypatch, fast, want_dtype, want_conv):
+    """Each (dtype, conv path) is timed; the fastest wins (fp32 by the 10 % margin) and is remembered."""
+    def fake(dec, rounds=3):
+        name = f"{'bf16' if dec.pre_conv.conv.weight.dtype == torch.bfloat16 else 'fp32'} {dec.conv_mode}"
+        return 0.5 if name == fast else 1.0
+
+    monkeypatch.setattr(dtype_choice, "time_decoder", fake)
+    got = dtype_choice.choose(_dec(torch.bfloat16))
+    assert got.pre_conv.conv.weight.dtype == want_dtype and got.conv_mode == want_conv
+    assert got.decoder[0].packed == (want_conv == "packed")
+    saved = json.loads(cache.read_text())[dtype_choice.machine_key(got)]
+    assert saved["conv"] == want_conv and set(saved["ms_per_frame"]) == {"bf16 aten", "bf16 packed", "fp32 aten",
+                                                                          "fp32 packed"}
+    monkeypatch.setattr(dtype_choice, "time_decoder", lambda *a, **k: pytest.fail("measured again"))
+    again = dtype_choice.choose(_dec(torch.bfloat16))
+    assert again.conv_mode == want_conv and again.pre_conv.conv.weight.dtype == want_dtype
+    # overrides: the conv path forced; the dtype forced (then that dtype's faster conv path, as measured)
+    monkeypatch.setenv(dtype_choice.CONV_ENV, "aten")
+    assert dtype_choice.choose(_dec(torch.bfloat16)).conv_mode == "aten"
+    monkeypatch.setenv(dtype_choice.CONV_ENV, "auto")
+    monkeypatch.setenv(dtype_choice.ENV, "bf16" if want_dtype == torch.float32 else "fp32")
+    forced = dtype_choice.choose(_dec(torch.bfloat16))
+    assert forced.pre_conv.conv.weight.dtype != want_dtype and forced.conv_mode == "aten"   # the other is 1.0 / 1.0
+    monkeypatch.setenv(dtype_choice.CONV_ENV, "fast")
+    with pytest.raises(ValueError, match=dtype_choice.CONV_ENV):
+        dtype_choice.choose(_dec(torch.bfloat16))
+
+
+def test_an_entry_without_a_conv_choice_is_measured_again(cache, monkeypatch):
+    """Caches written before the conv path was chosen hold only a dtype: measured again, then remembered."""
+    dec = _dec(torch.bfloat16)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({dtype_choice.machine_key(dec): {"dtype": "bf16"}}))
+    calls = []
+    monkeypatch.setattr(dtype_choice, "time_decoder", lambda d, rounds=3: calls.append(1) or 1.0)
+    dtype_choice.choose(dec)
+    assert calls and "conv" in json.loads(cache.read_text())[dtype_choice.machine_key(dec)]

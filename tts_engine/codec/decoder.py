@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
+from .packed_conv import PackedConv
 
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
 
@@ -106,12 +107,40 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dil
     return F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
 
 
+# --- packed (reordered once) oneDNN convolutions, channels-last; chosen by measuring (dtype_choice) --------------
+PACKED_MAX_FRAMES = 16   # chunks up to this many frames take the packed path; longer inputs (offline decodes) aten's
+
+
+class _Packable:
+    """Mixin of the stateful convs: `packed` (set by `CodecDecoder.set_conv_mode`) says whether this conv runs
+    through `packed_conv.PackedConv` (weights reordered once per input shape, activations channels-last) instead
+    of `conv1d`. `up` is this conv's input samples per code frame (set by the decoder), for the length limit."""
+
+    packed = False
+    up = 1
+
+    def _packer(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, ctx: int):
+        key = (weight.data_ptr(), _version(weight), weight.dtype, None if bias is None else _version(bias))
+        pk = getattr(self, "_pk", None)
+        if pk is None or pk[0] != key:
+            pk = (key, PackedConv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
+            self._pk = pk
+        return pk[1]
+
+
+def _cat_time(hist: torch.Tensor, x: torch.Tensor, time_major: bool) -> torch.Tensor:
+    """[B, C, a] + [B, C, b] -> [B, C, a + b]; time-major in memory (channels-last) when `time_major`."""
+    if time_major:
+        return torch.cat([hist.transpose(1, 2), x.transpose(1, 2)], dim=1).transpose(1, 2)
+    return torch.cat([hist, x], dim=-1)
+
+
 # --- streaming building blocks ----------------------------------------------------------------------------
 # A stateful module has `ctx` (history length, static) and `step(x, hist) -> (y, new_hist)`:
 #   x [B, C_in, n] new input, hist [B, C_in, ctx] the inputs before it (zeros in an empty state, which is
 #   exactly the official left zero-padding), y the output for these n inputs, new_hist [B, C_in, ctx].
 
-class CausalConv(nn.Module):
+class CausalConv(_Packable, nn.Module):
     """Official `Qwen3TTSTokenizerV2CausalConvNet` with stride 1: left zero padding of (k-1)*dilation and no
     right padding (the official "extra padding" is 0 for stride 1). Params: conv.{weight,bias}."""
 
@@ -123,16 +152,20 @@ class CausalConv(nn.Module):
 
     def run(self, x: torch.Tensor) -> torch.Tensor:   # stride 1, no padding (callers carry the history)
         c = self.conv
+        if self.packed and _direct(x):
+            y = self._packer(c.weight, c.bias, c.dilation[0], c.groups, self.ctx)(x)
+            if y is not None:
+                return y
         return conv1d(x, c.weight, c.bias, c.dilation[0], c.groups)
 
     def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ctx == 0:
             return self.run(x), hist
-        xx = torch.cat([hist, x], dim=-1)                       # [B, C_in, ctx + n]
+        xx = _cat_time(hist, x, self.packed)                    # [B, C_in, ctx + n]
         return self.run(xx), xx[..., xx.shape[-1] - self.ctx:]      # [B, C_out, n], [B, C_in, ctx]
 
 
-class CausalTransConv(nn.Module):
+class CausalTransConv(_Packable, nn.Module):
     """Official `Qwen3TTSTokenizerV2CausalTransConvNet`: ConvTranspose1d(k, stride s), then the last k - s
     outputs are trimmed (right only), so n inputs give n*s outputs. Output block j (samples [j*s, (j+1)*s))
     depends on inputs j and, when k > s, j-1 (k <= 2s), so the history is the previous input sample.
@@ -175,8 +208,18 @@ class CausalTransConv(nn.Module):
     def step(self, x: torch.Tensor, hist: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, _, n = x.shape
         k, s, w = self.k, self.s, self.conv.weight
-        xx = x if self.ctx == 0 else torch.cat([hist, x], dim=-1)                 # [B, C_in, m]
+        xx = x if self.ctx == 0 else _cat_time(hist, x, self.packed)             # [B, C_in, m]
         new_hist = x[..., n - 1:] if self.ctx else hist
+        if self.packed and _direct(xx):   # the taps' 1x1 conv time-major: [B, m, C_out*k] in memory
+            taps = self._packer(self.tap_weight(), None, 1, 1, self.ctx)(xx)
+            if taps is not None:
+                m = xx.shape[-1]
+                taps = taps.transpose(1, 2).view(B, m, self.c_out, k)                # [B, m, C_out, k]
+                y = taps[:, self.ctx:, :, :s]                                      # [B, n, C_out, s]
+                if self.ctx:
+                    y = y + F.pad(taps[:, :n, :, s:], (0, 2 * s - k))
+                y = y + self.conv.bias[:, None]
+                return y.transpose(2, 3).reshape(B, n * s, self.c_out).transpose(1, 2), new_hist
         if _direct(xx):
             taps = conv1d(xx, self.tap_weight(), None).view(B, self.c_out, k, xx.shape[-1])  # [B, C_out, k, m]
             y = taps[:, :, :s, self.ctx:]                                          # [B, C_out, s, n]
@@ -526,6 +569,33 @@ class CodecDecoder(nn.Module):
             mods += [m for m in (blk.block[1], blk.block[2].conv1, blk.block[3].conv1, blk.block[4].conv1) if m.ctx > 0]
         mods.append(self.decoder[-1])
         return mods
+
+    conv_mode = "aten"
+
+    def set_conv_mode(self, mode: str) -> None:
+        """"aten" (default; the parity-tested path): each conv calls oneDNN (or aten) with its plain weight.
+        "packed": the stateful convs run through `packed_conv.PackedConv` (weights reordered once per input
+        shape, activations channels-last) on chunks of up to PACKED_MAX_FRAMES frames; equal to "aten" up to
+        float rounding (the accumulation order differs). Chosen by measuring it (`dtype_choice`)."""
+        if mode not in ("aten", "packed"):
+            raise ValueError("conv mode must be 'aten' or 'packed'")
+        on = mode == "packed"
+        up = 1                                                  # input samples per frame at each conv
+        self.pre_conv.packed, self.pre_conv.up = on, up
+        for tc, blk in self.upsample:
+            tc.packed, tc.up = on, up
+            up *= tc.s
+            blk.dwconv.packed, blk.dwconv.up = on, up
+        self.decoder[0].packed, self.decoder[0].up = on, up
+        for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:
+            tc = blk.block[1]
+            tc.packed, tc.up = on, up
+            up *= tc.s
+            for ru in blk.block[2:]:
+                for c in (ru.conv1, ru.conv2):
+                    c.packed, c.up = on, up
+        self.decoder[-1].packed, self.decoder[-1].up = on, up
+        self.conv_mode = mode
 
     def refresh_codebooks(self) -> None:
         """Recompute the cached codebook vectors (automatic after load / .to() / in-place edits)."""

@@ -1,14 +1,20 @@
-"""The dtype the speech-tokenizer decoder computes in on a CPU, chosen by measuring it on this machine.
+"""How the speech-tokenizer decoder computes on a CPU (dtype and convolution path), chosen by measuring it here.
 
 The decoder is compute bound (convolutions). Which dtype is faster depends on the CPU, not on the talker's choice:
 on a 2-core Zen 4 (AVX-512 BF16) bf16 decoded a stream ~1.4x faster than fp32, while on a 2-core Xeon with
-AVX-512 BF16 but no AMX the issue measured bf16 slower (63 vs 57 ms per frame). So when the model runs in bf16 on
-a CPU, the decoder is timed once in bf16 and in fp32 (a stream's first chunks, 2 + 4 frames, interleaved, best of
-3 after a warm-up: about a second) and the faster is kept; fp32 must win by 10 % to replace bf16. The result is
-remembered per CPU model, thread count, torch version and decoder size in ~/.cache/qwen3-tts-live/choices/codec_dtype.json.
-An fp32 model keeps an fp32 decoder (exact path, parity-tested); GPUs keep the model's dtype.
+AVX-512 BF16 but no AMX the issue measured bf16 slower (63 vs 57 ms per frame). Which convolution path is faster
+is measured too: aten's oneDNN call with the plain weight (reordered on every call) or `packed_conv` (weights
+reordered once per input shape, channels-last activations; `CodecDecoder.set_conv_mode`).
 
-TTS_CODEC_DTYPE=auto (default) | fp32 | bf16 | model overrides the choice.
+So when the model runs in bf16 on a CPU, the decoder is timed once per candidate (bf16 and fp32, each with the
+aten and the packed convolutions) on a stream's first chunks (1 + 2 + 8 frames, interleaved, best of 2 after a
+warm-up: a few seconds, once per machine), and the fastest is kept; an fp32 candidate must take < 90 % of the
+fastest bf16 one's time to replace bf16. The result is remembered per CPU model, thread count, torch version and
+decoder size in ~/.cache/qwen3-tts-live/choices/codec_dtype.json.
+An fp32 model keeps an fp32 decoder on aten's path (exact path, parity-tested); GPUs keep the model's dtype.
+
+TTS_CODEC_DTYPE=auto (default) | fp32 | bf16 | model overrides the dtype; TTS_CODEC_CONV=auto (default) | aten |
+packed the convolution path (for a bf16 model; an override of either still measures the other).
 """
 from __future__ import annotations
 
@@ -23,9 +29,12 @@ import torch
 
 from ..cache_paths import cache_root
 from ..cpu_info import cpu_info
+from . import packed_conv
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_DTYPE"
+CONV_ENV = "TTS_CODEC_CONV"
+TIMED_CHUNKS = (1, 2, 8)   # frames per decode_step of the timed stream (the engine's first chunks, then a longer one)
 FP32_MARGIN = 0.9   # fp32 replaces bf16 only when it takes < 90 % of bf16's time
 
 
@@ -41,16 +50,17 @@ def machine_key(dec=None) -> str:
 
 
 def time_decoder(dec, rounds: int = 3) -> float:
-    """Best-of-`rounds` seconds to decode 2 + 4 frames of one stream from an empty state."""
-    codes = torch.randint(0, dec.cfg.codebook_size, (1, dec.cfg.num_quantizers, 6),
+    """Best-of-`rounds` seconds to decode a stream's first chunks (TIMED_CHUNKS frames) from an empty state."""
+    codes = torch.randint(0, dec.cfg.codebook_size, (1, dec.cfg.num_quantizers, sum(TIMED_CHUNKS)),
                           generator=torch.Generator().manual_seed(0))
     best = float("inf")
     with torch.inference_mode():
         for _ in range(rounds):
             st = dec.init_state(1)
-            t0 = time.perf_counter()
-            dec.decode_step(codes[..., :2], st)
-            dec.decode_step(codes[..., 2:], st)
+            t0, o = time.perf_counter(), 0
+            for n in TIMED_CHUNKS:
+                dec.decode_step(codes[..., o:o + n], st)
+                o += n
             best = min(best, time.perf_counter() - t0)
     return best
 
@@ -75,33 +85,68 @@ def _write(key: str, entry: dict) -> None:
         log.warning("codec dtype choice not saved: %s", e)
 
 
+def _want(env: str, allowed: tuple) -> str:
+    want = (os.environ.get(env) or "auto").strip().lower()
+    if want not in allowed:
+        raise ValueError(f"{env} must be {', '.join(allowed[:-1])} or {allowed[-1]}")
+    return want
+
+
 def choose(dec):
-    """`dec` (just loaded, in the model's dtype) or an fp32 copy of it, per the rules above."""
+    """`dec` (just loaded, in the model's dtype) or an fp32 copy of it, with its convolution path set, per the
+    rules above."""
     w = dec.pre_conv.conv.weight
     if w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return dec
-    want = (os.environ.get(ENV) or "auto").strip().lower()
-    if want in ("bf16", "model"):
-        return dec
-    if want == "fp32":
-        return _fp32(dec)
-    if want != "auto":
-        raise ValueError(f"{ENV} must be auto, fp32, bf16 or model")
+    want = _want(ENV, ("auto", "fp32", "bf16", "model"))
+    want_conv = _want(CONV_ENV, ("auto", "aten", "packed"))
+    dtypes = ["bf16", "fp32"] if want == "auto" else ["fp32" if want == "fp32" else "bf16"]
+    convs = ["aten", "packed"] if want_conv == "auto" else [want_conv]
+    if not packed_conv.available():
+        convs = ["aten"]
+    if len(dtypes) == len(convs) == 1:                      # both forced: nothing to measure
+        out = _fp32(dec) if dtypes[0] == "fp32" else dec
+        out.set_conv_mode(convs[0])
+        return out
     key = machine_key(dec)
-    entry = _read().get(key)
-    if entry is None:
-        f32 = _fp32(dec)
-        time_decoder(dec, 1), time_decoder(f32, 1)          # warm-up: oneDNN builds its primitives
-        t16 = t32 = float("inf")
-        for _ in range(3):                                   # interleaved
-            t16 = min(t16, time_decoder(dec, 1))
-            t32 = min(t32, time_decoder(f32, 1))
-        entry = {"dtype": "fp32" if t32 < FP32_MARGIN * t16 else "bf16",
-                 "bf16_ms_per_frame": round(1000 * t16 / 6, 2), "fp32_ms_per_frame": round(1000 * t32 / 6, 2)}
+    entry, measured = _read().get(key), {}
+    if entry is None or "conv" not in entry:   # (entries before the conv choice had only a dtype)
+        entry, measured = _measure(dec)
         _write(key, entry)
-        log.info("codec decoder dtype measured on this CPU: %s", entry)
-        return f32 if entry["dtype"] == "fp32" else dec
-    return _fp32(dec) if entry.get("dtype") == "fp32" else dec
+        log.info("codec decoder measured on this CPU: %s", entry)
+    dtype = entry["dtype"] if entry["dtype"] in dtypes else dtypes[0]
+    conv = entry["conv"] if entry["conv"] in convs else convs[0]
+    if len(convs) > 1 and len(dtypes) == 1 and entry["dtype"] != dtype:   # dtype forced: that dtype's faster conv
+        conv = min(convs, key=lambda c: entry["ms_per_frame"].get(f"{dtype} {c}", float("inf")))
+    out = measured.get(f"{dtype} {conv}")     # the timed copy (its weights already packed for those chunks)
+    if out is None:
+        out = _fp32(dec) if dtype == "fp32" else dec
+        out.set_conv_mode(conv)
+    return out
+
+
+def _measure(dec) -> tuple[dict, dict]:
+    """Time every candidate (dtype x conv path) interleaved; -> the cache entry, {name: candidate decoder}."""
+    f32 = _fp32(dec)
+    cands = {}
+    for name, d in (("bf16", dec), ("fp32", f32)):
+        for conv in (["aten", "packed"] if packed_conv.available() else ["aten"]):
+            c = d if conv == "aten" else copy.deepcopy(d)
+            c.set_conv_mode(conv)
+            cands[f"{name} {conv}"] = c
+    for c in cands.values():
+        time_decoder(c, 1)                                   # warm-up: oneDNN builds its primitives, packs weights
+    best = {k: float("inf") for k in cands}
+    for _ in range(2):                                       # interleaved
+        for k, c in cands.items():
+            best[k] = min(best[k], time_decoder(c, 1))
+    b16 = min((k for k in best if k.startswith("bf16")), key=best.get)
+    b32 = min((k for k in best if k.startswith("fp32")), key=best.get)
+    pick = b32 if best[b32] < FP32_MARGIN * best[b16] else b16
+    frames = sum(TIMED_CHUNKS)
+    return {"dtype": pick.split()[0], "conv": pick.split()[1],
+            "ms_per_frame": {k: round(1000 * v / frames, 2) for k, v in best.items()},
+            "timed_chunks": list(TIMED_CHUNKS)}, cands
 
 
 def _fp32(dec):
