@@ -4,7 +4,7 @@
 
 One process, one engine; every variant runs once per round, the variants interleaved (A, B, A, B, ...), and the
 table gives the median over rounds (and the best). Part 1 decodes a stream's chunks (first chunk, then doubling up
-to 12 frames) with the engine's decoder in each dtype at the process's threads and at 1 thread. Part 2 runs a
+to 12 frames) with the engine's decoder in each dtype and convolution path (aten, packed) at the process's threads and at 1 thread. Part 2 runs a
 stream (x real time from submit to last audio, and first audio) with `overlap_codec` off and on. Nothing is
 asserted; `--out FILE` appends the tables to FILE (nothing is written otherwise).
 """
@@ -32,7 +32,7 @@ def _chunks(first: int, total: int, cap: int = 12):
     return out
 
 
-def codec_ms_per_frame(dec, frames: int, first: int, threads: int) -> float:
+def codec_ms_per_frame(dec, frames: int, first: int, threads: int, cap: int = 12) -> float:
     """Decode `frames` random frames of one stream in the engine's chunks; ms per frame."""
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -41,7 +41,7 @@ def codec_ms_per_frame(dec, frames: int, first: int, threads: int) -> float:
         with torch.inference_mode():
             st = dec.init_state(1)
             t0, o = time.perf_counter(), 0
-            for n in _chunks(first, frames):
+            for n in _chunks(first, frames, cap):
                 dec.decode_step(codes[..., o:o + n], st)
                 o += n
             return 1000 * (time.perf_counter() - t0) / frames
@@ -61,12 +61,14 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--model", help="a checkpoint folder instead of random weights")
     p.add_argument("--dtype")
-    p.add_argument("--quantize", choices=["int8", "int4", "auto"])
+    p.add_argument("--quantize", choices=["int8", "int4", "w8a8", "w4a8", "auto"])
     p.add_argument("--frames", type=int, default=24)
     p.add_argument("--first-chunk", type=int, default=1)
     p.add_argument("--concurrency", default="1", help="comma list of streams for the overlap A/B")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--codec-threads", default="1", help="comma list: intra-op threads of the codec thread")
+    p.add_argument("--conv-modes", default="aten,packed", help="comma list of the decoder's convolution paths")
+    p.add_argument("--max-chunk", type=int, default=12, help="the chunks double from --first-chunk up to this")
     p.add_argument("--skip-codec", action="store_true", help="only the overlap A/B")
     p.add_argument("--skip-overlap", action="store_true", help="only the codec ms per frame")
     p.add_argument("--out", help="append the tables to this markdown file")
@@ -81,21 +83,24 @@ def main(argv=None) -> int:
              f"{a.rounds} interleaved rounds, median (best). {_load()} at the start."]
     dec = engine.model.speech_tokenizer.decoder
     if not a.skip_codec:
-        decs = {str(dec.pre_conv.conv.weight.dtype).removeprefix("torch."): dec}
-        for dt in (torch.float32, torch.bfloat16):
-            name = str(dt).removeprefix("torch.")
-            if name not in decs:
-                decs[name] = copy.deepcopy(dec).to(dt)
-                decs[name].refresh_codebooks()
+        decs = {}
+        for dt in (torch.float32, torch.bfloat16):        # every dtype x convolution path (codec/dtype_choice.py)
+            for conv in a.conv_modes.split(","):
+                d = copy.deepcopy(dec).to(dt)
+                d.refresh_codebooks()
+                d.set_conv_mode(conv)
+                decs[f"{str(dt).removeprefix('torch.')} {conv}"] = d
         res: dict = {}
         for r in range(a.rounds + 1):
             for name, d in decs.items():
                 for t in sorted({nthreads, 1}, reverse=True):
-                    ms = codec_ms_per_frame(d, a.frames, a.first_chunk, t)
+                    ms = codec_ms_per_frame(d, a.frames, a.first_chunk, t, a.max_chunk)
                     if r:   # round 0 warms up
                         res.setdefault((name, t), []).append(ms)
         lines += ["", f"Codec decoder, one stream's chunks ({a.frames} frames, first chunk {a.first_chunk}, then "
-                  "doubling to 12): ms per 80 ms frame", "", "| decoder dtype | threads | ms per frame |", "|---|---|---|"]
+                  f"doubling to {a.max_chunk}): ms per 80 ms frame, and the chosen path "
+                  f"({dec.pre_conv.conv.weight.dtype}, {dec.conv_mode})", "",
+                  "| decoder dtype, convolutions | threads | ms per frame |", "|---|---|---|"]
         for (name, t), v in res.items():
             lines.append(f"| {name} | {t} | {statistics.median(v):.1f} ({min(v):.1f}) |")
     if not a.skip_overlap:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
+from ..model import cpu_ext
 from .packed_conv import PackedConv
 
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
@@ -246,7 +247,24 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
+    fused = False   # set by CodecDecoder.set_conv_mode("packed"): one pass through cpu_ext.snake where it runs
+
+    def _params32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp(alpha), 1 / (exp(beta) + 1e-9) in fp32 [C], cached on the parameters' versions."""
+        key = (self.alpha.data_ptr(), _version(self.alpha), self.beta.data_ptr(), _version(self.beta))
+        c = getattr(self, "_p32", None)
+        if c is None or c[0] != key:
+            with torch.no_grad():
+                a = torch.exp(self.alpha.detach().float()).contiguous()
+                ib = (1.0 / (torch.exp(self.beta.detach().float()) + 1e-9)).contiguous()
+            c = self._p32 = (key, a, ib)
+        return c[1], c[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.device.type == "cpu":
+            y = cpu_ext.snake(x, *self._params32())
+            if y is not None:
+                return y
         alpha = torch.exp(self.alpha[None, :, None])
         beta = torch.exp(self.beta[None, :, None])
         return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
@@ -575,8 +593,9 @@ class CodecDecoder(nn.Module):
     def set_conv_mode(self, mode: str) -> None:
         """"aten" (default; the parity-tested path): each conv calls oneDNN (or aten) with its plain weight.
         "packed": the stateful convs run through `packed_conv.PackedConv` (weights reordered once per input
-        shape, activations channels-last) on chunks of up to PACKED_MAX_FRAMES frames; equal to "aten" up to
-        float rounding (the accumulation order differs). Chosen by measuring it (`dtype_choice`)."""
+        shape, activations channels-last) on chunks of up to PACKED_MAX_FRAMES frames, and the SnakeBeta
+        activations in one fused pass (`cpu_ext.snake`, where our CPU kernels build); equal to "aten" up to
+        float rounding (the accumulation order differs; the snake is computed in fp32, rounded once). Chosen by measuring it (`dtype_choice`)."""
         if mode not in ("aten", "packed"):
             raise ValueError("conv mode must be 'aten' or 'packed'")
         on = mode == "packed"
@@ -595,6 +614,9 @@ class CodecDecoder(nn.Module):
                 for c in (ru.conv1, ru.conv2):
                     c.packed, c.up = on, up
         self.decoder[-1].packed, self.decoder[-1].up = on, up
+        for m in self.modules():
+            if isinstance(m, SnakeBeta):
+                m.fused = on
         self.conv_mode = mode
 
     def refresh_codebooks(self) -> None:

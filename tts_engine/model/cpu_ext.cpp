@@ -413,3 +413,161 @@ int64_t ttsx_read(const uint8_t* p, int64_t n) {
 }
 
 }  // extern "C"
+
+// ==================================================================================================================
+// Codec decoder: fused SnakeBeta (helper "codec", session 6; tts_engine/codec/decoder.py SnakeBeta, fast path).
+//   y = x + ib[c] * sin(x * a[c])^2  with a = exp(alpha), ib = 1 / (exp(beta) + 1e-9) precomputed in fp32.
+// One pass instead of aten's five (mul, sin, pow, mul, add), computed in fp32, rounded once to x's dtype (fp32, or
+// bf16 to nearest even). sin^2 has period pi, so u = x * a is reduced to r = u - pi * round(u / pi) in
+// [-pi/2, pi/2] (pi split in three for the product) and sin(r) is its Taylor series to r^11 (|error| < 6e-8 there).
+// Layouts: x [B, C, L] channel-major (each (b, c) a run of L elements, a/ib scalars for the run) or time-major
+// (each (b, t) a run of C elements, a/ib vectors), in and out the same layout. AVX-512F, AVX2 + FMA, and scalar
+// paths; split over rows with at::parallel_for.
+// ==================================================================================================================
+namespace {
+
+constexpr float SNK_INV_PI = 0.318309886183790671f;
+constexpr float SNK_P1 = 3.140625f, SNK_P2 = 9.67502593994140625e-4f, SNK_P3 = 1.509957990978376432e-7f;
+constexpr float SNK_C3 = -1.66666666666666667e-1f, SNK_C5 = 8.33333333333333333e-3f,
+                SNK_C7 = -1.98412698412698413e-4f, SNK_C9 = 2.75573192239858907e-6f,
+                SNK_C11 = -2.50521083854417188e-8f;
+
+inline float snake1(float x, float a, float ib) {
+  const float u = x * a;
+  const float n = nearbyintf(u * SNK_INV_PI);
+  const float r = ((u - n * SNK_P1) - n * SNK_P2) - n * SNK_P3;
+  const float r2 = r * r;
+  const float s = r + r * r2 * (SNK_C3 + r2 * (SNK_C5 + r2 * (SNK_C7 + r2 * (SNK_C9 + r2 * SNK_C11))));
+  return x + ib * (s * s);
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m512 snake16(__m512 x, __m512 a, __m512 ib) {
+  const __m512 u = _mm512_mul_ps(x, a);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(u, _mm512_set1_ps(SNK_INV_PI)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(SNK_P1), u);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(SNK_P2), r);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(SNK_P3), r);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 p = _mm512_fmadd_ps(r2, _mm512_set1_ps(SNK_C11), _mm512_set1_ps(SNK_C9));
+  p = _mm512_fmadd_ps(r2, p, _mm512_set1_ps(SNK_C7));
+  p = _mm512_fmadd_ps(r2, p, _mm512_set1_ps(SNK_C5));
+  p = _mm512_fmadd_ps(r2, p, _mm512_set1_ps(SNK_C3));
+  const __m512 s = _mm512_fmadd_ps(_mm512_mul_ps(r, r2), p, r);
+  return _mm512_fmadd_ps(ib, _mm512_mul_ps(s, s), x);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void snake_run512(const void* x, void* y, int is_bf16, int64_t n, const float* a, const float* ib, int vec_params) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 av = vec_params ? _mm512_maskz_loadu_ps(m, a + i) : _mm512_set1_ps(*a);
+    const __m512 bv = vec_params ? _mm512_maskz_loadu_ps(m, ib + i) : _mm512_set1_ps(*ib);
+    const __m512 v = snake16(load16(x, is_bf16, i, m), av, bv);
+    if (is_bf16) {
+      __m512i u = _mm512_castps_si512(v);   // round to nearest even (finite values)
+      u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+      _mm256_mask_storeu_epi16((uint16_t*)y + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    } else {
+      _mm512_mask_storeu_ps((float*)y + i, m, v);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void snake_run256(const void* x, void* y, int is_bf16, int64_t n, const float* a, const float* ib, int vec_params) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 av = vec_params ? _mm256_loadu_ps(a + i) : _mm256_set1_ps(*a);
+    const __m256 bv = vec_params ? _mm256_loadu_ps(ib + i) : _mm256_set1_ps(*ib);
+    __m256 xv;
+    if (is_bf16) {
+      const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+      xv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      xv = _mm256_loadu_ps((const float*)x + i);
+    }
+    const __m256 u = _mm256_mul_ps(xv, av);
+    const __m256 nn = _mm256_round_ps(_mm256_mul_ps(u, _mm256_set1_ps(SNK_INV_PI)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(nn, _mm256_set1_ps(SNK_P1), u);
+    r = _mm256_fnmadd_ps(nn, _mm256_set1_ps(SNK_P2), r);
+    r = _mm256_fnmadd_ps(nn, _mm256_set1_ps(SNK_P3), r);
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 p = _mm256_fmadd_ps(r2, _mm256_set1_ps(SNK_C11), _mm256_set1_ps(SNK_C9));
+    p = _mm256_fmadd_ps(r2, p, _mm256_set1_ps(SNK_C7));
+    p = _mm256_fmadd_ps(r2, p, _mm256_set1_ps(SNK_C5));
+    p = _mm256_fmadd_ps(r2, p, _mm256_set1_ps(SNK_C3));
+    const __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(r, r2), p, r);
+    const __m256 v = _mm256_fmadd_ps(bv, _mm256_mul_ps(s, s), xv);
+    if (is_bf16) {
+      __m256i u32 = _mm256_castps_si256(v);
+      u32 = _mm256_add_epi32(u32, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u32, 16), _mm256_set1_epi32(1))));
+      u32 = _mm256_srli_epi32(u32, 16);
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u32, u32), 0x08);
+      _mm_storeu_si128((__m128i*)((uint16_t*)y + i), _mm256_castsi256_si128(packed));
+    } else {
+      _mm256_storeu_ps((float*)y + i, v);
+    }
+  }
+  for (; i < n; ++i) {
+    const float xi = is_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+    const float v = snake1(xi, vec_params ? a[i] : *a, vec_params ? ib[i] : *ib);
+    if (is_bf16) ((uint16_t*)y)[i] = f32_to_bf16(v);
+    else ((float*)y)[i] = v;
+  }
+}
+
+void snake_run1(const void* x, void* y, int is_bf16, int64_t n, const float* a, const float* ib, int vec_params) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = is_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+    const float v = snake1(xi, vec_params ? a[i] : *a, vec_params ? ib[i] : *ib);
+    if (is_bf16) ((uint16_t*)y)[i] = f32_to_bf16(v);
+    else ((float*)y)[i] = v;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x, y: B*C*L elements of dtype (is_bf16 ? bf16 : fp32), same layout: time_major ? [B, L, C] : [B, C, L];
+// a, ib: C floats. isa: 2 AVX-512F, 1 AVX2 + FMA, 0 scalar (the caller passes what this CPU has).
+void ttsx_snake(const void* x, void* y, int is_bf16, int64_t B, int64_t C, int64_t L, int time_major,
+                const float* a, const float* ib, int isa) {
+  const int64_t rows = time_major ? B * L : B * C, run = time_major ? C : L;
+  const int64_t esz = is_bf16 ? 2 : 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)16384 / std::max<int64_t>(1, run));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const void* xr = (const char*)x + r * run * esz;
+      void* yr = (char*)y + r * run * esz;
+      const float* ar = time_major ? a : a + r % C;
+      const float* br = time_major ? ib : ib + r % C;
+      if (isa >= 2) snake_run512(xr, yr, is_bf16, run, ar, br, time_major);
+      else if (isa == 1) snake_run256(xr, yr, is_bf16, run, ar, br, time_major);
+      else snake_run1(xr, yr, is_bf16, run, ar, br, time_major);
+    }
+  });
+}
+
+int ttsx_snake_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+}  // extern "C"
+// ==================================== end of the codec decoder section ===========================================

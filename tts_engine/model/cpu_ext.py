@@ -261,3 +261,33 @@ def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
     lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,
                   y.data_ptr())
     return y
+
+
+# === codec decoder: fused SnakeBeta (helper "codec", session 6; the end section of cpu_ext.cpp) ===================
+def snake(x: torch.Tensor, a: torch.Tensor, ib: torch.Tensor) -> torch.Tensor | None:
+    """x + ib[c] * sin(x * a[c])^2 in one pass (tts_engine/codec/decoder.py SnakeBeta); x [B, C, L] fp32 or bf16,
+    channel-major (contiguous) or time-major (channels-last strides); a, ib fp32 [C] (a = exp(alpha),
+    ib = 1 / (exp(beta) + 1e-9)). Returns y in x's dtype and layout, or None where the kernel cannot run here or
+    on this input (the caller computes it with aten's ops)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 3:
+        return None
+    if "snake_isa" not in _state:
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ttsx_snake.argtypes, lib.ttsx_snake.restype = [P, P, I, I64, I64, I64, I, P, P, I], None
+        lib.ttsx_snake_isa.restype = I
+        _state["snake_isa"] = lib.ttsx_snake_isa()
+    B, C, L = x.shape
+    if x.is_contiguous():
+        time_major = 0
+    elif x.transpose(1, 2).is_contiguous():
+        time_major = 1
+    else:
+        return None
+    if a.dtype != torch.float32 or ib.dtype != torch.float32 or a.numel() != C or ib.numel() != C:
+        return None
+    a, ib = a.contiguous(), ib.contiguous()
+    y = torch.empty_like(x)   # same strides as x (dense)
+    lib.ttsx_snake(x.data_ptr(), y.data_ptr(), int(x.dtype == torch.bfloat16), B, C, L, time_major,
+                   a.data_ptr(), ib.data_ptr(), _state["snake_isa"])
+    return y
