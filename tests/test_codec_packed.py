@@ -38,8 +38,8 @@ def _count_packed_calls(dec, monkeypatch) -> list:
     calls = []
     orig = packed_conv.PackedConv.__call__
 
-    def spy(self, x):
-        y = orig(self, x)
+    def spy(self, x, add=None):
+        y = orig(self, x, add)
         calls.append(y is not None)
         return y
     monkeypatch.setattr(packed_conv.PackedConv, "__call__", spy)

@@ -151,13 +151,15 @@ class CausalConv(_Packable, nn.Module):
         self.c_in = c_in
         self.ctx = (kernel_size - 1) * dilation
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:   # stride 1, no padding (callers carry the history)
+    def run(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """conv(x) (+ add); stride 1, no padding (callers carry the history)."""
         c = self.conv
         if self.packed and _direct(x):
-            y = self._packer(c.weight, c.bias, c.dilation[0], c.groups, self.ctx)(x)
+            y = self._packer(c.weight, c.bias, c.dilation[0], c.groups, self.ctx)(x, add)
             if y is not None:
                 return y
-        return conv1d(x, c.weight, c.bias, c.dilation[0], c.groups)
+        y = conv1d(x, c.weight, c.bias, c.dilation[0], c.groups)
+        return y if add is None else add + y
 
     def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ctx == 0:
@@ -299,6 +301,8 @@ class ResidualUnit(nn.Module):
 
     def step(self, x: torch.Tensor, hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, hist = self.conv1.step(self.act1(x), hist)
+        if self.conv2.packed:   # the residual sum inside the conv's call
+            return self.conv2.run(self.act2(h), add=x), hist
         return x + self.conv2.run(self.act2(h)), hist
 
 

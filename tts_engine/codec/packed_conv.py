@@ -71,15 +71,22 @@ class PackedConv:
                     self._by_shape[key] = p
         return p
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor | None:
+        """conv(x) (+ `add`, [B, C_out, L_out] in x's dtype, summed inside oneDNN's call: one pass less)."""
         B, C, L = x.shape
         if self.broken or L > self.max_len or x.dtype != self.w4.dtype or (
                 len(self._by_shape) >= MAX_SHAPES and (B, L, torch.get_num_threads()) not in self._by_shape):
             return None
         x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)   # [B, C, 1, L], time-major in memory
         try:
-            y = torch.ops.mkldnn._convolution_pointwise(x4, self._packed(B, C, L), self.bias, [0, 0], [1, 1],
-                                                        [1, self.dilation], self.groups, "none", [], "")
+            w = self._packed(B, C, L)
+            if add is not None:
+                a4 = add.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+                y = torch.ops.mkldnn._convolution_pointwise.binary(
+                    x4, a4, w, self.bias, [0, 0], [1, 1], [1, self.dilation], self.groups, "add", 1.0, None, [], None)
+            else:
+                y = torch.ops.mkldnn._convolution_pointwise(x4, w, self.bias, [0, 0], [1, 1],
+                                                            [1, self.dilation], self.groups, "none", [], "")
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: aten's path from now on
             log.warning("codec: packed oneDNN convolution unavailable (%s); using aten's", e)
             self.broken = True
