@@ -144,3 +144,21 @@ def test_set_conv_mode_validates_and_switches_back(decs):
     codes = _codes(67, 1, 3)
     with torch.inference_mode():
         assert torch.equal(d(codes), plain(codes))           # back on the exact path
+
+
+def test_packed_path_ignores_the_process_wide_onednn_switch(decs, monkeypatch):
+    """The worker turns oneDNN off process-wide around small bf16 gemvs (model_runner's `aten_bf16_gemv`); a decode
+    on the codec thread meanwhile must still take the packed oneDNN path (not aten's fallback kernels)."""
+    plain, packed = decs
+    codes = _codes(68, 1, 6)
+    calls = _count_packed_calls(packed, monkeypatch)
+    prev = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        with torch.inference_mode():
+            got = _stream(packed, codes, [1, 5])
+    finally:
+        torch._C._set_mkldnn_enabled(prev)
+    assert calls and all(calls)
+    with torch.inference_mode():
+        assert _maxabs(got, plain(codes)) < 2e-5
