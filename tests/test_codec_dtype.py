@@ -100,12 +100,16 @@ def test_auto_keeps_the_faster_conv_path_and_remembers_it(cache, monkeypatch, fa
     """Each (dtype, conv path) is timed; the fastest wins (fp32 by the 10 % margin) and is remembered."""
     def fake(dec, rounds=3):
         name = f"{'bf16' if dec.pre_conv.conv.weight.dtype == torch.bfloat16 else 'fp32'} {dec.conv_mode}"
+        with torch.inference_mode():   # a real decode: the packed candidates pack their weights
+            dec.decode_step(torch.zeros(1, 16, 1, dtype=torch.long), dec.init_state(1))
         return 0.5 if name == fast else 1.0
 
     monkeypatch.setattr(dtype_choice, "time_decoder", fake)
     got = dtype_choice.choose(_dec(torch.bfloat16))
     assert got.pre_conv.conv.weight.dtype == want_dtype and got.conv_mode == want_conv
     assert got.decoder[0].packed == (want_conv == "packed")
+    held = [m for m in got.modules() if getattr(m, "_pk", None) is not None]
+    assert bool(held) == (want_conv == "packed")               # the losing path's packed weights are released
     saved = json.loads(cache.read_text())[dtype_choice.machine_key(got)]
     assert saved["conv"] == want_conv and set(saved["ms_per_frame"]) == {"bf16 aten", "bf16 packed", "fp32 aten",
                                                                           "fp32 packed"}

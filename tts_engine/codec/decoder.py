@@ -623,6 +623,12 @@ class CodecDecoder(nn.Module):
                 m.fused = on
         self.conv_mode = mode
 
+    def release_packed(self) -> None:
+        """Drop the convs' reordered weights (they are made again on the next packed decode)."""
+        for m in self.modules():
+            if getattr(m, "_pk", None) is not None:
+                m._pk = None
+
     def refresh_codebooks(self) -> None:
         """Recompute the cached codebook vectors (automatic after load / .to() / in-place edits)."""
         self.quantizer.rvq_first.refresh()

@@ -122,31 +122,40 @@ def choose(dec):
     if out is None:
         out = _fp32(dec) if dtype == "fp32" else dec
         out.set_conv_mode(conv)
+    if conv == "aten":
+        out.release_packed()                   # packed while measuring, not used
     return out
 
 
 def _measure(dec) -> tuple[dict, dict]:
-    """Time every candidate (dtype x conv path) interleaved; -> the cache entry, {name: candidate decoder}."""
+    """Time every candidate (dtype x conv path) interleaved; -> the cache entry, {"dtype conv": decoder} for the
+    chosen candidate (its weights already packed for the timed chunks). The two paths of one dtype share one
+    decoder (switched by `set_conv_mode`), so only the fp32 copy is extra memory while measuring."""
     f32 = _fp32(dec)
     cands = {}
     for name, d in (("bf16", dec), ("fp32", f32)):
         for conv in (["aten", "packed"] if packed_conv.available() else ["aten"]):
-            c = d if conv == "aten" else copy.deepcopy(d)
-            c.set_conv_mode(conv)
-            cands[f"{name} {conv}"] = c
-    for c in cands.values():
-        time_decoder(c, 1)                                   # warm-up: oneDNN builds its primitives, packs weights
+            cands[f"{name} {conv}"] = (d, conv)
+
+    def timed(d, conv):
+        d.set_conv_mode(conv)
+        return time_decoder(d, 1)
+
+    for d, conv in cands.values():
+        timed(d, conv)                                       # warm-up: oneDNN builds its primitives, packs weights
     best = {k: float("inf") for k in cands}
     for _ in range(2):                                       # interleaved
-        for k, c in cands.items():
-            best[k] = min(best[k], time_decoder(c, 1))
+        for k, (d, conv) in cands.items():
+            best[k] = min(best[k], timed(d, conv))
     b16 = min((k for k in best if k.startswith("bf16")), key=best.get)
     b32 = min((k for k in best if k.startswith("fp32")), key=best.get)
     pick = b32 if best[b32] < FP32_MARGIN * best[b16] else b16
+    d, conv = cands[pick]
+    d.set_conv_mode(conv)
     frames = sum(TIMED_CHUNKS)
     return {"dtype": pick.split()[0], "conv": pick.split()[1],
             "ms_per_frame": {k: round(1000 * v / frames, 2) for k, v in best.items()},
-            "timed_chunks": list(TIMED_CHUNKS)}, cands
+            "timed_chunks": list(TIMED_CHUNKS)}, {pick: d}
 
 
 def _fp32(dec):
