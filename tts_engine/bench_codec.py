@@ -69,19 +69,30 @@ def main(argv=None) -> int:
     p.add_argument("--codec-threads", default="1", help="comma list: intra-op threads of the codec thread")
     p.add_argument("--conv-modes", default="aten,packed", help="comma list of the decoder's convolution paths")
     p.add_argument("--max-chunk", type=int, default=12, help="the chunks double from --first-chunk up to this")
+    p.add_argument("--codec-only", action="store_true",
+                   help="load only the speech tokenizer's decoder (no talker; implies --skip-overlap)")
     p.add_argument("--skip-codec", action="store_true", help="only the overlap A/B")
     p.add_argument("--skip-overlap", action="store_true", help="only the codec ms per frame")
     p.add_argument("--out", help="append the tables to this markdown file")
     a = p.parse_args(argv)
     ckpt = Path(a.model) if a.model else checkpoint_for(a.arch, torch.bfloat16)
     conc = [int(x) for x in a.concurrency.split(",")]
-    engine = TTSEngine.from_pretrained(str(ckpt), device="cpu", dtype=a.dtype, quantize=a.quantize,
-                                       max_batch=max(conc), max_seq_len=a.frames + 128, overlap_codec=False)
-    engine.speakers_for_bench = engine.speakers
+    if a.codec_only:   # the speech tokenizer's decoder alone (bf16, its path chosen as the engine would), no talker
+        from .codec.speech_tokenizer import SpeechTokenizer
+
+        engine = None
+        a.skip_overlap = True
+        dec = SpeechTokenizer(ckpt / "speech_tokenizer", torch.device("cpu"), torch.bfloat16).decoder
+        precision = "codec decoder only"
+    else:
+        engine = TTSEngine.from_pretrained(str(ckpt), device="cpu", dtype=a.dtype, quantize=a.quantize,
+                                           max_batch=max(conc), max_seq_len=a.frames + 128, overlap_codec=False)
+        engine.speakers_for_bench = engine.speakers
+        dec = engine.model.speech_tokenizer.decoder
+        precision = engine.precision
     nthreads = torch.get_num_threads()
-    lines = [f"Device: **{device_name(torch.device('cpu'))}**. Model: {a.arch} random weights, {engine.precision}. "
+    lines = [f"Device: **{device_name(torch.device('cpu'))}**. Model: {a.arch} random weights, {precision}. "
              f"{a.rounds} interleaved rounds, median (best). {_load()} at the start."]
-    dec = engine.model.speech_tokenizer.decoder
     if not a.skip_codec:
         decs = {}
         for dt in (torch.float32, torch.bfloat16):        # every dtype x convolution path (codec/dtype_choice.py)
@@ -132,7 +143,8 @@ def main(argv=None) -> int:
     if a.out:
         with open(a.out, "a", encoding="utf-8") as fh:
             fh.write("\n" + text + "\n")
-    engine.close()
+    if engine is not None:
+        engine.close()
     return 0
 
 
