@@ -124,10 +124,12 @@ def test_weights_changed_after_packing_are_repacked(decs):
         with torch.no_grad():
             a.decoder[0].conv.weight.mul_(0.5)
             a.decoder[1].block[1].conv.weight.mul_(0.5)
+            a.decoder[1].block[1].conv.bias.add_(0.1)         # the tap conv's bias is derived from it
         b = copy.deepcopy(plain)
         with torch.no_grad():
             b.decoder[0].conv.weight.mul_(0.5)
             b.decoder[1].block[1].conv.weight.mul_(0.5)
+            b.decoder[1].block[1].conv.bias.add_(0.1)
         after, want = a(codes), b(codes)
     assert not torch.equal(before, after) and _maxabs(after, want) < 2e-5
 

@@ -202,8 +202,21 @@ class CausalTransConv(_Packable, nn.Module):
             self._taps = taps
         return taps[1]
 
+    def tap_bias(self) -> torch.Tensor:
+        """[C_out*k] bias for the packed tap conv: the conv's bias on taps 0..s-1 of each channel, 0 on the rest."""
+        b = self.conv.bias
+        key = (b.data_ptr(), _version(b), b.dtype, b.device)
+        tb = getattr(self, "_tap_bias", None)
+        if tb is None or tb[0] != key:
+            with torch.no_grad():
+                t = torch.zeros(self.c_out, self.k, dtype=b.dtype, device=b.device)
+                t[:, :self.s] = b.detach()[:, None]
+            tb = self._tap_bias = (key, t.reshape(-1))
+        return tb[1]
+
     def _load_from_state_dict(self, *args, **kwargs):
         self._taps = None
+        self._tap_bias = None
         super()._load_from_state_dict(*args, **kwargs)
 
     MATMUL_MAX_LEN = 32   # inputs per row up to which the matmul form is used (measured faster below, slower above)
@@ -214,15 +227,21 @@ class CausalTransConv(_Packable, nn.Module):
         xx = x if self.ctx == 0 else _cat_time(hist, x, self.packed)             # [B, C_in, m]
         new_hist = x[..., n - 1:] if self.ctx else hist
         if self.packed and _direct(xx):   # the taps' 1x1 conv time-major: [B, m, C_out*k] in memory
-            taps = self._packer(self.tap_weight(), None, 1, 1, self.ctx)(xx)
+            pk = self._packer(self.tap_weight(), None, 1, 1, self.ctx)
+            pk.bias = self.tap_bias()                # the bias on taps 0..s-1 (each output sample gets it once)
+            taps = pk(xx)
             if taps is not None:
                 m = xx.shape[-1]
                 taps = taps.transpose(1, 2).view(B, m, self.c_out, k)                # [B, m, C_out, k]
-                y = taps[:, self.ctx:, :, :s]                                      # [B, n, C_out, s]
-                if self.ctx:
-                    y = y + F.pad(taps[:, :n, :, s:], (0, 2 * s - k))
-                y = y + self.conv.bias[:, None]
-                return y.transpose(2, 3).reshape(B, n * s, self.c_out).transpose(1, 2), new_hist
+                out = torch.empty(B, n, s, self.c_out, dtype=taps.dtype, device=taps.device)
+                head = taps[:, self.ctx:, :, :s].transpose(2, 3)                   # [B, n, s, C_out]
+                if self.ctx and k == 2 * s:                                        # + the previous input's tail
+                    torch.add(head, taps[:, :n, :, s:].transpose(2, 3), out=out)
+                elif self.ctx:
+                    out.copy_(head + F.pad(taps[:, :n, :, s:], (0, 2 * s - k)).transpose(2, 3))
+                else:
+                    out.copy_(head)
+                return out.view(B, n * s, self.c_out).transpose(1, 2), new_hist
         if _direct(xx):
             taps = conv1d(xx, self.tap_weight(), None).view(B, self.c_out, k, xx.shape[-1])  # [B, C_out, k, m]
             y = taps[:, :, :s, self.ctx:]                                          # [B, C_out, s, n]
