@@ -10,23 +10,16 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine, TTSError
-from tts_engine.tiny import make_tiny
 
 TEXT = "Hello there, this is a test of the overlapped codec."
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("overlap") / "cv", kind="custom_voice", size="0b6", seed=0)
+PAIR = (dict(overlap_codec=False), dict(overlap_codec=True))   # conftest's tiny_cv_pair
 
 
 @pytest.fixture(scope="module")
-def engines(folder):
-    serial = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=False)
-    overlap = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=True)
-    yield serial, overlap
-    serial.close()
-    overlap.close()
+def engines(tiny_cv_pair):
+    return tiny_cv_pair
 
 
 def _run(engine, seed, text=TEXT, frames=20, first=1, **kw):
@@ -120,8 +113,8 @@ def test_stop_frees_the_row_and_ends_the_stream(engines):
     assert len(codes) > 0 and sum(len(c) for c in chunks) == len(codes) * 1920
 
 
-def test_caller_driven_engine_turns_the_overlap_off(folder):
-    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", overlap_codec=True)
+def test_caller_driven_engine_turns_the_overlap_off(tiny_cv_folder):
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", overlap_codec=True)
     try:
         eng.drive_in_caller()
         assert eng.worker.codec is None

@@ -10,7 +10,6 @@ import torch
 from tts_engine import TTSEngine
 from tts_engine.engine.prefix_cache import PrefixCache
 from tts_engine.model import quant
-from tts_engine.tiny import make_tiny
 
 REQUESTS = [("Hello there, this is the first request.", "ryan", "auto"),
             ("A second text, for another voice.", "vivian", "auto"),
@@ -20,8 +19,8 @@ REQUESTS = [("Hello there, this is the first request.", "ryan", "auto"),
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("prefix") / "cv", kind="custom_voice", size="0b6", seed=0)
+def folder(tiny_cv_folder):
+    return tiny_cv_folder
 
 
 def _engine(folder, dtype, quantize=None, mb=8):
