@@ -22,15 +22,14 @@ DIALOGUE = ("Ryan: Good morning, did you sleep well?\n"
             "Ryan: Then let us buy them a piano.")
 PAUSE_S = 0.3
 SR = 24000
-FAST_ENOUGH = 1.5   # the stream must arrive at least this many times faster than it plays for the gap check to hold
+STARVED_MS = 800    # no audio from the server for this long: the machine, not the engine, set the pace
 
 
-def arrival_rate(timeline) -> float | None:
-    """Audio seconds per wall second at which the stream arrived: its samples after the first chunk over the time from
-    the first chunk to the last (the player's timeline: [ms after the click, samples] per chunk)."""
-    if len(timeline) < 2 or timeline[-1][0] <= timeline[0][0]:
-        return None
-    return sum(n for _, n in timeline[1:]) / SR / ((timeline[-1][0] - timeline[0][0]) / 1000)
+def longest_wait(timeline) -> float:
+    """The longest time between two chunks of the stream, ms (the player's timeline: [ms after the click, samples]
+    per chunk). The tiny engine makes a chunk of up to 12 frames (0.96 s) at several times real time, so a healthy
+    server sends one at least every ~0.5 s."""
+    return max((b[0] - a[0] for a, b in zip(timeline, timeline[1:])), default=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +109,14 @@ def test_three_takes_replay_restore_and_a_gapless_dialogue(served, drv):
           f"rebuffering in {m['underruns']} underruns); "
           f"click -> sound {m['clickToSoundMs']:.0f} ms; server: {B.status(drv).splitlines()[0][:160]}")
     assert m["maxSilenceMs"] >= PAUSE_S * 1000 - 1, m                        # the pauses are there
-    rate = arrival_rate(m["timeline"])
-    print(f"[browser] the stream arrived at {rate:.2f}x real time")
-    if rate is not None and rate < FAST_ENOUGH and (gap_ms > PAUSE_S * 1000 + 80 or m["longestGapMs"] > PAUSE_S * 1000 + 80):
-        # the check's premise (the engine makes audio several times faster than it plays) did not hold: on a machine
-        # loaded by other programs the tiny engine fell to near real time, and a silence then says nothing of the
-        # player's start rule or of the order of the lines
-        pytest.skip(f"the dialogue's audio arrived at only {rate:.2f}x real time (machine load "
-                    f"{os.getloadavg()[0]:.1f}): the gap check needs >= {FAST_ENOUGH}x; longest silence {gap_ms:.0f} ms")
+    wait = longest_wait(m["timeline"])
+    print(f"[browser] the longest wait between two chunks of the stream: {wait:.0f} ms")
+    if wait >= STARVED_MS and max(gap_ms, m["longestGapMs"]) > PAUSE_S * 1000 + 80:
+        # the check's premise (the tiny engine makes audio several times faster than it plays) did not hold: on a
+        # machine loaded by other programs the server sent nothing for a long while, which no start rule can
+        # foresee, so a silence then says nothing of the player or of the order of the lines
+        pytest.skip(f"the machine starved the server (load {os.getloadavg()[0]:.1f}): no audio for {wait:.0f} ms; "
+                    f"longest silence {m['longestGapMs']:.0f} ms; timeline {m['timeline']}")
     assert gap_ms <= PAUSE_S * 1000 + 80, (m["log"], m)
     assert m["longestGapMs"] <= PAUSE_S * 1000 + 80, (m["log"], m["timeline"], m)
     assert "3 lines" in B.status(drv) and "Ryan = ryan" in B.status(drv) and "Vivian = vivian" in B.status(drv)
