@@ -114,3 +114,15 @@ def test_on_by_default_except_fp32(folder):
     assert bf16.runner.prefix_cache is not None and bf16.runner.prefix_cache.max_bytes == 64 << 20
     for e in (fp32, bf16, off):
         e.close()
+
+
+def test_bench_ab_variant_switches_the_cache_off_and_back(folder):
+    from tts_engine.bench_ab import _switch
+
+    e = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="bf16", max_batch=1)
+    pc = e.runner.prefix_cache
+    _switch(e, {"prefix_cache": False})
+    assert e.runner.prefix_cache is None
+    _switch(e, {})
+    assert e.runner.prefix_cache is pc
+    e.close()
