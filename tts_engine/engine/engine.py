@@ -133,8 +133,8 @@ class TTSEngine:
         (`threads.ThreadGovernor`: a busy core stalls every op that enters the pool; default: on there, env
         TTS_GOVERN_THREADS=0 turns it off; fp32 keeps the process's threads). prefix_cache_mb: keep the talker's
         keys/values of up to this many MB of prompt prefixes (a voice's part of the prompt, `prefix_cache.PrefixCache`)
-        so that the next request of a voice prefills only its text (default: 64 in a 16-bit or quantised mode, env
-        TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 keeps one whole prefill per request, as the official code)."""
+        so that the next request of a voice prefills only its text (default: 64 on a CPU in a 16-bit or quantised
+        mode, env TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 and GPUs keep one whole prefill per request)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -144,9 +144,9 @@ class TTSEngine:
         self.reference_cache = ReferenceCache(reference_cache)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
-        if prefix_cache_mb is None:
+        if prefix_cache_mb is None:   # (a GPU prefill is fast, and the key's digest would cost a host sync there)
             prefix_cache_mb = float(os.environ.get("TTS_PREFIX_CACHE_MB", PREFIX_CACHE_MB_DEFAULT)) \
-                if model.dtype != torch.float32 else 0
+                if model.dtype != torch.float32 and not gpu else 0
         self.runner.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
         if use_cuda_graphs is None:
             use_cuda_graphs = gpu
