@@ -95,7 +95,7 @@ class TTSStream:
         return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
 
 
-PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (16-bit and quantised modes)
+PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
 OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
 
 
