@@ -48,19 +48,22 @@ MODES = [("fp32", None), ("bf16", None), ("bf16", "w8a8"), ("bf16", "int8")]
 def test_a_hit_gives_the_same_codes_and_audio_as_a_miss(folder, dtype, quantize):
     if quantize is not None and quantize not in quant.available_modes():
         pytest.skip(f"{quantize} does not run here")
-    cold, warm = _engine(folder, dtype, quantize), _engine(folder, dtype, quantize)
-    _run(warm, clear_before_each=False)            # every voice's prefix is kept now
-    hits0 = warm.runner.prefix_cache.hits
-    a = _run(cold, clear_before_each=True)         # every request computes its prefix
-    b = _run(warm, clear_before_each=False)        # every request copies it
-    assert cold.runner.prefix_cache.hits == 0
-    assert warm.runner.prefix_cache.hits - hits0 == len(REQUESTS)
+    e = _engine(folder, dtype, quantize)
+    pc = e.runner.prefix_cache
+    a = _run(e, clear_before_each=True)            # every request computes its prefix (and leaves it kept)
+    assert (pc.hits, pc.misses) == (0, len(REQUESTS))
+    for text, voice, lang in REQUESTS:             # keep every request's prefix (one prefill each, on the idle engine)
+        req, _ = e._make_request(text, voice, lang, None, 0, {}, False, 8, None, 1, 12)
+        e.runner.prefill(0, req.prompt, req.params)
+        e.runner.release(0)
+    hits = pc.hits
+    b = _run(e, clear_before_each=False)           # every request copies it
+    assert pc.hits - hits == len(REQUESTS)
     for (ca, wa), (cb, wb) in zip(a, b):
         assert len(ca) > 0
         assert torch.equal(ca, cb)
         np.testing.assert_array_equal(wa, wb)
-    cold.close()
-    warm.close()
+    e.close()
 
 
 def test_entries_are_per_voice_and_language_not_per_text(folder):
