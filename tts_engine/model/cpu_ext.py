@@ -53,24 +53,26 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def build(force: bool = False) -> Path:
-    """Compile cpu_ext.cpp into the cache folder (once per source, torch and compiler) and return the library's
-    path. Raises on any failure (no compiler, compile error)."""
+def build(force: bool = False, source: Path | None = None) -> Path:
+    """Compile cpu_ext.cpp (or `source`, a file beside it that includes it: fused_step.cpp) into the cache folder
+    (once per source, torch and compiler) and return the library's path. Raises on any failure (no compiler,
+    compile error)."""
+    source = source or SOURCE
     if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
         raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
     cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes() + (SOURCE.read_bytes() if source != SOURCE else b"")
     torch_dir = Path(torch.__file__).parent
     tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"ttsx-{tag}.so"
+    out = _cache_dir() / f"{'ttsx' if source == SOURCE else source.stem}-{tag}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
     cmd = [cxx, "-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{torch_dir / 'include'}",
-           str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+           str(source), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_dir / 'lib'}"]
     t0 = time.perf_counter()
     try:
