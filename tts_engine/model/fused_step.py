@@ -265,9 +265,10 @@ class FusedStep:
             self.disable(f"{type(e).__name__}: {e}")
             return eager()
         self.min_cos = min(self.min_cos, cos)
-        if cos < MIN_COS:
+        if cos < MIN_COS:   # the eager result stands, and its cache entries (written again: fused may have run last)
             self.disable(f"its hidden states differ from the eager path's (cosine {cos:.4f} < {MIN_COS})")
-        elif len(self.times["fused"]) >= TRIAL_PAIRS:
+            return eager()
+        if len(self.times["fused"]) >= TRIAL_PAIRS:
             self._decide()
         return results["eager" if fused_first else "fused"]
 
