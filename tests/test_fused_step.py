@@ -336,3 +336,30 @@ def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, m
         assert engine.model.talker.model.fused.state == "on"
     finally:
         engine.close()
+
+
+def test_governor_matmul_option_gives_the_fused_call_its_threads(fused_lib, own_kernels, monkeypatch):
+    """Under the thread governor's "matmul" option (one thread outside the linear layers) the fused call, which
+    holds every matmul of the stack, runs with the option's threads and puts one thread back after."""
+    from tts_engine.engine.threads import MatmulThreads
+
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    switch = MatmulThreads(2)
+    stack.fused = fused_step.FusedStep(plan, "test", threads_switch=lambda: switch, force=True)
+    seen = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
+    cache = filled_cache(stack, torch.float32, rows=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        switch.set(True)
+        _step_once(stack, cache, 12)
+        assert seen == [2] and torch.get_num_threads() == 1
+        switch.set(False)
+        _step_once(stack, cache, 13)
+        assert seen == [2, 1]
+    finally:
+        switch.set(False)
+        torch.set_num_threads(before)
