@@ -1,7 +1,7 @@
 """The codec decode overlapped with generation (`TTSEngine(overlap_codec=True)`, `engine/codec_thread.py`): the
 same audio as the serial path, chunks in order under concurrent requests, a codec failure fails its request only,
-and Stop still frees the row at once. `overlap_codec="streams"` (the CPU default in 16-bit and quantised modes)
-uses the codec thread only while several requests run."""
+and Stop still frees the row at once. `overlap_codec="streams"` uses the codec thread only while several requests
+run; the CPU default (`OVERLAP_CODEC_CPU_DEFAULT`) applies in 16-bit and quantised modes with 2+ threads only."""
 from __future__ import annotations
 
 import threading
@@ -158,7 +158,10 @@ def test_streams_mode_overlaps_only_concurrent_requests(engines):
         overlap.worker.overlap_codec(True)
 
 
-def test_the_cpu_default_overlaps_several_streams_in_16_bit_and_never_in_fp32(folder):
+def test_the_cpu_default_applies_in_16_bit_and_never_in_fp32(folder, monkeypatch):
+    from tts_engine.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "OVERLAP_CODEC_CPU_DEFAULT", "streams")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -94,9 +94,10 @@ class TTSStream:
         return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
 
 
-# overlap_codec's default on a CPU with 2+ threads: the codec thread only while several streams run (measured to win
-# at four streams, docs/benchmarks.md "Four streams: ..."); one stream decodes between its frames as before
-OVERLAP_CODEC_CPU_DEFAULT = "streams"
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): off until
+# a quiet interleaved A/B shows a mode winning (docs/benchmarks.md, "Four streams: kernels at 2-8 rows, the codec
+# thread only while several streams run"): under load no core is free to overlap on and it measured 6 % slower
+OVERLAP_CODEC_CPU_DEFAULT = False
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
