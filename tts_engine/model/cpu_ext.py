@@ -53,7 +53,7 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def build(force: bool = False, source: Path = SOURCE) -> Path:
+def build(force: bool = False, source: Path | None = None) -> Path:
     """Compile cpu_ext.cpp (or another checkout's `source`, benchmarks) into the cache folder (once per source,
     torch and compiler) and return the library's path. Raises on any failure (no compiler, compile error)."""
     if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
@@ -61,7 +61,8 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    src = Path(source).read_bytes()
+    source = Path(source) if source is not None else SOURCE
+    src = source.read_bytes()
     torch_dir = Path(torch.__file__).parent
     tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
     out = _cache_dir() / f"ttsx-{tag}.so"
@@ -88,10 +89,10 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     return out
 
 
-def load_library(source: Path = SOURCE) -> ctypes.CDLL:
+def load_library(source: Path | None = None) -> ctypes.CDLL:
     """Build `source` (if needed) and load it with its functions' C types (no state kept: `library()` is the
     engine's; another checkout's source is loaded here by `bench_matmuls gbps --base`)."""
-    lib = ctypes.CDLL(str(build(source=source)))
+    lib = ctypes.CDLL(str(build() if source is None else build(source=source)))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ttsx_supported.restype = I
     lib.ttsx_isa.restype = I
