@@ -45,8 +45,6 @@ def sweep(calls: list[nn.Module], xs: dict) -> float:
 
 
 def gbps(rounds: int = 7, rows_list=(1,), base: str | None = None) -> None:
-    from .model import cpu_ext, kernels
-
     for rows in rows_list:
         _gbps(rounds, rows, base)
 
@@ -152,6 +150,8 @@ def main(argv=None) -> int:
     for _ in range(rounds):
         for m in modes:
             times[m].append(1e3 * sweep(calls[m], xs))
+    from .model import cpu_ext
+
     print(f"own kernels: {cpu_ext.isa()}")
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds")
     for m in modes:
