@@ -181,3 +181,19 @@ def test_the_cpu_default_applies_in_16_bit_and_never_in_fp32(folder, monkeypatch
             one.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_bench_ab_variants_switch_the_overlap_mode(engines):
+    from tts_engine import bench_ab
+
+    _, overlap = engines
+    try:
+        bench_ab._switch(overlap, {"overlap_codec": "streams"})
+        assert overlap.worker.codec is not None and overlap.worker.codec_min_rows == 2
+        bench_ab._switch(overlap, {"overlap_codec": 1})
+        assert overlap.worker.codec is not None and overlap.worker.codec_min_rows == 1
+        bench_ab._switch(overlap, {"overlap_codec": 0})
+        assert overlap.worker.codec is None
+    finally:
+        overlap.worker.overlap_codec(True)
+        overlap.worker.split_frames = None
