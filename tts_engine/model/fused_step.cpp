@@ -190,6 +190,10 @@ void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Sc
       for (int64_t m = 0; m < M; ++m) {
         const int32_t off = 128 * s.xsum[m];
         const float am = s.amax[m];
+        if (p.isa == 2) {   // cpu_ext.cpp's vectorised epilogue, the same operations
+          finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
+          continue;
+        }
         for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = (float)(acc[m * Np + n] - off) * (am * l.scale127[n]);
       }
     });
@@ -210,10 +214,8 @@ void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Sc
   at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
     blocks4(l.w, s.xq.data(), s.gsum.data(), M, Kp, b0, b1, acc, Np);
     const int64_t n1 = std::min(N, b1 * BLK);
-    for (int64_t m = 0; m < M; ++m) {
-      const float am = s.amax[m] * (1.0f / 127.0f);
-      for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = acc[m * Np + n] * am;
-    }
+    for (int64_t m = 0; m < M; ++m)
+      finish_row(nullptr, acc + m * Np, 0, s.amax[m] * (1.0f / 127.0f), nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
   });
 }
 
