@@ -96,7 +96,10 @@ class TTSStream:
 
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
-OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): off until
+# a quiet interleaved A/B shows a mode winning (docs/benchmarks.md, "Four streams: kernels at 2-8 rows, the codec
+# thread only while several streams run"): under load no core is free to overlap on and it measured 6 % slower
+OVERLAP_CODEC_CPU_DEFAULT = False
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
@@ -126,7 +129,9 @@ class TTSEngine:
         off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
         why); the engine keeps serving. overlap_codec: decode each request's chunks after its first on a codec
         thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
-        `OVERLAP_CODEC_CPU_DEFAULT`, off on a GPU; docs/benchmarks.md has the A/B). compile_predictor: one-stream
+        `OVERLAP_CODEC_CPU_DEFAULT` in 16-bit and quantised modes where torch has 2+ threads, off in fp32, on a GPU
+        or with one thread; "streams": only while two or more requests run; docs/benchmarks.md has the A/B).
+        compile_predictor: one-stream
         code-predictor passes through a compiled graph on a CPU (tts_engine/model/compiled_predictor.py; default:
         env TTS_COMPILE_PREDICTOR, off). govern_threads: on a CPU in a 16-bit or quantised mode, run each frame with
         the OpenMP threads (1, all, or all inside the linear layers only) measured fastest at the moment
@@ -167,7 +172,9 @@ class TTSEngine:
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
         if overlap_codec is None:
-            overlap_codec = OVERLAP_CODEC_CPU_DEFAULT and not gpu
+            # (fp32 keeps every decode in this thread, as before: its audio stays bit for bit)
+            overlap_codec = OVERLAP_CODEC_CPU_DEFAULT if not gpu and torch.get_num_threads() >= 2 \
+                and model.dtype != torch.float32 else False
         self.worker.overlap_codec(overlap_codec, codec_threads)
         if govern_threads is None:
             govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
+from ..model import fused_step
 from ..model.kernels import onednn_off
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
@@ -82,6 +83,8 @@ class ModelRunner:
         self.on_frame_codes = None
         self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
+        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py)
+        self.fused_status = fused_step.attach(talker) if self.device.type == "cpu" else {}
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
