@@ -103,3 +103,32 @@ def asr_env(whisper_dir, monkeypatch):
     monkeypatch.setenv("TTS_ASR_MODEL", str(whisper_dir))
     monkeypatch.setattr(asr, "_shared", {})
     return asr
+
+
+@pytest.fixture(scope="session")
+def tiny_cv_folder(tmp_path_factory):
+    """A tiny CustomVoice checkpoint (0.6B layout, random weights, seed 0), built once a session. Tests must not
+    change its files."""
+    from tts_engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny_cv") / "cv", kind="custom_voice", size="0b6", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_cv_pair(tiny_cv_folder, request):
+    """(a, b): two fp32 engines (max_batch 3) on `tiny_cv_folder` for an A/B of one setting, closed after the module.
+    The module says how they differ: PAIR = (keyword arguments of a, of b) for `TTSEngine.from_pretrained`, where
+    `split_frames` is set on the engine's worker instead."""
+    from tts_engine import TTSEngine
+
+    pair = []
+    for kw in request.module.PAIR:
+        kw = dict(kw)
+        split = kw.pop("split_frames", None)
+        eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=3, **kw)
+        if split is not None:
+            eng.worker.split_frames = split
+        pair.append(eng)
+    yield tuple(pair)
+    for eng in pair:
+        eng.close()

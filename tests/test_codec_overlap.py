@@ -1,6 +1,7 @@
 """The codec decode overlapped with generation (`TTSEngine(overlap_codec=True)`, `engine/codec_thread.py`): the
 same audio as the serial path, chunks in order under concurrent requests, a codec failure fails its request only,
-and Stop still frees the row at once."""
+and Stop still frees the row at once. `overlap_codec="streams"` uses the codec thread only while several requests
+run; the CPU default (`OVERLAP_CODEC_CPU_DEFAULT`) applies in 16-bit and quantised modes with 2+ threads only."""
 from __future__ import annotations
 
 import threading
@@ -10,23 +11,16 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine, TTSError
-from tts_engine.tiny import make_tiny
 
 TEXT = "Hello there, this is a test of the overlapped codec."
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("overlap") / "cv", kind="custom_voice", size="0b6", seed=0)
+PAIR = (dict(overlap_codec=False), dict(overlap_codec=True))   # conftest's tiny_cv_pair
 
 
 @pytest.fixture(scope="module")
-def engines(folder):
-    serial = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=False)
-    overlap = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3, overlap_codec=True)
-    yield serial, overlap
-    serial.close()
-    overlap.close()
+def engines(tiny_cv_pair):
+    return tiny_cv_pair
 
 
 def _run(engine, seed, text=TEXT, frames=20, first=1, **kw):
@@ -120,8 +114,8 @@ def test_stop_frees_the_row_and_ends_the_stream(engines):
     assert len(codes) > 0 and sum(len(c) for c in chunks) == len(codes) * 1920
 
 
-def test_caller_driven_engine_turns_the_overlap_off(folder):
-    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", overlap_codec=True)
+def test_caller_driven_engine_turns_the_overlap_off(tiny_cv_folder):
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", overlap_codec=True)
     try:
         eng.drive_in_caller()
         assert eng.worker.codec is None
@@ -129,3 +123,70 @@ def test_caller_driven_engine_turns_the_overlap_off(folder):
         assert sum(len(c) for c in chunks) == len(codes) * 1920
     finally:
         eng.close()
+
+
+def test_streams_mode_overlaps_only_concurrent_requests(engines):
+    serial, overlap = engines
+    overlap.worker.overlap_codec("streams")
+    try:
+        codec = overlap.worker.codec
+        assert codec is not None and overlap.worker.codec_min_rows == 2
+        chunks_s, codes_s = _run(serial, 31)
+        chunks_o, codes_o = _run(overlap, 31)                        # one stream: every chunk decoded in the worker
+        assert codec.decoded_chunks == 0 and torch.equal(codes_s, codes_o)
+        np.testing.assert_array_equal(np.concatenate(chunks_o), np.concatenate(chunks_s))
+        texts = [TEXT, "A second sentence, generated alongside the first one.", "And a third, shorter one."]
+        alone = [_run(serial, 40 + i, t, frames=24) for i, t in enumerate(texts)]
+        streams = [overlap.stream(t, voice="ryan", seed=40 + i, max_new_tokens=24, first_chunk_frames=1)
+                   for i, t in enumerate(texts)]                       # all three queued before any is read
+        got = [(list(s), s.codes) for s in streams]
+        assert codec.decoded_chunks > 0                               # the later chunks of concurrent streams
+        for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
+            assert torch.equal(codes_a, codes_g)
+            assert [len(c) for c in chunks_g] == [len(c) for c in chunks_a]
+            np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-4)
+        with pytest.raises(ValueError):
+            overlap.worker.overlap_codec("sometimes")
+    finally:
+        overlap.worker.overlap_codec(True)
+
+
+def test_the_cpu_default_applies_in_16_bit_and_never_in_fp32(tiny_cv_folder, monkeypatch):
+    from tts_engine.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "OVERLAP_CODEC_CPU_DEFAULT", "streams")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bf16 = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="bf16")
+        fp32 = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32")
+        try:
+            assert bf16.worker.codec is not None and bf16.worker.codec_min_rows == 2
+            assert fp32.worker.codec is None                                 # fp32: bit for bit as before
+        finally:
+            bf16.close()
+            fp32.close()
+        torch.set_num_threads(1)
+        one = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="bf16")
+        try:
+            assert one.worker.codec is None                                  # one thread: nothing to overlap on
+        finally:
+            one.close()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bench_ab_variants_switch_the_overlap_mode(engines):
+    from tts_engine import bench_ab
+
+    _, overlap = engines
+    try:
+        bench_ab._switch(overlap, {"overlap_codec": "streams"})
+        assert overlap.worker.codec is not None and overlap.worker.codec_min_rows == 2
+        bench_ab._switch(overlap, {"overlap_codec": 1})
+        assert overlap.worker.codec is not None and overlap.worker.codec_min_rows == 1
+        bench_ab._switch(overlap, {"overlap_codec": 0})
+        assert overlap.worker.codec is None
+    finally:
+        overlap.worker.overlap_codec(True)
+        overlap.worker.split_frames = None

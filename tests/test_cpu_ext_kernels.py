@@ -1,6 +1,6 @@
 """Our own CPU kernels (tts_engine/model/cpu_ext.py, cpu_ext.cpp): the fused W8A8 layer's int32 sums equal an exact
 integer reference and its result equals the aten W8A8 path (`kernels.w8a8_int_mm`) for shapes that are and are not
-multiples of the kernel's blocks, 1-4 decode rows and prefill rows; a W8A8 layer that runs it holds the packed
+multiples of the kernel's blocks, 1-9 decode rows (every row tile) and prefill rows; a W8A8 layer that runs it holds the packed
 weight only; and when the kernels cannot be built or run, the engine keeps aten's kernels (nothing raises).
 
 Where the CPU has AVX-512 VNNI and a C++ compiler is on PATH the kernels must build (a build failure fails here,
@@ -71,7 +71,7 @@ def test_sums_are_exact_and_the_result_is_the_aten_w8a8_path(ext, N, K):
     s127 = torch.rand(N, generator=g) * 1e-4
     packed = ext.pack(q)
     assert packed.numel() == ext.packed_bytes(N, K) and torch.equal(ext.unpack(packed, N, K), q)
-    for rows in (1, 2, 3, 4, 7, 20):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 20):   # every row tile (1-8 rows per pass) and more passes
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(rows, K, generator=g) * 3).to(dtype)
             x[0, :] = x[0, :].abs()                   # a row whose every int8 value is >= 0: sums near the int32 top
@@ -180,7 +180,7 @@ def test_w4a8_matches_the_same_arithmetic_in_float64(ext, N, K):
     s = sz[..., 0].float().T.repeat_interleave(64, dim=1)
     z = sz[..., 1].float().T.repeat_interleave(64, dim=1)
     wdeq = ((q - 8) * s + z).double()
-    for rows in (1, 2, 3, 4, 9):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, K, generator=g).to(dtype)
             xq, amax = kernels.quantize_rows(x)
@@ -249,7 +249,7 @@ def test_the_avx2_path_gives_the_same_exact_sums(fresh_state, monkeypatch):
         q[0, :] = 127
         s127 = torch.rand(N, generator=g) * 1e-4
         packed = cpu_ext.pack(q)
-        for rows in (1, 2, 4, 5):
+        for rows in (1, 2, 3, 4, 5):   # pairs of rows per pass and an odd one
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, K, generator=g) * 3).to(dtype)
                 x[0, :] = x[0, :].abs()

@@ -8,25 +8,18 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine, TTSError
-from tts_engine.tiny import make_tiny
 
 TEXT = "Hello there, this is a test of the split frame."
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("split") / "cv", kind="custom_voice", size="0b6", seed=0)
+PAIR = (dict(split_frames=False), dict())   # conftest's tiny_cv_pair: whole frames against the CPU default
 
 
 @pytest.fixture(scope="module")
-def engines(folder):
-    whole = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3)
-    whole.worker.split_frames = False
-    split = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=3)
-    assert split.worker.split_frames           # the CPU default
-    yield whole, split
-    whole.close()
-    split.close()
+def engines(tiny_cv_pair):
+    whole, split = tiny_cv_pair
+    assert not whole.worker.split_frames and split.worker.split_frames           # the CPU default
+    return whole, split
 
 
 def _run(engine, **kw):
@@ -51,8 +44,8 @@ def test_same_codes_and_audio_as_whole_frames(engines, kw):
     np.testing.assert_array_equal(np.concatenate(cs), np.concatenate(cw))
 
 
-def test_first_chunk_comes_before_the_talker_step(folder):
-    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=1)
+def test_first_chunk_comes_before_the_talker_step(tiny_cv_folder):
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=1)
     eng.drive_in_caller()
     seen = []
     orig = eng.runner._advance
@@ -70,8 +63,8 @@ def test_first_chunk_comes_before_the_talker_step(folder):
     eng.close()
 
 
-def test_codec_failure_between_the_halves_fails_that_request_only(folder):
-    eng = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=2)
+def test_codec_failure_between_the_halves_fails_that_request_only(tiny_cv_folder):
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=2)
     dec = eng.model.speech_tokenizer.decoder
     orig = dec.decode_step
     calls = {"n": 0}

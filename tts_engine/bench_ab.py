@@ -5,8 +5,8 @@ as `tts_base`) and once with this one (B), and runs the streaming benchmark (`be
 from submit, x real time per stream, audio seconds per wall second) on each, interleaved round by round (A B, B A,
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
-adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`;
-e.g. `--variant overlap=overlap_codec=1`).
+adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`,
+`prefix_cache`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`).
 """
 from __future__ import annotations
 
@@ -42,24 +42,29 @@ def _value(v: str):
         return v
 
 
-SWITCHES = ("overlap_codec", "govern_threads", "split_frames")
+SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache")
 
 
 def _switch(engine, setting: dict) -> None:
     """Put B's engine in a variant's state (between runs, nothing in flight): overlap_codec, govern_threads,
-    split_frames; what `setting` leaves out is this checkout's default."""
+    split_frames, prefix_cache (0: none; its entries stay for the runs that use it); what `setting` leaves out is
+    this checkout's default."""
     from .engine.engine import OVERLAP_CODEC_CPU_DEFAULT
 
     unknown = set(setting) - set(SWITCHES)
     if unknown:
         raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
-    engine.worker.overlap_codec(bool(setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)), 1)
+    ov = setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)
+    engine.worker.overlap_codec(ov if ov == "streams" else bool(ov), 1)
     kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
     engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
     if engine.worker.governor is not None and kept is not None:
         engine.worker.governor = kept
     engine._kept_governor = kept
     engine.worker.split_frames = setting.get("split_frames")
+    if not hasattr(engine, "_kept_prefix_cache"):
+        engine._kept_prefix_cache = getattr(engine.runner, "prefix_cache", None)
+    engine.runner.prefix_cache = engine._kept_prefix_cache if setting.get("prefix_cache", True) else None
 
 
 def main(argv=None) -> int:

@@ -4,11 +4,14 @@ order as ModelRunner runs them (the talker's linear layers once, the code predic
 under the runner's oneDNN switch for bf16 rows). Prints the min and median ms per frame of each mode: the part of
 the frame the kernel choice decides, without the rest of the engine. Loads one model per mode (~1 GB each).
 
-`python -m tts_engine.bench_matmuls gbps [ROUNDS] [ROWS]`: the int8 kernels alone, in GB/s of weight read: the
-talker's per-layer shapes (fused q/k/v, o, fused gate/up, down) x 28 layers of random int8 weights (~430 MB, more
-than any L3), one call each, one input row (ROWS), candidates interleaved round by round: a plain read of the same
-bytes (the floor, `cpu_ext.read_bytes`), `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm`
-(`kernels.w8a8_int_mm`, quantising included) and our own fused kernel (`kernels.w8a8_vnni`)."""
+`python -m tts_engine.bench_matmuls gbps [ROUNDS] [ROWS[,ROWS...]] [--base DIR]`: the int8 kernels alone, in GB/s
+of weight read: the talker's per-layer shapes (fused q/k/v, o, fused gate/up, down) x 28 layers of random int8
+weights (~430 MB, more than any L3), one call each, ROWS input rows (default 1; several streams decode several rows),
+candidates interleaved round by round: a plain read of the same bytes (the floor, `cpu_ext.read_bytes`),
+`_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
+and our own fused kernel (`kernels.w8a8_vnni`). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
+built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
+sets the threads (default 2)."""
 from __future__ import annotations
 
 import os
@@ -41,7 +44,28 @@ def sweep(calls: list[nn.Module], xs: dict) -> float:
     return time.perf_counter() - t0
 
 
-def gbps(rounds: int = 7, rows: int = 1) -> None:
+def gbps(rounds: int = 7, rows_list=(1,), base: str | None = None) -> None:
+    for rows in rows_list:
+        _gbps(rounds, rows, base)
+
+
+def _with_lib(lib, f):
+    """f() with cpu_ext's calls going to `lib` (another build of the same layout)."""
+    from .model import cpu_ext
+
+    def run():
+        own = cpu_ext._state["lib"]
+        cpu_ext._state["lib"] = lib
+        try:
+            return f()
+        finally:
+            cpu_ext._state["lib"] = own
+    return run
+
+
+def _gbps(rounds: int, rows: int, base: str | None) -> None:
+    from pathlib import Path
+
     from .model import cpu_ext, kernels
 
     D, Dq, Dkv, inter, layers = 1024, 2048, 1024, 3072, 28        # the 0.6B talker
@@ -68,6 +92,10 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
             cands["w8a8_own_avx2_path"] = avx2_path
     else:
         print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+    base_lib = None
+    if base and cpu_ext.available():
+        base_lib = cpu_ext.load_library(Path(base) / "tts_engine" / "model" / "cpu_ext.cpp")
+        cands["w8a8_vnni (base)"] = _with_lib(base_lib, cands["w8a8_vnni"])
     # int4 (the same shapes; GB/s of the int4 bytes and scales each kernel reads): aten's int4pack, our W4A8
     q4 = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g) for n, k in shapes]
     sz = [torch.rand(k // 64, n, 2, generator=g).to(torch.bfloat16) for n, k in shapes]
@@ -78,6 +106,8 @@ def gbps(rounds: int = 7, rows: int = 1) -> None:
     if cpu_ext.has_w4a8():
         P4 = [cpu_ext.pack4(q, s) for q, s in zip(q4, sz)]
         cands["w4a8_vnni (int4)"] = lambda: [kernels.w4a8_vnni(xs[k], p, n) for (n, k), p in zip(shapes, P4)]
+        if base_lib is not None:
+            cands["w4a8_vnni (int4, base)"] = _with_lib(base_lib, cands["w4a8_vnni (int4)"])
     del q4
     times = {n: [] for n in cands}
     with torch.inference_mode():
@@ -99,7 +129,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "gbps":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
-        gbps(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1)
+        base = None
+        if "--base" in argv:
+            i = argv.index("--base")
+            base, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        gbps(int(argv[1]) if len(argv) > 1 else 7,
+             tuple(int(r) for r in argv[2].split(",")) if len(argv) > 2 else (1,), base)
         return 0
     modes = (argv[0] if argv else "int8,w8a8").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 7
@@ -115,6 +150,8 @@ def main(argv=None) -> int:
     for _ in range(rounds):
         for m in modes:
             times[m].append(1e3 * sweep(calls[m], xs))
+    from .model import cpu_ext
+
     print(f"own kernels: {cpu_ext.isa()}")
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds")
     for m in modes:

@@ -133,6 +133,52 @@ def teacher_forced(talker, tts_pad: torch.Tensor, prompts: list[Prompt], codes: 
     return {"hidden": hidden_all.float().cpu(), "c0_logits": torch.cat(logits).cpu(), "cp_logits": cp_logits.cpu()}
 
 
+@torch.inference_mode()
+def teacher_forced_stepwise(talker, tts_pad: torch.Tensor, prompts: list[Prompt], codes: torch.Tensor,
+                            rows_per_call: int = 8) -> dict:
+    """`teacher_forced`'s outputs, each position computed as the engine decodes it: the prompt in one pass, then
+    one talker position per call, and the code predictor's first pass (2 positions) and 14 one-position passes for
+    `rows_per_call` frames at a time, so the calls that the fused CPU decode step serves (model/fused_step.py) take
+    it. Same inputs and codes as `teacher_forced`."""
+    w = talker.model.norm.weight
+    dev, dtype = w.device, w.dtype
+    R, Fr, K = codes.shape
+    codes = codes.to(dev)
+    hidden, logits = [], []
+    for r, p in enumerate(prompts):
+        tr = p.trailing.to(dev, dtype)[:Fr]
+        track = torch.cat([tr, tts_pad.to(dev, dtype)[None].expand(Fr - tr.shape[0], -1)])   # [F, D]
+        x = torch.cat([p.prefill.to(dtype), talker.frame_embed(codes[r]).to(dtype) + track])[None]  # [1, L+F, D]
+        L = p.prefill.shape[0]
+        cache = talker.new_cache(1, L + Fr, dev, dtype)
+        hs = [talker.model.run(x[:, :L], cache, slice(0, 1), torch.zeros(1, dtype=torch.long, device=dev), L)[0, -1]]
+        for f in range(Fr - 1):   # hidden at position L + f (frame f's input) predicts c0 of frame f + 1
+            t = torch.full((1,), L + f, dtype=torch.long, device=dev)
+            hs.append(talker.model.run(x[:, L + f:L + f + 1], cache, slice(0, 1), t, L + f + 1)[0, -1])
+        h = torch.stack(hs)                                                            # [F, D]
+        hidden.append(h)
+        logits.append(talker.codec_head(h).float())
+    hidden_all = torch.cat(hidden)                                                     # [R*F, D]
+    cp = talker.code_predictor
+    flat = codes.reshape(R * Fr, K)
+    steps = [hidden_all, talker.codec_embed(flat[:, 0])]
+    steps += [cp.model.codec_embedding[j](flat[:, j + 1]) for j in range(K - 2)]
+    x = cp.small_to_mtp_projection(torch.stack(steps, dim=1).to(dtype))                # [N, 16, Dcp]
+    N = x.shape[0]
+    cp_logits = []
+    for n0 in range(0, N, rows_per_call):
+        xb = x[n0:n0 + rows_per_call]
+        B = xb.shape[0]
+        cache = cp.new_cache(B, dev, dtype)
+        zero = torch.zeros(B, dtype=torch.long, device=dev)
+        hc = [cp.model.run(xb[:, :2], cache, slice(0, B), zero, 2)[:, 1]]             # position 1: head 0
+        for j in range(2, K):                                                          # position j: head j - 1
+            hc.append(cp.model.run(xb[:, j:j + 1], cache, slice(0, B), zero + j, j + 1)[:, 0])
+        cp_logits.append(torch.stack([cp.lm_head[j](hc[j]).float() for j in range(K - 1)], dim=1))
+    return {"hidden": hidden_all.float().cpu(), "c0_logits": torch.cat(logits).cpu(),
+            "cp_logits": torch.cat(cp_logits).cpu()}
+
+
 def reference_run(model, rows: int = 4, frames: int = 25) -> Reference:
     """The fp32 reference: prompts, greedy codes and the fp32 teacher-forced trace (rows * frames frames)."""
     prompts = build_prompts(model, rows)
@@ -156,11 +202,13 @@ def compare(ref: dict, other: dict, label: str) -> QualityReport:
         c0_margin_median=margin.median().item())
 
 
-def measure(ref: Reference, talker, tts_pad: torch.Tensor, label: str) -> QualityReport:
+def measure(ref: Reference, talker, tts_pad: torch.Tensor, label: str, stepwise: bool = False) -> QualityReport:
     """Teacher-force `talker` (a lossy variant of the reference's) on the reference codes and compare. Quantised
-    matmuls take their decode kernels (the path every generated frame takes), not the prefill path."""
+    matmuls take their decode kernels (the path every generated frame takes), not the prefill path. stepwise: one
+    position per call as the engine decodes (`teacher_forced_stepwise`: the fused CPU step where it serves)."""
     with decode_kernels_only():
-        trace = teacher_forced(talker, tts_pad, ref.prompts, ref.codes)
+        run = teacher_forced_stepwise if stepwise else teacher_forced
+        trace = run(talker, tts_pad, ref.prompts, ref.codes)
     return compare(ref.trace, trace, label)
 
 
@@ -179,6 +227,9 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=100, help="teacher-forced frames in all (shared by the prompts)")
     p.add_argument("--rows", type=int, default=4, help="prompts")
     p.add_argument("--dtype", default="bf16", help="activation dtype of the lossy engines")
+    p.add_argument("--stepwise", action="store_true",
+                   help="the lossy models one position per call, as the engine decodes (the fused CPU step where "
+                        "it serves; TTS_FUSED_STEP=0 for the eager one)")
     a = p.parse_args(argv)
     ref_model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype="fp32")
     ref = reference_run(ref_model, rows=a.rows, frames=max(1, a.frames // a.rows))
@@ -187,10 +238,15 @@ def main(argv=None) -> int:
     reports = []
     for mode in [None] + [m.strip() for m in a.modes.split(",") if m.strip()]:
         model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype=a.dtype, quantize=mode)
-        rep = measure(ref, model.talker, tts_pad, model.precision)
+        if a.stepwise and mode is not None:
+            from .model import fused_step
+
+            status = fused_step.attach(model.talker)
+            print(f"{mode}: fused step {status}", flush=True)
+        rep = measure(ref, model.talker, tts_pad, model.precision + (" stepwise" if a.stepwise else ""), a.stepwise)
         del model
         reports.append(rep)
-        if mode is not None:
+        if mode is not None and not a.stepwise:
             auto_precision.record_quality(a.model, mode, rep.as_dict())
             ok = "acceptable" if auto_precision.acceptable(rep.as_dict()) else "NOT acceptable"
             print(f"{rep.label}: {ok} for quantize=auto (every cosine >= {min(auto_precision.MIN_COS.values())})",

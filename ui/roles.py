@@ -240,8 +240,8 @@ class Models:
         t = time.perf_counter()
         eng = self.registry.get(role)
         voice = None
-        if role == "custom_voice":
-            voice = eng.speakers[0]
+        if role == "custom_voice":   # the page's default voice (ui/layout.py): its prompt prefix is then cached
+            voice = "ryan" if "ryan" in eng.speakers else eng.speakers[0]
         elif role == "base":
             voice = eng.voice_from_embedding(np.ones(eng.hidden_size, np.float32))
         eng.synthesize("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,

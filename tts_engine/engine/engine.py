@@ -26,6 +26,7 @@ from ..model.sampling import SamplingParams
 from ..voices.reference_cache import DecoderPrimeCache, ReferenceCache, reference_key
 from ..voices.voice import Voice, check_embedding
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache
 from .request import Request
 from .scheduler import END, Scheduler, Sequence
 from .worker import EngineWorker
@@ -94,7 +95,11 @@ class TTSStream:
         return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
 
 
-OVERLAP_CODEC_CPU_DEFAULT = False   # on only where measured to win on x real time and first audio (docs/benchmarks.md)
+PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): off until
+# a quiet interleaved A/B shows a mode winning (docs/benchmarks.md, "Four streams: kernels at 2-8 rows, the codec
+# thread only while several streams run"): under load no core is free to overlap on and it measured 6 % slower
+OVERLAP_CODEC_CPU_DEFAULT = False
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
@@ -112,7 +117,8 @@ class TTSEngine:
     def __init__(self, model: Qwen3TTSModel, max_batch: int | None = None, max_seq_len: int | None = None,
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
                  reference_cache: int = 128, overlap_codec: bool | None = None, codec_threads: int | None = 1,
-                 compile_predictor: bool | None = None, govern_threads: bool | None = None):
+                 compile_predictor: bool | None = None, govern_threads: bool | None = None,
+                 prefix_cache_mb: float | None = None):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -123,12 +129,17 @@ class TTSEngine:
         off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
         why); the engine keeps serving. overlap_codec: decode each request's chunks after its first on a codec
         thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
-        `OVERLAP_CODEC_CPU_DEFAULT`, off on a GPU; docs/benchmarks.md has the A/B). compile_predictor: one-stream
+        `OVERLAP_CODEC_CPU_DEFAULT` in 16-bit and quantised modes where torch has 2+ threads, off in fp32, on a GPU
+        or with one thread; "streams": only while two or more requests run; docs/benchmarks.md has the A/B).
+        compile_predictor: one-stream
         code-predictor passes through a compiled graph on a CPU (tts_engine/model/compiled_predictor.py; default:
         env TTS_COMPILE_PREDICTOR, off). govern_threads: on a CPU in a 16-bit or quantised mode, run each frame with
         the OpenMP threads (1, all, or all inside the linear layers only) measured fastest at the moment
         (`threads.ThreadGovernor`: a busy core stalls every op that enters the pool; default: on there, env
-        TTS_GOVERN_THREADS=0 turns it off; fp32 keeps the process's threads)."""
+        TTS_GOVERN_THREADS=0 turns it off; fp32 keeps the process's threads). prefix_cache_mb: keep the talker's
+        keys/values of up to this many MB of prompt prefixes (a voice's part of the prompt, `prefix_cache.PrefixCache`)
+        so that the next request of a voice prefills only its text (default: 64 on a CPU in a 16-bit or quantised
+        mode, env TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 and GPUs keep one whole prefill per request)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -138,6 +149,10 @@ class TTSEngine:
         self.reference_cache = ReferenceCache(reference_cache)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
+        if prefix_cache_mb is None:   # (a GPU prefill is fast, and the key's digest would cost a host sync there)
+            prefix_cache_mb = float(os.environ.get("TTS_PREFIX_CACHE_MB", PREFIX_CACHE_MB_DEFAULT)) \
+                if model.dtype != torch.float32 and not gpu else 0
+        self.runner.prefix_cache = PrefixCache(int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
         if use_cuda_graphs is None:
             use_cuda_graphs = gpu
         if use_cuda_graphs:
@@ -157,7 +172,9 @@ class TTSEngine:
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
         if overlap_codec is None:
-            overlap_codec = OVERLAP_CODEC_CPU_DEFAULT and not gpu
+            # (fp32 keeps every decode in this thread, as before: its audio stays bit for bit)
+            overlap_codec = OVERLAP_CODEC_CPU_DEFAULT if not gpu and torch.get_num_threads() >= 2 \
+                and model.dtype != torch.float32 else False
         self.worker.overlap_codec(overlap_codec, codec_threads)
         if govern_threads is None:
             govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
+from ..model import fused_step
 from ..model.kernels import onednn_off
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
@@ -82,6 +83,9 @@ class ModelRunner:
         self.on_frame_codes = None
         self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
+        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py)
+        self.fused_status = fused_step.attach(talker) if self.device.type == "cpu" else {}
+        self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
         """Serve one-row code-predictor passes through a compiled graph (`model.compiled_predictor`), compiled now
@@ -168,8 +172,7 @@ class ModelRunner:
         self._set_trailing(row, prompt.trailing)
         self._write_params(row, params)
         r = self.row_index[row:row + 1]
-        h, logits = self.talker.forward_embeds(prompt.prefill[None].to(self.dtype), self.cache, slice(row, row + 1),
-                                               torch.zeros(1, dtype=torch.long, device=self.device), L)
+        h, logits = self._prefill_talker(row, prompt.prefill.to(self.dtype), prompt.prefix_len)
         self.pos[row] = L
         self.host_len[row] = L
         self.step[row] = 0
@@ -179,6 +182,32 @@ class ModelRunner:
                           for k, v in self.rp.__dict__.items()})
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
+
+    def _prefill_talker(self, row: int, x: torch.Tensor, prefix_len: int):
+        """The talker over a prompt's input embeddings x [L, D] into cache row `row` (positions 0..L-1) -> (hidden,
+        logits) of the last position. With a prefix cache the first `prefix_len` positions (the voice's part,
+        `Prompt.prefix_len`) and the rest are two calls: the first is skipped when this prefix's keys/values are in
+        the cache (copied from it), else it runs and they are kept. Hit or miss, the same computations give the
+        same bits, so a request's output never depends on what ran before it. (A prefix's keys computed inside a
+        whole-prompt call would not do: their attention sums over the prompt's length, so they round differently
+        for every text length.)"""
+        L, rows = x.shape[0], slice(row, row + 1)
+        pc, P = self.prefix_cache, prefix_len
+        if pc is None or not pc.enabled or not 0 < P < L:
+            return self.talker.forward_embeds(x[None], self.cache, rows, torch.zeros(1, dtype=torch.long,
+                                                                                     device=self.device), L,
+                                              write_start=0)
+        key = pc.key(x[:P])
+        kv = pc.get(key)
+        if kv is not None:
+            self.cache.k[:, row, :, :P] = kv[0]
+            self.cache.v[:, row, :, :P] = kv[1]
+        else:
+            self.talker.model.run(x[None, :P], self.cache, rows, torch.zeros(1, dtype=torch.long, device=self.device),
+                                  P, write_start=0)
+            pc.put(key, self.cache.k[:, row, :, :P], self.cache.v[:, row, :, :P])
+        return self.talker.forward_embeds(x[None, P:], self.cache, rows,
+                                          torch.full((1,), P, dtype=torch.long, device=self.device), L, write_start=P)
 
     def _after_c0(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
         self.seen[r, c0] = True

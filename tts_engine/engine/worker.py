@@ -11,7 +11,9 @@ An exception while serving one sequence fails that sequence only.
 With `overlap_codec` on (`codec_thread.CodecThread`), step 4 hands the codes of every chunk but a sequence's first
 to the codec thread and goes on with the next frame; a sequence's first chunk is still decoded here (nothing to
 overlap it with yet, and its first audio must not wait), and a sequence's end goes through the codec thread so it
-comes after its last audio.
+comes after its last audio. With `overlap_codec("streams")` chunks go to the codec thread only while two or more
+sequences run (one stream decodes here, as with it off): the codec's share of a several-stream frame then runs on a
+second core beside the next frame's generation.
 """
 from __future__ import annotations
 
@@ -45,18 +47,24 @@ class EngineWorker:
         self.steps = 0
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
         self.codec: CodecThread | None = None   # set by `overlap_codec`: later chunks decode on their own thread
+        self.codec_min_rows = 1   # chunks go to the codec thread only while at least this many sequences run
         self.governor: ThreadGovernor | None = None   # CPU: the frames' OpenMP threads, chosen by measuring them
         self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
         self._default_threads = torch.get_num_threads()
         self._split_frames: bool | None = None   # None: `split_frames` decides by the device
 
-    def overlap_codec(self, on: bool, threads: int | None = 1) -> None:
+    def overlap_codec(self, on: bool | str, threads: int | None = 1) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
-        process default), overlapped with generation; off: in this thread, between frames. Takes effect between
-        frames (call it while no request runs); not with a caller-driven engine (no threads there)."""
+        process default), overlapped with generation; "streams": only while two or more sequences run (a lone
+        stream's chunks decode here unless its earlier ones are still on the codec thread); off: in this thread,
+        between frames. Takes effect between frames (call it while no request runs); not with a caller-driven
+        engine (no threads there)."""
+        if on not in (True, False, "streams"):
+            raise ValueError(f"overlap_codec: True, False or 'streams', not {on!r}")
         old, self.codec = self.codec, None
         if old is not None:
             old.close()
+        self.codec_min_rows = 2 if on == "streams" else 1
         if on and not self.driven:
             self.codec = CodecThread(lambda: self.speech_tokenizer.decoder, threads,
                                      on_error=lambda seq, e: _user_error(type(e), e))
@@ -309,6 +317,8 @@ class EngineWorker:
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
         flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
+        # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
+        local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
         for s in ready:
@@ -316,7 +326,7 @@ class EngineWorker:
             o += len(s.pending)
             n = int(f.nonzero()[0, 0]) + 1 if bool(f.any()) else len(f)
             frames = torch.stack([c for c, _ in s.pending[:n]])          # [n, 16]
-            here = self.codec is None or not s.request.codes               # a first chunk: decoded here
+            here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
             s.request.codes.extend(frames.cpu().unbind(0))
             s.finishing = bool(f.any())  # noqa
             s.pending = []

@@ -71,11 +71,19 @@ void quantize_row(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq,
   *sum_out = _mm512_reduce_add_epi32(sum);
 }
 
-// R activation rows (R = 1..4) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset)
+// Rows per pass over a weight block (blocks, blocks4): the block is read from memory once for up to this many
+// activation rows (more rows read it again, from cache).
+constexpr int64_t MAXR = 8;
+
+// R activation rows (R = 1..8) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset).
+// vpdpbusd's latency is hidden by U independent accumulators per row (4 for up to 4 rows, 2 for more: R * U <= 16
+// of the 32 vector registers). At 4+ rows the loop is bound by the vpdpbusd count (one per 64 weight bytes and
+// row), not by the weight stream: one pass for up to 8 rows keeps the stream at one read per weight byte.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* acc) {
-  constexpr int U = R == 1 ? 4 : (R == 2 ? 2 : 1);   // independent accumulators per row
+  static_assert(R >= 1 && R <= MAXR, "1..MAXR rows");
+  constexpr int U = R <= 4 ? 4 : 2;   // independent accumulators per row
   __m512i a[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_si512();
@@ -85,7 +93,7 @@ inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, in
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i wv = _mm512_loadu_si512((const void*)(ws + j * 64));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t xv;
         memcpy(&xv, xq[r] + (s + j) * 4, 4);
@@ -103,21 +111,61 @@ inline void block_rows(const uint8_t* w, const int8_t* const* xq, int64_t Kp, in
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void blocks(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1, int32_t* acc_all,
             int64_t Np) {
-  int32_t acc[4 * BLK];
+  int32_t acc[MAXR * BLK];
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * BLK * Kp;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {   // every row group reads this block (from cache after the first)
-      const int64_t R = M - m0 < 4 ? M - m0 : 4;
-      const int8_t* rows[4];
+    for (int64_t m0 = 0; m0 < M; m0 += MAXR) {   // every row group reads this block (from cache after the first)
+      const int64_t R = M - m0 < MAXR ? M - m0 : MAXR;
+      const int8_t* rows[MAXR];
       for (int64_t r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * Kp;
       switch (R) {
         case 1: block_rows<1>(w, rows, Kp, acc); break;
         case 2: block_rows<2>(w, rows, Kp, acc); break;
         case 3: block_rows<3>(w, rows, Kp, acc); break;
-        default: block_rows<4>(w, rows, Kp, acc); break;
+        case 4: block_rows<4>(w, rows, Kp, acc); break;
+        case 5: block_rows<5>(w, rows, Kp, acc); break;
+        case 6: block_rows<6>(w, rows, Kp, acc); break;
+        case 7: block_rows<7>(w, rows, Kp, acc); break;
+        default: block_rows<8>(w, rows, Kp, acc); break;
       }
       for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
+  }
+}
+
+// fp32 -> bf16 (round to nearest even, NaN stays NaN) of 16 lanes, as f32_to_bf16
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m256i bf16_of(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                       _mm512_set1_epi32(1)))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i q = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(q);
+}
+
+// y[n] = v[n] for n in [n0, n1) of one output row, in x's dtype: v[n] = (float)(acc[n] - off) * (am * scale[n])
+// (W8A8: the same fp32 operations, in the same order, as the scalar loop and kernels.w8a8_int_mm), or, with
+// scale == NULL, v[n] = facc[n] * am (W4A8). acc_out (W8A8, or NULL) gets acc[n] - off.
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void finish_row(const int32_t* acc, const float* facc, int32_t off, float am, const float* scale, int64_t n0,
+                int64_t n1, int is_bf16, void* y, int32_t* acc_out) {
+  const __m512 amv = _mm512_set1_ps(am);
+  const __m512i offv = _mm512_set1_epi32(off);
+  for (int64_t n = n0; n < n1; n += 16) {
+    const __mmask16 mask = n1 - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n1 - n)) - 1);
+    __m512 v;
+    if (scale) {
+      const __m512i sm = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(mask, acc + n), offv);
+      if (acc_out) _mm512_mask_storeu_epi32(acc_out + n, mask, sm);
+      v = _mm512_mul_ps(_mm512_cvtepi32_ps(sm), _mm512_mul_ps(amv, _mm512_maskz_loadu_ps(mask, scale + n)));
+    } else {
+      v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, facc + n), amv);
+    }
+    if (is_bf16) _mm256_mask_storeu_epi16((uint16_t*)y + n, mask, bf16_of(v));
+    else _mm512_mask_storeu_ps((float*)y + n, mask, v);
   }
 }
 
@@ -143,6 +191,7 @@ int64_t read_chunk(const uint8_t* q, int64_t n) {
 constexpr int64_t G4 = 64;
 constexpr int64_t GBYTES = 8 * 64 + 64;
 
+// R = 1..8 rows (3 R accumulators + 5 vectors of the loop: at most 29 of the 32 registers)
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 inline void block4_rows(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
@@ -161,7 +210,7 @@ inline void block4_rows(const uint8_t* w, const int8_t* const* xq, const int32_t
       const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
       const __m512i lo = _mm512_and_si512(v, lo4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t x0, x1;
         memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
@@ -187,19 +236,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
              int64_t b1, float* acc_all, int64_t Np) {
   const int64_t ng = Kp / G4;
-  float acc[4 * BLK];
+  float acc[MAXR * BLK];
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * ng * GBYTES;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t R = M - m0 < 4 ? M - m0 : 4;
-      const int8_t* rows[4];
-      const int32_t* gs[4];
+    for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
+      const int64_t R = M - m0 < MAXR ? M - m0 : MAXR;
+      const int8_t* rows[MAXR];
+      const int32_t* gs[MAXR];
       for (int64_t r = 0; r < R; ++r) { rows[r] = xq + (m0 + r) * Kp; gs[r] = gsum + (m0 + r) * ng; }
       switch (R) {
         case 1: block4_rows<1>(w, rows, gs, ng, acc); break;
         case 2: block4_rows<2>(w, rows, gs, ng, acc); break;
         case 3: block4_rows<3>(w, rows, gs, ng, acc); break;
-        default: block4_rows<4>(w, rows, gs, ng, acc); break;
+        case 4: block4_rows<4>(w, rows, gs, ng, acc); break;
+        case 5: block4_rows<5>(w, rows, gs, ng, acc); break;
+        case 6: block4_rows<6>(w, rows, gs, ng, acc); break;
+        case 7: block4_rows<7>(w, rows, gs, ng, acc); break;
+        default: block4_rows<8>(w, rows, gs, ng, acc); break;
       }
       for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
@@ -232,32 +285,46 @@ void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t
   *sum_out = s;
 }
 
+// R = 1..2 activation rows x one block: each weight vector is widened once for both rows (8 accumulators, 4
+// widened weight vectors and 2 activation vectors: 14 of the 16 AVX2 registers)
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block_rows_avx2(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* const* out) {
+  const int64_t steps = Kp / 4;
+  // acc[r][i]: rows 4i..4i+3 of the block for activation row r, each as two k pairs (8 int32 lanes)
+  __m256i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
+  for (int64_t st = 0; st < steps; ++st) {
+    const uint8_t* ws = w + st * 64;
+    __m256i w16[4];
+    for (int i = 0; i < 4; ++i) w16[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
+    for (int r = 0; r < R; ++r) {
+      // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
+      int32_t xv;
+      memcpy(&xv, xq[r] + st * 4, 4);
+      const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(xv)));
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(w16[i], xb));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) {
+      alignas(32) int32_t t[8];
+      _mm256_store_si256((__m256i*)t, acc[r][i]);
+      for (int j = 0; j < 4; ++j) out[r][4 * i + j] = t[2 * j] + t[2 * j + 1];
+    }
+}
+
 __attribute__((target("avx2,fma")))
 void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
                  int32_t* acc_all, int64_t Np) {
-  const int64_t steps = Kp / 4;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * BLK * Kp;
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xr = xq + m * Kp;
-      // acc[i]: rows 4i..4i+3, each as two k pairs (8 int32 lanes)
-      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int64_t st = 0; st < steps; ++st) {
-        // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
-        const __m128i x4 = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(*(const int32_t*)(xr + st * 4)));   // x0..x3 as i16
-        const __m256i xb = _mm256_broadcastq_epi64(x4);                                           // 4 rows x (x0..x3)
-        const uint8_t* ws = w + st * 64;
-        for (int i = 0; i < 4; ++i) {
-          const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
-          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w16, xb));
-        }
-      }
-      int32_t* out = acc_all + m * Np + b * BLK;
-      for (int i = 0; i < 4; ++i) {
-        alignas(32) int32_t t[8];
-        _mm256_store_si256((__m256i*)t, acc[i]);
-        for (int r = 0; r < 4; ++r) out[4 * i + r] = t[2 * r] + t[2 * r + 1];
-      }
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {   // pairs of rows; the block comes from cache after the first pair
+      const int8_t* rows[2] = {xq + m0 * Kp, xq + (m0 + 1) * Kp};
+      int32_t* out[2] = {acc_all + m0 * Np + b * BLK, acc_all + (m0 + 1) * Np + b * BLK};
+      if (M - m0 >= 2) block_rows_avx2<2>(w, rows, Kp, out);
+      else block_rows_avx2<1>(w, rows, Kp, out);
     }
   }
 }
@@ -330,6 +397,12 @@ void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
       const int32_t off = 128 * xsum[m];
       const float am = amax[m];
       const int64_t n1 = std::min(N, b1 * BLK);
+      if (isa == 2) {   // vectorised, the same operations
+        finish_row(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16,
+                   is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N),
+                   acc_out ? acc_out + m * N : nullptr);
+        continue;
+      }
       for (int64_t n = b0 * BLK; n < n1; ++n) {
         const int32_t s = accp[m * Np + n] - off;
         if (acc_out) acc_out[m * N + n] = s;
@@ -390,11 +463,8 @@ void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
     for (int64_t m = 0; m < M; ++m) {
       const float am = amax[m] * (1.0f / 127.0f);
       const int64_t n1 = std::min(N, b1 * BLK);
-      for (int64_t n = b0 * BLK; n < n1; ++n) {
-        const float v = accp[m * Np + n] * am;
-        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
-        else ((float*)y)[m * N + n] = v;
-      }
+      finish_row(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16,
+                 is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N), nullptr);
     }
   });
 }

@@ -53,24 +53,29 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def build(force: bool = False) -> Path:
-    """Compile cpu_ext.cpp into the cache folder (once per source, torch and compiler) and return the library's
-    path. Raises on any failure (no compiler, compile error)."""
+def build(force: bool = False, source: Path | None = None) -> Path:
+    """Compile cpu_ext.cpp (or `source`: another checkout's cpu_ext.cpp, benchmarks; or a file that includes the
+    cpu_ext.cpp beside it, fused_step.cpp) into the cache folder (once per source, torch and compiler) and return the
+    library's path. Raises on any failure (no compiler, compile error)."""
     if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
         raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
     cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    src = SOURCE.read_bytes()
+    source = Path(source) if source is not None else SOURCE
+    src = source.read_bytes()
+    own = source.name == "cpu_ext.cpp" or source == SOURCE
+    if not own:   # a file that includes the kernels: their source is part of its identity
+        src += source.with_name("cpu_ext.cpp").read_bytes()
     torch_dir = Path(torch.__file__).parent
     tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"ttsx-{tag}.so"
+    out = _cache_dir() / f"{'ttsx' if own else source.stem}-{tag}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
     cmd = [cxx, "-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{torch_dir / 'include'}",
-           str(SOURCE), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
+           str(source), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_dir / 'lib'}"]
     t0 = time.perf_counter()
     try:
@@ -88,8 +93,10 @@ def build(force: bool = False) -> Path:
     return out
 
 
-def _load() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+def load_library(source: Path | None = None) -> ctypes.CDLL:
+    """Build `source` (if needed) and load it with its functions' C types (no state kept: `library()` is the
+    engine's; another checkout's source is loaded here by `bench_matmuls gbps --base`)."""
+    lib = ctypes.CDLL(str(build() if source is None else build(source=source)))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ttsx_supported.restype = I
     lib.ttsx_isa.restype = I
@@ -103,6 +110,11 @@ def _load() -> ctypes.CDLL:
     lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
     lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P], None
     lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    lib = load_library()
     isa = lib.ttsx_isa()
     want = os.environ.get(ISA_ENV, "auto").strip().lower()
     if want == "avx2" and isa >= 1:

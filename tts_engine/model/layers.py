@@ -229,7 +229,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """`layers` + final `norm` (state-dict names as in the official `*.model`)."""
+    """`layers` + final `norm` (state-dict names as in the official `*.model`). `fused`: a
+    `fused_step.FusedStep` serving the decode-sized calls of a quantised CPU stack (None: eager only)."""
+
+    fused = None
 
     def __init__(self, cfg: DecoderStackConfig):
         super().__init__()
@@ -264,6 +267,13 @@ class DecoderStack(nn.Module):
         `self.positions(start, T, read_len, x.dtype)` when the caller keeps it (the code predictor reuses its
         15 per-frame position sets); write_start: host int when every row's start equals it. Returns normed
         hidden [B, T, D]."""
+        B, T, _ = x.shape
+        if self.fused is not None and self.fused.takes(B, T) and torch.is_tensor(start):
+            return self.fused.run(x, cache, rows, start, lambda: self._run_eager(x, cache, rows, start, read_len,
+                                                                                positions, write_start))
+        return self._run_eager(x, cache, rows, start, read_len, positions, write_start)
+
+    def _run_eager(self, x, cache, rows, start, read_len, positions, write_start):
         B, T, _ = x.shape
         pos, cos, sin, mask = positions if positions is not None else self.positions(start, T, read_len, x.dtype)
         r_idx = None

@@ -24,6 +24,8 @@ from .talker import Talker
 class Prompt:
     prefill: torch.Tensor    # [L, D] talker input embeddings
     trailing: torch.Tensor   # [N, D] text-track vectors added to frames 1..N of generation, then tts_pad
+    prefix_len: int = 0      # the first positions that do not depend on the text (instruct, role and control
+                             # blocks: the voice's part): the same for every request of a voice (prefix cache)
 
 
 class PromptBuilder:
@@ -67,6 +69,7 @@ class PromptBuilder:
         text_track = torch.cat([self.tts_pad.expand(n_ctrl - 1, -1), self.tts_bos[None]])
         parts.append(text_track + codec[:-1])
         codec_bos = codec[-1:]
+        prefix_len = sum(p.shape[0] for p in parts)   # nothing after this point is the same for every text
 
         if ref_codes is not None:
             icl, trailing = self._icl(text_ids[3:-5], ref_text_ids[3:-2], ref_codes, non_streaming)
@@ -79,7 +82,7 @@ class PromptBuilder:
         else:
             parts.append(self._t(text_ids[3:4]) + codec_bos)
             trailing = torch.cat([self._t(text_ids[4:-5]), self.tts_eos[None]])
-        return Prompt(prefill=torch.cat(parts), trailing=trailing)
+        return Prompt(prefill=torch.cat(parts), trailing=trailing, prefix_len=prefix_len)
 
     def _icl(self, text_ids, ref_ids, ref_codes, non_streaming):
         tc = self.cfg.talker

@@ -149,7 +149,8 @@ class Talker(nn.Module):
         return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len, c.head_dim, device, dtype)
 
     def forward_embeds(self, x: torch.Tensor, cache: KVCache, rows: torch.Tensor, start: torch.Tensor,
-                       read_len: int):
-        """x [B, T, D] -> (hidden of last position [B, D], codebook-0 logits [B, V] fp32)."""
-        h = self.model.run(x, cache, rows, start, read_len)[:, -1]
+                       read_len: int, write_start: int | None = None):
+        """x [B, T, D] -> (hidden of last position [B, D], codebook-0 logits [B, V] fp32). write_start: every
+        row's start as a host int (a prompt prefill: the new keys go in with slice copies)."""
+        h = self.model.run(x, cache, rows, start, read_len, write_start=write_start)[:, -1]
         return h, self.codec_head(h).float()

@@ -1,0 +1,365 @@
+"""The fused CPU decode step (tts_engine/model/fused_step.py, fused_step.cpp): one C++ call for every layer of a
+W8A8 / W4A8 decoder stack.
+
+- Against the eager path on the same quantised weights: hidden states and the KV cache entries it writes agree
+  (fp32 activations: to float rounding; bf16: to bf16 rounding), for rows at different positions, rows given as an
+  index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code path.
+- In an engine: greedy codes with the fused step match the eager engine's on most frames; the step is really used.
+- Choosing and falling back: the first calls time both paths and the choice is remembered; a wrong result, an
+  exception, a missing library or TTS_FUSED_STEP=0 leave the eager path serving; fp32 and bf16 engines never get it.
+
+Where the CPU has AVX-512 VNNI and g++ is on PATH the fused step must build and run (a failure fails here, it is not
+skipped); elsewhere these tests skip, and the fallback tests still run."""
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tts_engine.config import DecoderStackConfig
+from tts_engine.model import cpu_ext, fused_step, kernels
+from tts_engine.model.layers import DecoderStack, KVCache
+from tts_engine.model.quant import quantize_module
+
+from test_cpu_ext_kernels import EXPECTED
+
+CFG = DecoderStackConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32)
+
+
+@pytest.fixture
+def fused_lib():
+    try:
+        return fused_step.library()
+    except Exception as e:
+        if EXPECTED:
+            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the fused step failed: {e}")
+        pytest.skip(f"fused step not available here: {e}")
+
+
+@pytest.fixture
+def own_kernels(monkeypatch, tmp_path):
+    """W8A8 layers hold our kernels' packed layout whatever the kernel table measured (the fused step reads it);
+    the cache folder (remembered choices) is a fresh one."""
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels.KernelTable, "choice",
+                        lambda self, fmt, N, K, rows=1: "vnni" if fmt == "w8a8" else kernels.FORMATS[fmt].default)
+    kernels.reset_kernel_table()
+    yield tmp_path
+    kernels.reset_kernel_table()
+
+
+def make_stack(mode: str, dtype=torch.float32, seed: int = 0) -> DecoderStack:
+    """A random stack in `dtype`, projections fused and quantised as `quant.quantize_talker` does."""
+    torch.manual_seed(seed)
+    stack = DecoderStack(CFG)
+    with torch.no_grad():
+        for n, p in stack.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if n.endswith("norm.weight") else p.normal_(0, 0.05)
+    stack.to(dtype)
+    for layer in stack.layers:
+        layer.self_attn.fuse_projections()
+        layer.mlp.fuse_projections()
+    quantize_module(stack.layers, mode)
+    return stack.eval()
+
+
+def filled_cache(stack, dtype, rows=3, max_len=40, filled=12) -> KVCache:
+    """A cache whose rows hold `filled` eagerly written positions."""
+    c = CFG
+    cache = KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len, c.head_dim, "cpu", dtype)
+    x = torch.randn(rows, filled, c.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    stack._run_eager(x, cache, slice(0, rows), torch.zeros(rows, dtype=torch.long), filled, None, None)
+    return cache
+
+
+def cos_rows(a, b):
+    return F.cosine_similarity(a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1]), dim=-1)
+
+
+CASES = [("w8a8", torch.float32), ("w8a8", torch.bfloat16), ("w4a8", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode,dtype", CASES)
+@pytest.mark.parametrize("layout", ["rows at different positions", "index rows", "two positions of one row"])
+@torch.inference_mode()
+def test_fused_step_matches_eager(fused_lib, own_kernels, mode, dtype, layout):
+    if mode == "w4a8" and not cpu_ext.has_w4a8():
+        pytest.skip("no W4A8 kernel here")
+    stack = make_stack(mode, dtype)
+    plan = fused_step.StackPlan(stack)
+    ce = filled_cache(stack, dtype)
+    cf = copy.deepcopy(ce)
+    D = CFG.hidden_size
+    g = torch.Generator().manual_seed(2)
+    if layout == "rows at different positions":
+        x, rows, start, T = torch.randn(3, 1, D, generator=g), slice(0, 3), torch.tensor([12, 5, 9]), 1
+    elif layout == "index rows":
+        x, rows, start, T = torch.randn(2, 1, D, generator=g), torch.tensor([2, 0]), torch.tensor([12, 7]), 1
+    else:
+        x, rows, start, T = torch.randn(1, 2, D, generator=g), slice(1, 2), torch.tensor([12]), 2
+    x = x.to(dtype)
+    B = x.shape[0]
+    ye = stack._run_eager(x, ce, rows, start, int(start.max()) + T, None, None)
+    row_idx = torch.arange(3)[rows] if isinstance(rows, slice) else rows
+    rows_e = row_idx[:, None].expand(B, T).reshape(-1)
+    pos_e = (start[:, None] + torch.arange(T)).reshape(-1)
+    yf = plan.run(x.reshape(B * T, D), cf, rows_e, pos_e).view(B, T, D)
+    assert yf.dtype == dtype and yf.shape == ye.shape
+    new_k = [(c.k[:, rows_e, :, pos_e], c.v[:, rows_e, :, pos_e]) for c in (cf, ce)]   # [layers, B T, Hkv, hd]
+    if dtype == torch.float32:   # the same arithmetic up to float summation order
+        torch.testing.assert_close(yf, ye, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(new_k[0], new_k[1], atol=2e-4, rtol=2e-4)
+    else:                        # fp32 between the matmuls vs bf16 after every op
+        assert cos_rows(yf, ye).min() > 0.9995
+        assert min(cos_rows(a, b).min() for a, b in zip(*new_k)) > 0.999
+    # nothing but the entries' own positions was written
+    touched = torch.zeros(3, CFG.num_key_value_heads, ce.max_len, dtype=torch.bool)
+    touched[rows_e, :, pos_e] = True
+    untouched = ~touched[None, :, :, :, None].expand_as(ce.k)
+    assert torch.equal(cf.k[untouched], ce.k[untouched]) and torch.equal(cf.v[untouched], ce.v[untouched])
+
+
+@torch.inference_mode()
+def test_avx2_path_gives_the_same_numbers(fused_lib, own_kernels):
+    """The AVX2 matmul path (TTS_CPU_EXT_ISA=avx2 picks it; forced here through the plan) computes the same exact
+    int32 sums as the VNNI one."""
+    if cpu_ext.isa() != "avx512-vnni":
+        pytest.skip("compares the AVX-512 VNNI path with the AVX2 one")
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    c1 = filled_cache(stack, torch.float32)
+    c2 = copy.deepcopy(c1)
+    x = torch.randn(2, CFG.hidden_size, generator=torch.Generator().manual_seed(3))
+    rows, pos = torch.tensor([0, 1]), torch.tensor([12, 12])
+    y1 = plan.run(x, c1, rows, pos)
+    plan.dims[7] = 1   # fused_step.cpp Dim ISA_: 1 = AVX2
+    y2 = plan.run(x, c2, rows, pos)
+    torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
+
+
+def test_w4a8_plan_declines_the_avx2_path(fused_lib, own_kernels, monkeypatch):
+    if not cpu_ext.has_w4a8():
+        pytest.skip("no W4A8 kernel here")
+    stack = make_stack("w4a8")
+    monkeypatch.setitem(cpu_ext._state, "isa", 1)
+    with pytest.raises(ValueError, match="AVX-512"):
+        fused_step.StackPlan(stack)
+
+
+def test_plan_declines_dense_and_unfused_stacks():
+    stack = DecoderStack(CFG)
+    with pytest.raises(ValueError, match="not fused"):
+        fused_step.StackPlan(stack)
+    for layer in stack.layers:
+        layer.self_attn.fuse_projections()
+        layer.mlp.fuse_projections()
+    with pytest.raises(ValueError, match="not W8A8 / W4A8"):
+        fused_step.StackPlan(stack)
+
+
+# --- choosing, remembering, falling back --------------------------------------------------------------------------
+def _step_once(stack, cache, pos):
+    x = torch.randn(1, 1, CFG.hidden_size, generator=torch.Generator().manual_seed(pos))
+    with torch.inference_mode():
+        return stack.run(x, cache, slice(0, 1), torch.tensor([pos]), pos + 1)
+
+
+def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch):
+    monkeypatch.delenv(fused_step.ENV, raising=False)
+    stack = make_stack("w8a8")
+    stack.fused = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
+    assert stack.fused.state == "trial"
+    cache = filled_cache(stack, torch.float32, rows=1)
+    for i in range(fused_step.TRIAL_PAIRS):
+        _step_once(stack, cache, 12 + i)
+    f = stack.fused
+    assert len(f.times["fused"]) == len(f.times["eager"]) == fused_step.TRIAL_PAIRS
+    assert f.state in ("on", "off") and f.min_cos > 0.999
+    assert f.state == ("on" if statistics.median(f.times["fused"]) < statistics.median(f.times["eager"]) else "off")
+    again = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
+    assert again.state == f.state and "measured before" in again.status
+    assert list((own_kernels / "fused_step").glob("test-*.json"))
+
+
+def test_a_wrong_result_in_the_trial_turns_it_off(fused_lib, own_kernels, monkeypatch, caplog):
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    monkeypatch.setattr(plan, "run", lambda x, *a: torch.randn_like(x))
+    stack.fused = fused_step.FusedStep(plan, "test")
+    cache = filled_cache(stack, torch.float32, rows=1)
+    ref = copy.deepcopy(cache)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        y = _step_once(stack, cache, 12)
+    assert stack.fused.state == "off" and "differ" in stack.fused.status
+    assert "eager from now on" in caplog.text
+    stack.fused = None
+    torch.testing.assert_close(y, _step_once(stack, ref, 12))   # the eager result was served
+
+
+def test_an_exception_later_falls_back_to_eager_for_good(fused_lib, own_kernels, monkeypatch, caplog):
+    monkeypatch.setenv(fused_step.ENV, "1")
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    stack.fused = fused_step.FusedStep(plan, "test", force=True)
+    cache = filled_cache(stack, torch.float32, rows=1)
+    ref = copy.deepcopy(cache)
+    calls = []
+
+    def boom(*a):
+        calls.append(1)
+        raise RuntimeError("kaputt")
+    monkeypatch.setattr(plan, "run", boom)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        y = _step_once(stack, cache, 12)
+        _step_once(stack, cache, 13)
+    assert calls == [1] and stack.fused.state == "off" and "kaputt" in stack.fused.status
+    assert caplog.text.count("eager from now on") == 1
+    fused = stack.fused
+    stack.fused = None
+    torch.testing.assert_close(y, _step_once(stack, ref, 12))
+    assert fused.state == "off"
+
+
+def test_refused_input_raises_instead_of_writing_out_of_bounds(fused_lib, own_kernels):
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    cache = filled_cache(stack, torch.float32, rows=1, max_len=16)
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="refused"):
+        plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([0]), torch.tensor([16]))
+    with pytest.raises(ValueError, match="rows"):
+        plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([1]), torch.tensor([3]))
+    assert torch.equal(cache.k, before)
+
+
+def test_attach_declines_without_the_library(monkeypatch, own_kernels):
+    """No compiler / no kernels: every stack stays eager, with the reason, and nothing raises."""
+    monkeypatch.delenv(fused_step.ENV, raising=False)
+
+    def no_lib():
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    monkeypatch.setattr(fused_step, "library", no_lib)
+    talker = _FakeTalker(make_stack("w8a8") if cpu_ext.available() else DecoderStack(CFG))
+    got = fused_step.attach(talker)
+    assert talker.model.fused is None and talker.code_predictor.model.fused is None
+    assert all(s.startswith("off (") for s in got.values()), got
+
+
+def test_env_switch_turns_it_off(monkeypatch, own_kernels):
+    monkeypatch.setenv(fused_step.ENV, "0")
+    talker = _FakeTalker(DecoderStack(CFG))
+    assert fused_step.attach(talker) == {"talker": f"off ({fused_step.ENV}=0)", "predictor": f"off ({fused_step.ENV}=0)"}
+
+
+class _FakeTalker:
+    def __init__(self, stack):
+        self.model = stack
+        self.code_predictor = type("CP", (), {"model": copy.deepcopy(stack)})()
+
+
+# --- in an engine ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    from tts_engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("fused") / "cv", kind="custom_voice", seed=0, arch="small")
+
+
+def _count_plan_calls(monkeypatch) -> dict:
+    calls = {"n": 0}
+    real = fused_step.StackPlan.run
+
+    def counting(self, *a):
+        calls["n"] += 1
+        return real(self, *a)
+    monkeypatch.setattr(fused_step.StackPlan, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernels, small_ckpt, mode, monkeypatch):
+    """Greedy codes of the eager engine, then both paths teacher-forced on them one position per call (as the
+    engine decodes): the fused step's argmax matches the eager one's on most codes (random weights have nearly
+    flat logits, so a free-running comparison would drift apart after the first near-tie) and its hidden states and
+    logits are close."""
+    from tts_engine import quality
+    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+
+    if mode == "w4a8" and not cpu_ext.has_w4a8():
+        pytest.skip("no W4A8 kernel here")
+    model = Qwen3TTSModel.from_pretrained(str(small_ckpt), device="cpu", dtype="bf16", quantize=mode)
+    talker, pad = model.talker, model.prompts.tts_pad
+    prompts = quality.build_prompts(model, 2)
+    monkeypatch.setenv(fused_step.ENV, "0")
+    codes = quality.generate_codes(model, prompts, 10)                   # [2, 10, 16], eager
+    eager = quality.teacher_forced_stepwise(talker, pad, prompts, codes)
+    monkeypatch.setenv(fused_step.ENV, "1")
+    assert fused_step.attach(talker) == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
+    calls = _count_plan_calls(monkeypatch)
+    fused = quality.teacher_forced_stepwise(talker, pad, prompts, codes)
+    assert calls["n"] == 2 * 9 + 3 * 15   # talker: 9 one-position calls per prompt; predictor: 20 frames, 8 a call
+    rep = quality.compare(eager, fused, "fused vs eager")
+    assert rep.hidden_cos_min > 0.999 and rep.c0_logits_cos_min > 0.999 and rep.cp_logits_cos_min > 0.999, rep
+    assert rep.c0_top1 >= 0.75 and rep.cp_top1 >= 0.85, rep   # measured on a Zen 4: 0.90 and 0.96 (20 frames)
+
+
+def test_fp32_and_bf16_engines_never_get_it(own_kernels, small_ckpt, monkeypatch):
+    from tts_engine.engine.engine import TTSEngine
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    for dtype in ("fp32", "bf16"):
+        engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", dtype=dtype, max_batch=1, max_seq_len=64)
+        try:
+            assert engine.model.talker.model.fused is None
+            assert engine.model.talker.code_predictor.model.fused is None
+            assert all(s.startswith("off") for s in engine.runner.fused_status.values())
+        finally:
+            engine.close()
+
+
+def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, monkeypatch):
+    import numpy as np
+
+    from tts_engine.engine.engine import TTSEngine
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", quantize="w8a8", max_batch=2, max_seq_len=256)
+    try:
+        assert engine.runner.fused_status == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
+        wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=6)
+        assert wav.dtype == np.float32 and wav.size > 0 and np.isfinite(wav).all()
+        assert engine.model.talker.model.fused.state == "on"
+    finally:
+        engine.close()
+
+
+def test_governor_matmul_option_gives_the_fused_call_its_threads(fused_lib, own_kernels, monkeypatch):
+    """Under the thread governor's "matmul" option (one thread outside the linear layers) the fused call, which
+    holds every matmul of the stack, runs with the option's threads and puts one thread back after."""
+    from tts_engine.engine.threads import MatmulThreads
+
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    switch = MatmulThreads(2)
+    stack.fused = fused_step.FusedStep(plan, "test", threads_switch=lambda: switch, force=True)
+    seen = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
+    cache = filled_cache(stack, torch.float32, rows=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        switch.set(True)
+        _step_once(stack, cache, 12)
+        assert seen == [2] and torch.get_num_threads() == 1
+        switch.set(False)
+        _step_once(stack, cache, 13)
+        assert seen == [2, 1]
+    finally:
+        switch.set(False)
+        torch.set_num_threads(before)

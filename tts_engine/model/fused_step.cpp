@@ -1,0 +1,318 @@
+// A fused decode step of a whole Qwen3 decoder stack on a CPU (tts_engine/model/fused_step.py builds this file with
+// g++ on first use, as cpu_ext.py builds cpu_ext.cpp, and calls it through ctypes).
+//
+// One call runs every layer of a stack (the talker's 28, the code predictor's 5) and the final norm for M entries,
+// entry e being one new position pos[e] of cache row row[e] (rows decode one position each; the code predictor's
+// first pass gives two entries of the same row, positions 0 and 1: every layer writes all entries' keys before any
+// entry attends, so the second sees the first, as the causal mask of the eager path). Per layer:
+//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels)
+//   q, k per head: RMSNorm(.) * w_q / w_k, then rotate-half RoPE at pos[e]; k, v -> the static KV cache
+//   o = softmax(q k^T / sqrt(hd)) v over the row's cache positions 0..pos[e] (fp32), query head j reads kv head j/g
+//   h += o @ Wo;  a = RMSNorm(h) * w_post;  gu = a @ Wgu;  h += (silu(gate) * up) @ Wdown
+// then out = RMSNorm(h) * w_final. The residual stream h and everything between the matmuls stay fp32 (the eager
+// path rounds to the engine's dtype after each op: the two agree to bf16 rounding, tests/test_fused_step.py).
+//
+// The matmul kernels, the activation quantisation and the weight layouts are cpu_ext.cpp's own (included below, so
+// this library is built from the same source as the layers' kernels and reads the same packed weights).
+// Threads: each matmul splits its output blocks over torch's threads with at::parallel_for, like ttsx_w8a8; the
+// attention of many cache positions splits its (entry, head) pairs the same way; the rest runs in the caller.
+#include "cpu_ext.cpp"
+
+#include <memory>
+
+namespace fstep {
+
+// ---- the plan (fused_step.py writes it; every pointer stays alive in the Python plan object) -------------------
+// Per layer, LAYER_FIELDS int64 values (pointers as integers):
+enum LayerField {
+  IN_NORM = 0,    // fp32 [D]
+  QKV_W, QKV_S,   // packed weight (cpu_ext.pack or pack4), fp32 scale127 [N] (W8A8; 0 for W4A8)
+  Q_NORM, K_NORM, // fp32 [hd]
+  O_W, O_S,
+  POST_NORM,      // fp32 [D]
+  GU_W, GU_S,
+  DOWN_W, DOWN_S,
+  LAYER_FIELDS
+};
+
+// Dimensions, as int64 values in this order
+enum Dim { L_, D_, H_, HKV_, HD_, I_, WBITS_, ISA_, DIMS };
+
+struct Lin {           // one quantised linear layer: y[M, N] = x[M, K] @ W^T
+  const uint8_t* w;
+  const float* scale127;   // W8A8 only
+  int64_t N, K;
+};
+
+struct Plan {
+  int64_t L, D, H, Hkv, hd, I, wbits, isa;
+  float eps;
+  const int64_t* layers;   // [L, LAYER_FIELDS]
+  const float* inv_freq;   // [hd / 2]
+  const float* final_norm; // [D]
+
+  const int64_t* field(int64_t l) const { return layers + l * LAYER_FIELDS; }
+  template <class T> const T* ptr(int64_t l, LayerField f) const { return (const T*)(intptr_t)field(l)[f]; }
+  Lin lin(int64_t l, LayerField w, LayerField s, int64_t N, int64_t K) const {
+    return Lin{ptr<uint8_t>(l, w), ptr<float>(l, s), N, K};
+  }
+};
+
+// The KV cache of the stack: k, v [layers, rows, Hkv, max_len, hd] (layers.KVCache), fp32 or bf16; strides in elements
+struct Cache {
+  void* k;
+  void* v;
+  int64_t layer_stride, row_stride, head_stride, max_len;
+  int is_bf16;
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- scratch: born at the top of a call, sized for its M entries, dies with the call ---------------------------
+struct Scratch {
+  std::vector<float> h;     // [M, D] residual stream
+  std::vector<float> a;     // [M, max(D, H hd)] normed input of a matmul / attention output
+  std::vector<float> t;     // [M, D] a matmul's result before the residual add
+  std::vector<float> qkv;   // [M, (H + 2 Hkv) hd]
+  std::vector<float> gu;    // [M, 2 I]
+  std::vector<float> act;   // [M, I]
+  // the matmuls' activation rows and sums (sized for the widest K and N)
+  std::vector<int8_t> xq;
+  std::vector<float> amax;
+  std::vector<int32_t> xsum, gsum, acc;
+  std::vector<float> facc;
+
+  Scratch(const Plan& p, int64_t M) {
+    const int64_t qkvN = (p.H + 2 * p.Hkv) * p.hd;
+    const int64_t Kmax = round_up(std::max({p.D, p.H * p.hd, p.I}), G4);
+    const int64_t Nmax = round_up(std::max({qkvN, p.D, 2 * p.I}), BLK);
+    h.resize(M * p.D);
+    a.resize(M * std::max(p.D, p.H * p.hd));
+    t.resize(M * p.D);
+    qkv.resize(M * qkvN);
+    gu.resize(M * 2 * p.I);
+    act.resize(M * p.I);
+    xq.resize(M * Kmax);
+    amax.resize(M);
+    xsum.resize(M);
+    gsum.resize(M * (Kmax / G4));
+    if (p.wbits == 8) acc.resize(M * Nmax);
+    else facc.resize(M * Nmax);
+  }
+};
+
+// ---- small vector helpers (one row; compiled for AVX-512, AVX2 and plain x86-64, chosen at load by the CPU) ----
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// x[hd] <- x rotated by RoPE at `pos` (rotate-half: pairs (i, i + hd/2) share frequency inv_freq[i])
+void rope_row(float* x, int64_t hd, const float* inv_freq, int64_t pos) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float f = (float)pos * inv_freq[i];   // fp32, as layers.rope_cos_sin
+    const float c = std::cos(f), s = std::sin(f);
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c - x2 * s;
+    x[i + half] = x2 * c + x1 * s;
+  }
+}
+
+template <class C>
+inline void store_row(C* dst, const float* src, int64_t n);
+template <>
+inline void store_row<float>(float* dst, const float* src, int64_t n) { memcpy(dst, src, n * 4); }
+template <>
+inline void store_row<uint16_t>(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+// out[hd] = softmax_s(q . k_s * scale) weighted sum of v_s over s < S (keys/values rows hd apart); scores: [S]
+template <class C>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t hd, float scale, float* scores,
+                float* out) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) {
+    const C* k = keys + s * hd;
+    float d = 0.f;
+#pragma omp simd reduction(+ : d)
+    for (int64_t i = 0; i < hd; ++i) d += q[i] * load(k, i);
+    scores[s] = d * scale;
+    mx = std::max(mx, scores[s]);
+  }
+  float sum = 0.f;
+  for (int64_t s = 0; s < S; ++s) {
+    scores[s] = std::exp(scores[s] - mx);
+    sum += scores[s];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t s = 0; s < S; ++s) {
+    const C* v = vals + s * hd;
+    const float p = scores[s] * inv;
+#pragma omp simd
+    for (int64_t i = 0; i < hd; ++i) out[i] += p * load(v, i);
+  }
+}
+
+// ---- one quantised matmul: y[M, N] (fp32, rows N apart) = x[M, K] (fp32, rows K apart) @ W^T ------------------
+// Row quantisation as cpu_ext's layers (kernels.quantize_rows); int32 sums (W8A8) or per-group float sums (W4A8)
+// from cpu_ext.cpp's block kernels; the scale applied per output, as ttsx_w8a8 / ttsx_w4a8 do.
+void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
+  const int64_t N = l.N, K = l.K, Np = round_up(N, BLK);
+  if (p.wbits == 8) {
+    const int64_t Kp = round_up(K, KU);
+    for (int64_t m = 0; m < M; ++m) {
+      if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, s.xq.data() + m * Kp, &s.amax[m], &s.xsum[m]);
+      else quantize_row_avx2(x + m * K, 0, K, Kp, s.xq.data() + m * Kp, &s.amax[m], &s.xsum[m]);
+    }
+    const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
+    int32_t* acc = s.acc.data();
+    const int8_t* xq = s.xq.data();
+    at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
+      if (p.isa == 2) blocks(l.w, xq, M, Kp, b0, b1, acc, Np);
+      else blocks_avx2(l.w, xq, M, Kp, b0, b1, acc, Np);
+      const int64_t n1 = std::min(N, b1 * BLK);
+      for (int64_t m = 0; m < M; ++m) {
+        const int32_t off = 128 * s.xsum[m];
+        const float am = s.amax[m];
+        if (p.isa == 2) {   // cpu_ext.cpp's vectorised epilogue, the same operations
+          finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
+          continue;
+        }
+        for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = (float)(acc[m * Np + n] - off) * (am * l.scale127[n]);
+      }
+    });
+    return;
+  }
+  const int64_t Kp = round_up(K, G4), ng = Kp / G4;
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* xr = s.xq.data() + m * Kp;
+    quantize_row(x + m * K, 0, K, Kp, xr, &s.amax[m], &s.xsum[m]);
+    for (int64_t g = 0; g < ng; ++g) {
+      int32_t t = 0;
+      for (int64_t k = 0; k < G4; ++k) t += xr[g * G4 + k];
+      s.gsum[m * ng + g] = t;
+    }
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
+  float* acc = s.facc.data();
+  at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
+    blocks4(l.w, s.xq.data(), s.gsum.data(), M, Kp, b0, b1, acc, Np);
+    const int64_t n1 = std::min(N, b1 * BLK);
+    for (int64_t m = 0; m < M; ++m)
+      finish_row(nullptr, acc + m * Np, 0, s.amax[m] * (1.0f / 127.0f), nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+  });
+}
+
+// ---- attention of one layer -------------------------------------------------------------------------------------
+// s.qkv [M, (H + 2 Hkv) hd] -> q, k normed per head and rotated; every entry's k, v written to its (row, pos) of
+// layer l of the cache; then s.a [M, H hd] = attention of each entry's q heads over its row's positions 0..pos.
+template <class C>
+void attention(const Plan& p, int64_t l, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M,
+               Scratch& s) {
+  const int64_t H = p.H, Hkv = p.Hkv, hd = p.hd, W = (H + 2 * Hkv) * hd, g = H / Hkv;
+  const float* qn = p.ptr<float>(l, Q_NORM);
+  const float* kn = p.ptr<float>(l, K_NORM);
+  C* kl = (C*)c.k + l * c.layer_stride;
+  C* vl = (C*)c.v + l * c.layer_stride;
+  for (int64_t e = 0; e < M; ++e) {
+    float* qkv = s.qkv.data() + e * W;
+    for (int64_t j = 0; j < H + Hkv; ++j) {   // q heads, then k heads: normed in place, then rotated
+      float* x = qkv + j * hd;
+      rms_norm_row(x, j < H ? qn : kn, hd, p.eps, x);
+      rope_row(x, hd, p.inv_freq, pos[e]);
+    }
+    for (int64_t j = 0; j < Hkv; ++j) {
+      const int64_t at = row[e] * c.row_stride + j * c.head_stride + pos[e] * hd;
+      store_row<C>(kl + at, qkv + (H + j) * hd, hd);
+      store_row<C>(vl + at, qkv + (H + Hkv + j) * hd, hd);
+    }
+  }
+  int64_t smax = 1;
+  for (int64_t e = 0; e < M; ++e) smax = std::max(smax, pos[e] + 1);
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (smax * hd));
+  at::parallel_for(0, M * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(smax);   // per task: one (entry, head)'s scores at a time
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / H, j = i % H;
+      const int64_t base = row[e] * c.row_stride + (j / g) * c.head_stride;
+      attend_row<C>(s.qkv.data() + e * W + j * hd, kl + base, vl + base, pos[e] + 1, hd, scale, scores.data(),
+                    s.a.data() + e * H * hd + j * hd);
+    }
+  });
+}
+
+template <class C>
+void run_stack(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Scratch& s) {
+  const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  for (int64_t l = 0; l < p.L; ++l) {
+    for (int64_t e = 0; e < M; ++e) rms_norm_row(&s.h[e * D], p.ptr<float>(l, IN_NORM), D, p.eps, &s.a[e * D]);
+    linear(p, p.lin(l, QKV_W, QKV_S, qkvN, D), s.a.data(), M, s.qkv.data(), s);
+    attention<C>(p, l, c, row, pos, M, s);
+    linear(p, p.lin(l, O_W, O_S, D, Hhd), s.a.data(), M, s.t.data(), s);
+    for (int64_t i = 0; i < M * D; ++i) s.h[i] += s.t[i];
+    for (int64_t e = 0; e < M; ++e) rms_norm_row(&s.h[e * D], p.ptr<float>(l, POST_NORM), D, p.eps, &s.a[e * D]);
+    linear(p, p.lin(l, GU_W, GU_S, 2 * I, D), s.a.data(), M, s.gu.data(), s);
+    for (int64_t e = 0; e < M; ++e)
+      for (int64_t i = 0; i < I; ++i) {
+        const float gt = s.gu[e * 2 * I + i], up = s.gu[e * 2 * I + I + i];
+        s.act[e * I + i] = gt / (1.0f + std::exp(-gt)) * up;   // silu(gate) * up
+      }
+    linear(p, p.lin(l, DOWN_W, DOWN_S, D, I), s.act.data(), M, s.t.data(), s);
+    for (int64_t i = 0; i < M * D; ++i) s.h[i] += s.t[i];
+  }
+}
+
+}  // namespace fstep
+
+extern "C" {
+
+int ttsf_version() { return 1; }
+
+int ttsf_layer_fields() { return fstep::LAYER_FIELDS; }
+
+// x [M, D] (fp32 or bf16, contiguous): the stack's input at each entry -> overwritten by its normed output.
+// dims: fstep::Dim values; layers [L, LAYER_FIELDS]; row, pos [M] int64: each entry's cache row and position;
+// kc, vc: the cache's k and v (layers.KVCache), cache_strides: layer, row, head strides and max_len in elements.
+// Returns 0, or a negative code for an input it refuses (nothing written then).
+int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const float* inv_freq,
+                    const float* final_norm, void* x, int x_is_bf16, int64_t M, const int64_t* row,
+                    const int64_t* pos, void* kc, void* vc, const int64_t* cache_strides, int cache_is_bf16) {
+  fstep::Plan p{dims[fstep::L_], dims[fstep::D_], dims[fstep::H_], dims[fstep::HKV_], dims[fstep::HD_],
+                dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
+  fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
+  if (M < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4) || (p.wbits == 4 && p.isa != 2)) return -1;
+  for (int64_t e = 0; e < M; ++e)
+    if (pos[e] < 0 || pos[e] >= c.max_len) return -2;
+  fstep::Scratch s(p, M);
+  const int64_t D = p.D;
+  for (int64_t i = 0; i < M * D; ++i)
+    s.h[i] = x_is_bf16 ? fstep::bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+  if (cache_is_bf16) fstep::run_stack<uint16_t>(p, c, row, pos, M, s);
+  else fstep::run_stack<float>(p, c, row, pos, M, s);
+  std::vector<float> out(D);
+  for (int64_t e = 0; e < M; ++e) {
+    fstep::rms_norm_row(&s.h[e * D], final_norm, D, p.eps, out.data());
+    if (x_is_bf16) fstep::store_row<uint16_t>((uint16_t*)x + e * D, out.data(), D);
+    else fstep::store_row<float>((float*)x + e * D, out.data(), D);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,328 @@
+"""A fused CPU decode step: one call of our own C++ (`fused_step.cpp`) runs every layer of a quantised decoder stack
+(the talker's, the code predictor's) for a few rows at one new position each, instead of ~60 aten calls per layer
+around the matmuls (norms, RoPE, cache writes, attention, views, residual adds).
+
+Where it serves: CPU engines in the W8A8 and W4A8 modes, in `DecoderStack.run` calls of at most MAX_ENTRIES
+(row, position) entries and at most 2 positions per row: the talker's decode step (one position per row) and the
+code predictor's 15 passes (the first has two positions: the talker's hidden and codebook 0). Prompt prefills, the
+quality tool's teacher-forced passes, fp32, bf16, int8, int4 and GPU engines keep the eager path (`layers.py`).
+
+Numerics: the same quantised weights and the same int8 activation rounding per matmul as the eager layers
+(cpu_ext.cpp's kernels, included in fused_step.cpp); between the matmuls everything stays fp32 where the eager
+path rounds to the engine's dtype (bf16) after each op. The KV cache is written in its own dtype, as eager.
+
+Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
+  auto (default)  the first TRIAL_PAIRS one-position calls of each stack run both paths on the same input, timed,
+                  alternating which goes first (the second overwrites the first's cache entries, and its result is
+                  the one returned); their hidden states must agree (cosine >= MIN_COS, else the fused step is off);
+                  the faster by median serves from then on. The choice is remembered per machine (kernel table's
+                  machine key: CPU model and flags, torch, threads, our kernels) and stack in the cache folder
+                  (`$TTS_CACHE_DIR/fused_step/`), so a later start does not measure again.
+  1 / on          fused wherever it runs, without timing (benchmarks' A/B, tests).
+  0 / off         never.
+Any failure (no compiler, a build error, an unsupported layer or CPU path, an exception or a refused input later)
+logs one line and leaves the eager path serving for good; it never takes the engine down.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_ext
+
+log = logging.getLogger("tts_engine")
+
+ENV = "TTS_FUSED_STEP"
+SOURCE = Path(__file__).with_name("fused_step.cpp")
+MAX_ENTRIES = 16        # (row, position) entries per call: decode batches; more is a prefill (eager)
+MAX_T = 2               # positions per row per call (the predictor's first pass has 2)
+TRIAL_PAIRS = 4         # timed (eager, fused) pairs per stack before choosing
+MIN_COS = 0.99          # the two paths' hidden states must agree at least this well (a bug detector, not quality)
+LAYER_FIELDS = 12       # fused_step.cpp LayerField
+
+_lib: dict = {}
+_lock = threading.Lock()
+
+
+def setting() -> str:
+    """"auto", "on" or "off" (env TTS_FUSED_STEP)."""
+    v = os.environ.get(ENV, "auto").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        return "off"
+    if v in ("1", "on", "yes", "true"):
+        return "on"
+    return "auto"
+
+
+def library() -> ctypes.CDLL:
+    """The fused step's library (built on first use beside cpu_ext's kernels); raises when it cannot run here."""
+    with _lock:
+        if "lib" not in _lib:
+            if cpu_ext.library() is None:
+                raise RuntimeError(f"our CPU kernels are not available ({cpu_ext.why_unavailable()})")
+            lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
+            P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            lib.ttsf_layer_fields.restype = I
+            lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
+            lib.ttsf_stack_step.restype = I
+            if lib.ttsf_layer_fields() != LAYER_FIELDS:
+                raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
+            _lib["lib"] = lib
+        return _lib["lib"]
+
+
+def tag() -> str:
+    """The identity of the fused code (its source, the kernels', torch) for the remembered choice."""
+    return hashlib.sha1(SOURCE.read_bytes() + cpu_ext.SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+
+
+# --- the plan: raw pointers of one quantised stack -------------------------------------------------------------------
+def _fp32(t: torch.Tensor, keep: list) -> int:
+    c = t.detach().float().contiguous()
+    keep.append(c)
+    return c.data_ptr()
+
+
+def _linear_fields(m, N: int, K: int, wbits: int) -> tuple[int, int]:
+    """(packed weight pointer, scale127 pointer or 0) of a quantised layer of shape N x K; raises if it is not one
+    the fused step reads."""
+    from .quant import W4A8Linear, W8A8Linear
+
+    if (m.out_features, m.in_features) != (N, K) or getattr(m, "bias", None) is not None:
+        raise ValueError(f"a {type(m).__name__} of {m.out_features}x{m.in_features} where {N}x{K} without bias is needed")
+    if wbits == 8 and isinstance(m, W8A8Linear) and m.packed is not None:
+        return m.packed.data_ptr(), m.scale127.data_ptr()
+    if wbits == 4 and isinstance(m, W4A8Linear):
+        return m.packed4.data_ptr(), 0
+    raise ValueError(f"{type(m).__name__} is not in our kernels' packed layout")
+
+
+class StackPlan:
+    """Pointers and sizes of one quantised `DecoderStack` as fused_step.cpp reads them. Built once after
+    quantisation; holds fp32 copies of the norm weights and the RoPE frequencies (born here, alive as long as the
+    plan) and points at the layers' own packed weights (alive as long as the model: the plan keeps the stack)."""
+
+    def __init__(self, stack):
+        from .quant import W4A8Linear, W8A8Linear
+
+        cfg = stack.cfg
+        first = stack.layers[0].self_attn.qkv_proj
+        if first is None:
+            raise ValueError("the stack's projections are not fused")
+        self.wbits = 8 if isinstance(first, W8A8Linear) else 4 if isinstance(first, W4A8Linear) else 0
+        if not self.wbits:
+            raise ValueError(f"the stack's layers are {type(first).__name__}, not W8A8 / W4A8")
+        isa = cpu_ext._state.get("isa", 0)
+        if self.wbits == 4 and isa != 2:
+            raise ValueError("W4A8 needs the AVX-512 VNNI path")
+        self.stack = stack
+        L, D, H, Hkv, hd = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                            cfg.num_key_value_heads, cfg.head_dim)
+        I = cfg.intermediate_size
+        if hd % 2 or H % Hkv:
+            raise ValueError(f"head_dim {hd} odd or {H} heads not a multiple of {Hkv}")
+        self.keep: list = []
+        rows = []
+        for layer in stack.layers:
+            a, m = layer.self_attn, layer.mlp
+            rows.append([
+                _fp32(layer.input_layernorm.weight, self.keep),
+                *_linear_fields(a.qkv_proj, (H + 2 * Hkv) * hd, D, self.wbits),
+                _fp32(a.q_norm.weight, self.keep), _fp32(a.k_norm.weight, self.keep),
+                *_linear_fields(a.o_proj, D, H * hd, self.wbits),
+                _fp32(layer.post_attention_layernorm.weight, self.keep),
+                *_linear_fields(m.gate_up_proj, 2 * I, D, self.wbits),
+                *_linear_fields(m.down_proj, D, I, self.wbits)])
+        self.layers = torch.tensor(rows, dtype=torch.int64)                      # [L, LAYER_FIELDS]
+        self.dims = torch.tensor([L, D, H, Hkv, hd, I, self.wbits, isa], dtype=torch.int64)
+        # as layers.rope_cos_sin: 1 / theta^(2i / hd) in fp32
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))).contiguous()
+        self.final_norm = stack.norm.weight.detach().float().contiguous()
+        self.eps = float(cfg.rms_norm_eps)
+        self.D = D
+
+    def run(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [M, D] (the cache's dtype) inputs of M entries; rows, pos [M] int64: each entry's cache row and new
+        position -> normed hidden [M, D] (a new tensor; the entries' keys and values are written to `cache`)."""
+        lib = library()
+        k, v = cache.k, cache.v
+        if x.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16) or not k.is_contiguous() \
+                or not v.is_contiguous() or k.shape[0] != self.layers.shape[0]:
+            raise ValueError("the cache or the input is not in a layout the fused step reads")
+        out = x.reshape(-1, self.D).clone(memory_format=torch.contiguous_format)   # born here, returned
+        rows = rows.to(torch.int64).contiguous()
+        pos = pos.to(torch.int64).contiguous()
+        M = out.shape[0]
+        if rows.numel() != M or pos.numel() != M or int(rows.max()) >= k.shape[1] or int(rows.min()) < 0:
+            raise ValueError("rows / positions do not fit the cache")
+        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        bf16 = int(k.dtype == torch.bfloat16)
+        rc = lib.ttsf_stack_step(self.dims.data_ptr(), self.eps, self.layers.data_ptr(), self.inv_freq.data_ptr(),
+                                 self.final_norm.data_ptr(), out.data_ptr(), bf16, M, rows.data_ptr(),
+                                 pos.data_ptr(), k.data_ptr(), v.data_ptr(), strides.data_ptr(), bf16)
+        if rc != 0:
+            raise RuntimeError(f"the fused step refused its input (code {rc})")
+        return out
+
+
+# --- the choice between the fused and the eager step -----------------------------------------------------------------
+def _choice_path(key: dict) -> Path:
+    from .kernels import cache_root
+
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "fused_step" / f"{key['stack']}-{digest}.json"
+
+
+class FusedStep:
+    """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc).
+    state: "trial" (measuring), "on", "off"; status: one line for logs and benchmarks."""
+
+    def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False):
+        self.plan, self.name = plan, name
+        self.threads_switch = threads_switch   # () -> threads.MatmulThreads or None (the governor's "matmul" option)
+        self.times: dict[str, list[float]] = {"fused": [], "eager": []}
+        self.min_cos = 1.0
+        self.key = None
+        self.state, self.status = "trial", "measuring"
+        if force:
+            self.state, self.status = "on", "on (TTS_FUSED_STEP=1)"
+            return
+        from .kernels import machine_key
+
+        self.key = {"machine": machine_key(), "fused": tag(), "stack": name, "wbits": plan.wbits,
+                    "dims": plan.dims.tolist()}
+        try:
+            got = json.loads(_choice_path(self.key).read_text(encoding="utf-8"))
+            if got.get("key") == self.key and got.get("choice") in ("fused", "eager"):
+                self.state = "on" if got["choice"] == "fused" else "off"
+                self.status = f"{self.state} (measured before: {got.get('why', '')})"
+        except (OSError, ValueError):
+            pass
+
+    def takes(self, B: int, T: int) -> bool:
+        return self.state != "off" and T <= MAX_T and B * T <= MAX_ENTRIES
+
+    def run(self, x: torch.Tensor, cache, rows, start: torch.Tensor, eager):
+        """x [B, T, D]; rows: cache rows (slice or index tensor [B]); start [B] each row's first new position;
+        eager: () -> the eager result (same cache writes). -> normed hidden [B, T, D]."""
+        if self.state == "off":
+            return eager()
+        B, T, D = x.shape
+        if self.state == "trial":
+            if T != 1:
+                return eager()
+            return self._trial(x, cache, rows, start, eager)
+        try:
+            return self._fused(x, cache, rows, start)
+        except Exception as e:   # one line, then the eager path for good
+            self.disable(f"{type(e).__name__}: {e}")
+            return eager()
+
+    def _fused(self, x, cache, rows, start):
+        B, T, D = x.shape
+        if isinstance(rows, slice):
+            row_idx = torch.arange(rows.start or 0, (rows.start or 0) + B)
+        else:
+            row_idx = rows.reshape(B)
+        t = torch.arange(T)
+        rows_e = row_idx[:, None].expand(B, T).reshape(-1)                       # [B T]
+        pos_e = (start.reshape(B, 1) + t[None, :]).reshape(-1)                    # [B T]
+        switch = self.threads_switch() if self.threads_switch is not None else None
+        if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
+            torch.set_num_threads(switch.threads)
+            try:
+                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+            finally:
+                torch.set_num_threads(1)
+        else:
+            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+        return out.view(B, T, D)
+
+    def _trial(self, x, cache, rows, start, eager):
+        """One timed pair: both paths on this input, in alternating order; the second's result (and cache
+        entries) stands."""
+        fused_first = len(self.times["fused"]) % 2 == 1
+        clock = time.perf_counter
+        try:
+            results = {}
+            for which in (("fused", "eager") if fused_first else ("eager", "fused")):
+                t0 = clock()
+                results[which] = self._fused(x, cache, rows, start) if which == "fused" else eager()
+                self.times[which].append(clock() - t0)
+            a, b = results["fused"].float().flatten(1), results["eager"].float().flatten(1)
+            cos = float(F.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1).min())
+        except Exception as e:
+            self.disable(f"{type(e).__name__}: {e}")
+            return eager()
+        self.min_cos = min(self.min_cos, cos)
+        if cos < MIN_COS:   # the eager result stands, and its cache entries (written again: fused may have run last)
+            self.disable(f"its hidden states differ from the eager path's (cosine {cos:.4f} < {MIN_COS})")
+            return eager()
+        if len(self.times["fused"]) >= TRIAL_PAIRS:
+            self._decide()
+        return results["eager" if fused_first else "fused"]
+
+    def _decide(self) -> None:
+        f, e = statistics.median(self.times["fused"]), statistics.median(self.times["eager"])
+        self.state = "on" if f < e else "off"
+        why = f"fused {1e3 * f:.2f} ms vs eager {1e3 * e:.2f} ms per call, hidden cos >= {self.min_cos:.5f}"
+        self.status = f"{self.state} ({why})"
+        log.info("tts_engine: fused %s step %s", self.name, self.status)
+        if self.key is not None:
+            path = _choice_path(self.key)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"key": self.key, "choice": "fused" if self.state == "on" else "eager",
+                                           "why": why}, indent=1), encoding="utf-8")
+                tmp.replace(path)
+            except OSError as err:
+                log.info("fused step choice not saved to %s: %s", path, err)
+
+    def disable(self, why: str) -> None:
+        self.state = "off"
+        self.status = f"off ({why.splitlines()[0][:200] if why else ''})"
+        log.warning("tts_engine: fused %s step not used, eager from now on: %s", self.name, self.status)
+
+
+def attach(talker) -> dict[str, str]:
+    """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 on a
+    CPU and the fused library runs here -> {stack: status}. Never raises."""
+    out = {}
+    mode = setting()
+    stacks = {"talker": talker.model, "predictor": talker.code_predictor.model}
+    for name, stack in stacks.items():
+        stack.fused = None
+        if mode == "off":
+            out[name] = f"off ({ENV}=0)"
+            continue
+        if stack.norm.weight.device.type != "cpu":
+            out[name] = "off (CPU only)"
+            continue
+        try:
+            plan = StackPlan(stack)
+            library()
+            stack.fused = FusedStep(plan, name, lambda: getattr(talker, "_matmul_threads", None), force=mode == "on")
+            out[name] = stack.fused.status
+        except Exception as e:   # not a quantised stack, no compiler, ...: eager, one line
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            out[name] = f"off ({why})"
+            if not isinstance(e, ValueError):
+                log.warning("tts_engine: fused %s step not used: %s", name, why)
+    return out
+
+
+def status(talker) -> dict[str, str]:
+    """{stack: status line} of the fused steps attached to `talker`."""
+    return {name: (s.fused.status if getattr(s, "fused", None) is not None else "off")
+            for name, s in (("talker", talker.model), ("predictor", talker.code_predictor.model))}
