@@ -96,10 +96,11 @@ class TTSStream:
 
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
-# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): off until
-# a quiet interleaved A/B shows a mode winning (docs/benchmarks.md, "Four streams: kernels at 2-8 rows, the codec
-# thread only while several streams run"): under load no core is free to overlap on and it measured 6 % slower
-OVERLAP_CODEC_CPU_DEFAULT = False
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): on since
+# the packed codec (session 6): a quiet interleaved A/B (load 1.1-1.8, 4 rounds, w8a8) measured on +30 % x real time
+# at one stream and +40 % audio s per wall s at four against off, in every round (docs/benchmarks.md, "Codec: packed
+# oneDNN convolutions..."); under load (no free core) it measured slower, before the packed codec
+OVERLAP_CODEC_CPU_DEFAULT = True
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
