@@ -97,9 +97,9 @@ class TTSStream:
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
 # overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True or "streams"): on since
-# the packed codec (session 6): a quiet interleaved A/B (load 1.1-1.8, 4 rounds, w8a8) measured on +30 % x real time
-# at one stream and +40 % audio s per wall s at four against off, in every round (docs/benchmarks.md, "Codec: packed
-# oneDNN convolutions..."); under load (no free core) it measured slower, before the packed codec
+# the packed codec (session 6): two quiet interleaved A/B runs (load 1.1-1.8, w8a8) measured on +29-30 % x real time
+# at one stream and +30-40 % audio s per wall s at four against off (docs/benchmarks.md, "Codec: packed oneDNN
+# convolutions..."); under heavy load (no free core) it measured slower
 OVERLAP_CODEC_CPU_DEFAULT = True
 
 
