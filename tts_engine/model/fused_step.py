@@ -73,6 +73,7 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
             P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.ttsf_layer_fields.restype = I
+            lib.ttsf_bf16_isa.restype = I
             lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
             lib.ttsf_stack_step.restype = I
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
@@ -104,6 +105,10 @@ def _linear_fields(m, N: int, K: int, wbits: int) -> tuple[int, int]:
         return m.packed.data_ptr(), m.scale127.data_ptr()
     if wbits == 4 and isinstance(m, W4A8Linear):
         return m.packed4.data_ptr(), 0
+    if wbits == 16 and type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
+        if not m.weight.is_contiguous() or K % 32:
+            raise ValueError(f"a bf16 weight of {N}x{K} that is not contiguous or K not a multiple of 32")
+        return m.weight.data_ptr(), 0   # read in place: no copy
     raise ValueError(f"{type(m).__name__} is not in our kernels' packed layout")
 
 
@@ -119,12 +124,18 @@ class StackPlan:
         first = stack.layers[0].self_attn.qkv_proj
         if first is None:
             raise ValueError("the stack's projections are not fused")
-        self.wbits = 8 if isinstance(first, W8A8Linear) else 4 if isinstance(first, W4A8Linear) else 0
+        bf16 = type(first) is torch.nn.Linear and first.weight.dtype == torch.bfloat16
+        self.wbits = 8 if isinstance(first, W8A8Linear) else 4 if isinstance(first, W4A8Linear) else 16 if bf16 else 0
         if not self.wbits:
-            raise ValueError(f"the stack's layers are {type(first).__name__}, not W8A8 / W4A8")
+            raise ValueError(f"the stack's layers are {type(first).__name__} "
+                             f"({getattr(getattr(first, 'weight', None), 'dtype', '')}), not W8A8 / W4A8 / bf16")
         isa = cpu_ext._state.get("isa", 0)
         if self.wbits == 4 and isa != 2:
             raise ValueError("W4A8 needs the AVX-512 VNNI path")
+        if self.wbits == 16:   # fused_step.cpp's bf16 matmul path: 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA
+            isa = library().ttsf_bf16_isa()
+            if not isa:
+                raise ValueError("the bf16 matmul needs AVX-512F or AVX2 + FMA")
         self.stack = stack
         L, D, H, Hkv, hd = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim)
