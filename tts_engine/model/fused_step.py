@@ -106,8 +106,8 @@ def _linear_fields(m, N: int, K: int, wbits: int) -> tuple[int, int]:
     if wbits == 4 and isinstance(m, W4A8Linear):
         return m.packed4.data_ptr(), 0
     if wbits == 16 and type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
-        if not m.weight.is_contiguous() or K % 32:
-            raise ValueError(f"a bf16 weight of {N}x{K} that is not contiguous or K not a multiple of 32")
+        if not m.weight.is_contiguous() or K % 32 or N % 8:   # fused_step.cpp linear16: K % 32, N % R4
+            raise ValueError(f"a bf16 weight of {N}x{K}: not contiguous, or K not a multiple of 32 or N of 8")
         return m.weight.data_ptr(), 0   # read in place: no copy
     raise ValueError(f"{type(m).__name__} is not in our kernels' packed layout")
 
