@@ -5,7 +5,8 @@
 // entry e being one new position pos[e] of cache row row[e] (rows decode one position each; the code predictor's
 // first pass gives two entries of the same row, positions 0 and 1: every layer writes all entries' keys before any
 // entry attends, so the second sees the first, as the causal mask of the eager path). Per layer:
-//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels)
+//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels; bf16: linear16 below
+//   on the nn.Linear's own bf16 weight)
 //   q, k per head: RMSNorm(.) * w_q / w_k, then rotate-half RoPE at pos[e]; k, v -> the static KV cache
 //   o = softmax(q k^T / sqrt(hd)) v over the row's cache positions 0..pos[e] (fp32), query head j reads kv head j/g
 //   h += o @ Wo;  a = RMSNorm(h) * w_post;  gu = a @ Wgu;  h += (silu(gate) * up) @ Wdown

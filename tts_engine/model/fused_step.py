@@ -1,15 +1,18 @@
-"""A fused CPU decode step: one call of our own C++ (`fused_step.cpp`) runs every layer of a quantised decoder stack
-(the talker's, the code predictor's) for a few rows at one new position each, instead of ~60 aten calls per layer
-around the matmuls (norms, RoPE, cache writes, attention, views, residual adds).
+"""A fused CPU decode step: one call of our own C++ (`fused_step.cpp`) runs every layer of a quantised or bf16 decoder
+stack (the talker's, the code predictor's) for a few rows at one new position each, instead of ~60 aten calls per
+layer around the matmuls (norms, RoPE, cache writes, attention, views, residual adds).
 
-Where it serves: CPU engines in the W8A8 and W4A8 modes, in `DecoderStack.run` calls of at most MAX_ENTRIES
+Where it serves: CPU engines in the W8A8, W4A8 and bf16 modes, in `DecoderStack.run` calls of at most MAX_ENTRIES
 (row, position) entries and at most 2 positions per row: the talker's decode step (one position per row) and the
 code predictor's 15 passes (the first has two positions: the talker's hidden and codebook 0). Prompt prefills, the
-quality tool's teacher-forced passes, fp32, bf16, int8, int4 and GPU engines keep the eager path (`layers.py`).
+quality tool's teacher-forced passes, fp32, int8, int4 and GPU engines keep the eager path (`layers.py`).
 
 Numerics: the same quantised weights and the same int8 activation rounding per matmul as the eager layers
-(cpu_ext.cpp's kernels, included in fused_step.cpp); between the matmuls everything stays fp32 where the eager
-path rounds to the engine's dtype (bf16) after each op. The KV cache is written in its own dtype, as eager.
+(cpu_ext.cpp's kernels, included in fused_step.cpp); bf16 stacks: the nn.Linear layers' own bf16 weights, read in
+place (no copy), activations rounded to bf16 per matmul as the eager bf16 layers take them, fp32 sums (AVX-512
+BF16 `vdpbf16ps`, else bf16 widened to fp32 with AVX-512F or AVX2 + FMA: `ttsf_bf16_isa`). Between the matmuls
+everything stays fp32 where the eager path rounds to the engine's dtype (bf16) after each op. The KV cache is
+written in its own dtype, as eager.
 
 Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
   auto (default)  the first TRIAL_PAIRS one-position calls of each stack run both paths on the same input, timed,
@@ -113,7 +116,7 @@ def _linear_fields(m, N: int, K: int, wbits: int) -> tuple[int, int]:
 
 
 class StackPlan:
-    """Pointers and sizes of one quantised `DecoderStack` as fused_step.cpp reads them. Built once after
+    """Pointers and sizes of one quantised (W8A8 / W4A8) or bf16 `DecoderStack` as fused_step.cpp reads them. Built once after
     quantisation; holds fp32 copies of the norm weights and the RoPE frequencies (born here, alive as long as the
     plan) and points at the layers' own packed weights (alive as long as the model: the plan keeps the stack)."""
 
@@ -307,8 +310,8 @@ class FusedStep:
 
 
 def attach(talker) -> dict[str, str]:
-    """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 on a
-    CPU and the fused library runs here -> {stack: status}. Never raises."""
+    """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 or bf16
+    on a CPU and the fused library runs here -> {stack: status}. Never raises."""
     out = {}
     mode = setting()
     stacks = {"talker": talker.model, "predictor": talker.code_predictor.model}
