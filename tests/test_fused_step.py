@@ -198,17 +198,18 @@ def test_plan_declines_dense_and_unfused_stacks():
 
 # --- choosing, remembering, falling back --------------------------------------------------------------------------
 def _step_once(stack, cache, pos):
-    x = torch.randn(1, 1, CFG.hidden_size, generator=torch.Generator().manual_seed(pos))
+    x = torch.randn(1, 1, CFG.hidden_size, generator=torch.Generator().manual_seed(pos)).to(cache.k.dtype)
     with torch.inference_mode():
         return stack.run(x, cache, slice(0, 1), torch.tensor([pos]), pos + 1)
 
 
-def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch):
+@pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("bf16", torch.bfloat16)])
+def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch, mode, dtype):
     monkeypatch.delenv(fused_step.ENV, raising=False)
-    stack = make_stack("w8a8")
+    stack = make_stack(mode, dtype)
     stack.fused = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
     assert stack.fused.state == "trial"
-    cache = filled_cache(stack, torch.float32, rows=1)
+    cache = filled_cache(stack, dtype, rows=1)
     for i in range(fused_step.TRIAL_PAIRS):
         _step_once(stack, cache, 12 + i)
     f = stack.fused
