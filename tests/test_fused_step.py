@@ -1,12 +1,13 @@
 """The fused CPU decode step (tts_engine/model/fused_step.py, fused_step.cpp): one C++ call for every layer of a
-W8A8 / W4A8 decoder stack.
+W8A8 / W4A8 / bf16 decoder stack.
 
 - Against the eager path on the same quantised weights: hidden states and the KV cache entries it writes agree
   (fp32 activations: to float rounding; bf16: to bf16 rounding), for rows at different positions, rows given as an
-  index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code path.
+  index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code path; bf16 stacks
+  (nn.Linear bf16 weights read in place) on each of the bf16 matmul's ISA paths (AVX-512 BF16, AVX-512F, AVX2).
 - In an engine: greedy codes with the fused step match the eager engine's on most frames; the step is really used.
 - Choosing and falling back: the first calls time both paths and the choice is remembered; a wrong result, an
-  exception, a missing library or TTS_FUSED_STEP=0 leave the eager path serving; fp32 and bf16 engines never get it.
+  exception, a missing library or TTS_FUSED_STEP=0 leave the eager path serving; fp32 engines never get it.
 
 Where the CPU has AVX-512 VNNI and g++ is on PATH the fused step must build and run (a failure fails here, it is not
 skipped); elsewhere these tests skip, and the fallback tests still run."""
@@ -54,7 +55,8 @@ def own_kernels(monkeypatch, tmp_path):
 
 
 def make_stack(mode: str, dtype=torch.float32, seed: int = 0) -> DecoderStack:
-    """A random stack in `dtype`, projections fused and quantised as `quant.quantize_talker` does."""
+    """A random stack in `dtype`, projections fused and quantised as `quant.quantize_talker` does ("bf16": left
+    as bf16 nn.Linear layers, as the bf16 engine runs them)."""
     torch.manual_seed(seed)
     stack = DecoderStack(CFG)
     with torch.no_grad():
@@ -64,7 +66,8 @@ def make_stack(mode: str, dtype=torch.float32, seed: int = 0) -> DecoderStack:
     for layer in stack.layers:
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()
-    quantize_module(stack.layers, mode)
+    if mode != "bf16":
+        quantize_module(stack.layers, mode)
     return stack.eval()
 
 
@@ -81,7 +84,7 @@ def cos_rows(a, b):
     return F.cosine_similarity(a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1]), dim=-1)
 
 
-CASES = [("w8a8", torch.float32), ("w8a8", torch.bfloat16), ("w4a8", torch.bfloat16)]
+CASES = [("w8a8", torch.float32), ("w8a8", torch.bfloat16), ("w4a8", torch.bfloat16), ("bf16", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("mode,dtype", CASES)
@@ -142,6 +145,37 @@ def test_avx2_path_gives_the_same_numbers(fused_lib, own_kernels):
     torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
 
 
+@torch.inference_mode()
+def test_bf16_plan_reads_the_weights_in_place_and_every_isa_path_gives_the_same_numbers(fused_lib, own_kernels):
+    """A bf16 stack's plan points at the nn.Linear weights themselves (no copy), and the bf16 matmul's paths this
+    CPU runs (3 AVX-512 BF16 vdpbf16ps, 2 AVX-512F widening to fp32, 1 AVX2 + FMA; forced through the plan) give
+    the same hidden states and cache entries up to fp32 summation order."""
+    stack = make_stack("bf16", torch.bfloat16)
+    plan = fused_step.StackPlan(stack)
+    assert plan.wbits == 16
+    a = stack.layers[1].self_attn
+    assert int(plan.layers[1, 1]) == a.qkv_proj.weight.data_ptr()
+    assert int(plan.layers[1, 10]) == stack.layers[1].mlp.down_proj.weight.data_ptr()
+    best = int(plan.dims[7])
+    assert best in (1, 2, 3) and best == fused_lib.ttsf_bf16_isa()
+    base = filled_cache(stack, torch.bfloat16)
+    x = torch.randn(5, CFG.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    rows, pos = torch.tensor([0, 1, 2, 0, 1]), torch.tensor([12, 12, 12, 13, 13])
+    got = {}
+    for isa in range(best, 0, -1):
+        plan.dims[7] = isa
+        c = copy.deepcopy(base)
+        got[isa] = (plan.run(x, c, rows, pos).float(), c.k.float(), c.v.float())
+    plan.dims[7] = best
+    for isa, (y, k, v) in got.items():
+        for a_, b_ in zip((y, k, v), got[best]):   # bf16 outputs: equal, or one bf16 rounding apart
+            torch.testing.assert_close(a_, b_, atol=1e-2, rtol=1e-2)
+            assert (a_ == b_).float().mean() > 0.98, isa
+    plan.dims[7] = 0
+    with pytest.raises(RuntimeError, match="refused"):
+        plan.run(x, copy.deepcopy(base), rows, pos)
+
+
 def test_w4a8_plan_declines_the_avx2_path(fused_lib, own_kernels, monkeypatch):
     if not cpu_ext.has_w4a8():
         pytest.skip("no W4A8 kernel here")
@@ -159,22 +193,23 @@ def test_plan_declines_dense_and_unfused_stacks():
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()
     with pytest.raises(ValueError, match="not W8A8 / W4A8"):
-        fused_step.StackPlan(stack)
+        fused_step.StackPlan(stack)   # fp32 stays eager (parity)
 
 
 # --- choosing, remembering, falling back --------------------------------------------------------------------------
 def _step_once(stack, cache, pos):
-    x = torch.randn(1, 1, CFG.hidden_size, generator=torch.Generator().manual_seed(pos))
+    x = torch.randn(1, 1, CFG.hidden_size, generator=torch.Generator().manual_seed(pos)).to(cache.k.dtype)
     with torch.inference_mode():
         return stack.run(x, cache, slice(0, 1), torch.tensor([pos]), pos + 1)
 
 
-def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch):
+@pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("bf16", torch.bfloat16)])
+def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch, mode, dtype):
     monkeypatch.delenv(fused_step.ENV, raising=False)
-    stack = make_stack("w8a8")
+    stack = make_stack(mode, dtype)
     stack.fused = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
     assert stack.fused.state == "trial"
-    cache = filled_cache(stack, torch.float32, rows=1)
+    cache = filled_cache(stack, dtype, rows=1)
     for i in range(fused_step.TRIAL_PAIRS):
         _step_once(stack, cache, 12 + i)
     f = stack.fused
@@ -281,7 +316,7 @@ def _count_plan_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8", "bf16"])
 def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernels, small_ckpt, mode, monkeypatch):
     """Greedy codes of the eager engine, then both paths teacher-forced on them one position per call (as the
     engine decodes): the fused step's argmax matches the eager one's on most codes (random weights have nearly
@@ -292,7 +327,8 @@ def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernel
 
     if mode == "w4a8" and not cpu_ext.has_w4a8():
         pytest.skip("no W4A8 kernel here")
-    model = Qwen3TTSModel.from_pretrained(str(small_ckpt), device="cpu", dtype="bf16", quantize=mode)
+    model = Qwen3TTSModel.from_pretrained(str(small_ckpt), device="cpu", dtype="bf16",
+                                          quantize=None if mode == "bf16" else mode)
     talker, pad = model.talker, model.prompts.tts_pad
     prompts = quality.build_prompts(model, 2)
     monkeypatch.setenv(fused_step.ENV, "0")
@@ -308,27 +344,28 @@ def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernel
     assert rep.c0_top1 >= 0.75 and rep.cp_top1 >= 0.85, rep   # measured on a Zen 4: 0.90 and 0.96 (20 frames)
 
 
-def test_fp32_and_bf16_engines_never_get_it(own_kernels, small_ckpt, monkeypatch):
+def test_fp32_engines_never_get_it(own_kernels, small_ckpt, monkeypatch):
     from tts_engine.engine.engine import TTSEngine
 
     monkeypatch.setenv(fused_step.ENV, "1")
-    for dtype in ("fp32", "bf16"):
-        engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", dtype=dtype, max_batch=1, max_seq_len=64)
-        try:
-            assert engine.model.talker.model.fused is None
-            assert engine.model.talker.code_predictor.model.fused is None
-            assert all(s.startswith("off") for s in engine.runner.fused_status.values())
-        finally:
-            engine.close()
+    engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", dtype="fp32", max_batch=1, max_seq_len=64)
+    try:
+        assert engine.model.talker.model.fused is None
+        assert engine.model.talker.code_predictor.model.fused is None
+        assert all(s.startswith("off") for s in engine.runner.fused_status.values())
+    finally:
+        engine.close()
 
 
-def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, monkeypatch):
+@pytest.mark.parametrize("mode", ["w8a8", "bf16"])
+def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, monkeypatch, mode):
     import numpy as np
 
     from tts_engine.engine.engine import TTSEngine
 
     monkeypatch.setenv(fused_step.ENV, "1")
-    engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", quantize="w8a8", max_batch=2, max_seq_len=256)
+    kw = dict(dtype="bf16") if mode == "bf16" else dict(quantize=mode)
+    engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", max_batch=2, max_seq_len=256, **kw)
     try:
         assert engine.runner.fused_status == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
         wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=6)

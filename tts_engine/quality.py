@@ -228,8 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=4, help="prompts")
     p.add_argument("--dtype", default="bf16", help="activation dtype of the lossy engines")
     p.add_argument("--stepwise", action="store_true",
-                   help="the lossy models one position per call, as the engine decodes (the fused CPU step where "
-                        "it serves; TTS_FUSED_STEP=0 for the eager one)")
+                   help="the lossy and bf16 models one position per call, as the engine decodes (the fused CPU step "
+                        "where it serves; TTS_FUSED_STEP=0 for the eager one)")
     a = p.parse_args(argv)
     ref_model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype="fp32")
     ref = reference_run(ref_model, rows=a.rows, frames=max(1, a.frames // a.rows))
@@ -238,12 +238,15 @@ def main(argv=None) -> int:
     reports = []
     for mode in [None] + [m.strip() for m in a.modes.split(",") if m.strip()]:
         model = Qwen3TTSModel.from_pretrained(a.model, device="cpu", dtype=a.dtype, quantize=mode)
-        if a.stepwise and mode is not None:
+        label = model.precision
+        if a.stepwise:   # the plain bf16 row too: the fused step serves bf16 stacks (TTS_FUSED_STEP=0: eager)
             from .model import fused_step
 
             status = fused_step.attach(model.talker)
-            print(f"{mode}: fused step {status}", flush=True)
-        rep = measure(ref, model.talker, tts_pad, model.precision + (" stepwise" if a.stepwise else ""), a.stepwise)
+            print(f"{mode or label}: fused step {status}", flush=True)
+            on = [s for s in status.values() if not s.startswith("off")]
+            label += " stepwise" + (", fused" if on else "")
+        rep = measure(ref, model.talker, tts_pad, label, a.stepwise)
         del model
         reports.append(rep)
         if mode is not None and not a.stepwise:

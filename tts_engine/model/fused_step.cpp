@@ -5,7 +5,8 @@
 // entry e being one new position pos[e] of cache row row[e] (rows decode one position each; the code predictor's
 // first pass gives two entries of the same row, positions 0 and 1: every layer writes all entries' keys before any
 // entry attends, so the second sees the first, as the causal mask of the eager path). Per layer:
-//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels)
+//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels; bf16: linear16 below
+//   on the nn.Linear's own bf16 weight)
 //   q, k per head: RMSNorm(.) * w_q / w_k, then rotate-half RoPE at pos[e]; k, v -> the static KV cache
 //   o = softmax(q k^T / sqrt(hd)) v over the row's cache positions 0..pos[e] (fp32), query head j reads kv head j/g
 //   h += o @ Wo;  a = RMSNorm(h) * w_post;  gu = a @ Wgu;  h += (silu(gate) * up) @ Wdown
@@ -26,7 +27,8 @@ namespace fstep {
 // Per layer, LAYER_FIELDS int64 values (pointers as integers):
 enum LayerField {
   IN_NORM = 0,    // fp32 [D]
-  QKV_W, QKV_S,   // packed weight (cpu_ext.pack or pack4), fp32 scale127 [N] (W8A8; 0 for W4A8)
+  QKV_W, QKV_S,   // packed weight (cpu_ext.pack or pack4), fp32 scale127 [N] (W8A8; 0 for W4A8);
+                  // bf16: the nn.Linear's own bf16 weight [N, K] row-major, 0
   Q_NORM, K_NORM, // fp32 [hd]
   O_W, O_S,
   POST_NORM,      // fp32 [D]
@@ -86,6 +88,8 @@ struct Scratch {
   std::vector<float> amax;
   std::vector<int32_t> xsum, gsum, acc;
   std::vector<float> facc;
+  std::vector<uint16_t> xb;   // bf16 weights: activation rows rounded to bf16 [M, Kmax] ...
+  std::vector<float> xf;      // ... and the same values widened to fp32 (the paths without AVX-512 BF16)
 
   Scratch(const Plan& p, int64_t M) {
     const int64_t qkvN = (p.H + 2 * p.Hkv) * p.hd;
@@ -97,6 +101,11 @@ struct Scratch {
     qkv.resize(M * qkvN);
     gu.resize(M * 2 * p.I);
     act.resize(M * p.I);
+    if (p.wbits == 16) {
+      xb.resize(M * Kmax);
+      xf.resize(M * Kmax);
+      return;
+    }
     xq.resize(M * Kmax);
     amax.resize(M);
     xsum.resize(M);
@@ -169,10 +178,138 @@ void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t
   }
 }
 
+// ---- one bf16 matmul: y[M, N] (fp32) = bf16(x[M, K]) @ W^T, W the layer's own bf16 weight [N, K] row-major -------
+// Read in place (no packed copy). The activations are rounded to bf16 as the eager bf16 path's are; products and
+// sums in fp32. Output rows go in groups of R4 over the threads; within a group one weight row at a time (one
+// sequential stream: measured 1.5x the bandwidth of 4-8 interleaved rows on a Zen 4), with U independent sums per
+// activation row; a group's rows are read from memory once and again from L1/L2 for every tile of MT activation
+// rows. K must be a multiple of 32 (the plan checks it).
+// ISA (Dim ISA_ for wbits 16): 3 AVX-512 BF16 (vdpbf16ps), 2 AVX-512F (bf16 widened to fp32, FMA), 1 AVX2 + FMA.
+constexpr int64_t R4 = 8;    // weight rows per group (a unit of the threads' split)
+
+// one weight row n at a time (one sequential stream), U independent sums per activation row over k
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void mm16_tile_bf16(const uint16_t* W, int64_t K, const uint16_t* xb, int64_t n, int64_t m0, float* y, int64_t N) {
+  constexpr int U = 4;
+  for (int64_t r = 0; r < R4; ++r) {
+    const uint16_t* w0 = W + (n + r) * K;
+    __m512 acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 * U <= K; k += 32 * U) {
+      __m512bh w[U];
+      for (int u = 0; u < U; ++u) w[u] = (__m512bh)_mm512_loadu_si512(w0 + k + 32 * u);
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u)
+          acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_loadu_si512(xb + (m0 + i) * K + k + 32 * u), w[u]);
+    }
+    for (; k < K; k += 32) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(w0 + k);
+      for (int i = 0; i < MT; ++i)
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_loadu_si512(xb + (m0 + i) * K + k), w);
+    }
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+  }
+}
+
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void mm16_tile_avx512(const uint16_t* W, int64_t K, const float* xf, int64_t n, int64_t m0, float* y, int64_t N) {
+  constexpr int U = 4;
+  for (int64_t r = 0; r < R4; ++r) {
+    const uint16_t* w0 = W + (n + r) * K;
+    __m512 acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16 * U) {   // K a multiple of 32: the last step may be half
+      const int uu = (int)std::min<int64_t>(U, (K - k) / 16);
+      __m512 w[U];
+      for (int u = 0; u < U; ++u)
+        w[u] = u < uu ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w0 + k + 16 * u))), 16))
+                      : _mm512_setzero_ps();
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u)
+          if (u < uu) acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + (m0 + i) * K + k + 16 * u), w[u], acc[i][u]);
+    }
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+  }
+}
+
+template <int MT>
+__attribute__((target("avx2,fma")))
+void mm16_tile_avx2(const uint16_t* W, int64_t K, const float* xf, int64_t n, int64_t m0, float* y, int64_t N) {
+  constexpr int U = 4;
+  for (int64_t r = 0; r < R4; ++r) {
+    const uint16_t* w0 = W + (n + r) * K;
+    __m256 acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8 * U) {   // K is a multiple of 32
+      __m256 w[U];
+      for (int u = 0; u < U; ++u)
+        w[u] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w0 + k + 8 * u))), 16));
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u)
+          acc[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + i) * K + k + 8 * u), w[u], acc[i][u]);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+      v = _mm_add_ss(v, _mm_movehdup_ps(v));
+      y[(m0 + i) * N + n + r] = _mm_cvtss_f32(v);
+    }
+  }
+}
+
+// output rows [g0, g1) groups of R4, all M activation rows
+void mm16_groups(int isa, const uint16_t* W, int64_t K, const uint16_t* xb, const float* xf, int64_t M, int64_t g0,
+                 int64_t g1, float* y, int64_t N) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n = g * R4;
+    int64_t m = 0;
+    if (isa == 3) {
+      for (; m + 4 <= M; m += 4) mm16_tile_bf16<4>(W, K, xb, n, m, y, N);
+      for (; m + 2 <= M; m += 2) mm16_tile_bf16<2>(W, K, xb, n, m, y, N);
+      for (; m < M; ++m) mm16_tile_bf16<1>(W, K, xb, n, m, y, N);
+    } else if (isa == 2) {
+      for (; m + 4 <= M; m += 4) mm16_tile_avx512<4>(W, K, xf, n, m, y, N);
+      for (; m + 2 <= M; m += 2) mm16_tile_avx512<2>(W, K, xf, n, m, y, N);
+      for (; m < M; ++m) mm16_tile_avx512<1>(W, K, xf, n, m, y, N);
+    } else {
+      for (; m + 2 <= M; m += 2) mm16_tile_avx2<2>(W, K, xf, n, m, y, N);
+      for (; m < M; ++m) mm16_tile_avx2<1>(W, K, xf, n, m, y, N);
+    }
+  }
+}
+
+void linear16(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
+  const int64_t N = l.N, K = l.K;
+  uint16_t* xb = s.xb.data();
+  float* xf = s.xf.data();
+  for (int64_t i = 0; i < M * K; ++i) {
+    xb[i] = f32_to_bf16(x[i]);
+    xf[i] = bf16_to_f32(xb[i]);
+  }
+  const uint16_t* W = (const uint16_t*)l.w;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (R4 * K * 2));
+  const int isa = (int)p.isa;
+  at::parallel_for(0, N / R4, grain, [&](int64_t g0, int64_t g1) { mm16_groups(isa, W, K, xb, xf, M, g0, g1, y, N); });
+}
+
 // ---- one quantised matmul: y[M, N] (fp32, rows N apart) = x[M, K] (fp32, rows K apart) @ W^T ------------------
 // Row quantisation as cpu_ext's layers (kernels.quantize_rows); int32 sums (W8A8) or per-group float sums (W4A8)
 // from cpu_ext.cpp's block kernels; the scale applied per output, as ttsx_w8a8 / ttsx_w4a8 do.
 void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
+  if (p.wbits == 16) return linear16(p, l, x, M, y, s);
   const int64_t N = l.N, K = l.K, Np = round_up(N, BLK);
   if (p.wbits == 8) {
     const int64_t Kp = round_up(K, KU);
@@ -287,6 +424,16 @@ int ttsf_version() { return 1; }
 
 int ttsf_layer_fields() { return fstep::LAYER_FIELDS; }
 
+// The bf16 matmul path this CPU runs (Dim ISA_ for wbits 16): 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA, 0 none
+int ttsf_bf16_isa() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return 3;
+  if (avx512) return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
 // x [M, D] (fp32 or bf16, contiguous): the stack's input at each entry -> overwritten by its normed output.
 // dims: fstep::Dim values; layers [L, LAYER_FIELDS]; row, pos [M] int64: each entry's cache row and position;
 // kc, vc: the cache's k and v (layers.KVCache), cache_strides: layer, row, head strides and max_len in elements.
@@ -297,7 +444,12 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
   fstep::Plan p{dims[fstep::L_], dims[fstep::D_], dims[fstep::H_], dims[fstep::HKV_], dims[fstep::HD_],
                 dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
   fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
-  if (M < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4) || (p.wbits == 4 && p.isa != 2)) return -1;
+  if (M < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16) ||
+      (p.wbits == 4 && p.isa != 2))
+    return -1;
+  if (p.wbits == 16 && (p.isa < 1 || p.isa > 3 || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
+                        ((p.H + 2 * p.Hkv) * p.hd) % fstep::R4))
+    return -1;
   for (int64_t e = 0; e < M; ++e)
     if (pos[e] < 0 || pos[e] >= c.max_len) return -2;
   fstep::Scratch s(p, M);

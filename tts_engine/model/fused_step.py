@@ -1,15 +1,18 @@
-"""A fused CPU decode step: one call of our own C++ (`fused_step.cpp`) runs every layer of a quantised decoder stack
-(the talker's, the code predictor's) for a few rows at one new position each, instead of ~60 aten calls per layer
-around the matmuls (norms, RoPE, cache writes, attention, views, residual adds).
+"""A fused CPU decode step: one call of our own C++ (`fused_step.cpp`) runs every layer of a quantised or bf16 decoder
+stack (the talker's, the code predictor's) for a few rows at one new position each, instead of ~60 aten calls per
+layer around the matmuls (norms, RoPE, cache writes, attention, views, residual adds).
 
-Where it serves: CPU engines in the W8A8 and W4A8 modes, in `DecoderStack.run` calls of at most MAX_ENTRIES
+Where it serves: CPU engines in the W8A8, W4A8 and bf16 modes, in `DecoderStack.run` calls of at most MAX_ENTRIES
 (row, position) entries and at most 2 positions per row: the talker's decode step (one position per row) and the
 code predictor's 15 passes (the first has two positions: the talker's hidden and codebook 0). Prompt prefills, the
-quality tool's teacher-forced passes, fp32, bf16, int8, int4 and GPU engines keep the eager path (`layers.py`).
+quality tool's teacher-forced passes, fp32, int8, int4 and GPU engines keep the eager path (`layers.py`).
 
 Numerics: the same quantised weights and the same int8 activation rounding per matmul as the eager layers
-(cpu_ext.cpp's kernels, included in fused_step.cpp); between the matmuls everything stays fp32 where the eager
-path rounds to the engine's dtype (bf16) after each op. The KV cache is written in its own dtype, as eager.
+(cpu_ext.cpp's kernels, included in fused_step.cpp); bf16 stacks: the nn.Linear layers' own bf16 weights, read in
+place (no copy), activations rounded to bf16 per matmul as the eager bf16 layers take them, fp32 sums (AVX-512
+BF16 `vdpbf16ps`, else bf16 widened to fp32 with AVX-512F or AVX2 + FMA: `ttsf_bf16_isa`). Between the matmuls
+everything stays fp32 where the eager path rounds to the engine's dtype (bf16) after each op. The KV cache is
+written in its own dtype, as eager.
 
 Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
   auto (default)  the first TRIAL_PAIRS one-position calls of each stack run both paths on the same input, timed,
@@ -73,6 +76,7 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
             P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.ttsf_layer_fields.restype = I
+            lib.ttsf_bf16_isa.restype = I
             lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
             lib.ttsf_stack_step.restype = I
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
@@ -104,11 +108,15 @@ def _linear_fields(m, N: int, K: int, wbits: int) -> tuple[int, int]:
         return m.packed.data_ptr(), m.scale127.data_ptr()
     if wbits == 4 and isinstance(m, W4A8Linear):
         return m.packed4.data_ptr(), 0
+    if wbits == 16 and type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
+        if not m.weight.is_contiguous() or K % 32 or N % 8:   # fused_step.cpp linear16: K % 32, N % R4
+            raise ValueError(f"a bf16 weight of {N}x{K}: not contiguous, or K not a multiple of 32 or N of 8")
+        return m.weight.data_ptr(), 0   # read in place: no copy
     raise ValueError(f"{type(m).__name__} is not in our kernels' packed layout")
 
 
 class StackPlan:
-    """Pointers and sizes of one quantised `DecoderStack` as fused_step.cpp reads them. Built once after
+    """Pointers and sizes of one quantised (W8A8 / W4A8) or bf16 `DecoderStack` as fused_step.cpp reads them. Built once after
     quantisation; holds fp32 copies of the norm weights and the RoPE frequencies (born here, alive as long as the
     plan) and points at the layers' own packed weights (alive as long as the model: the plan keeps the stack)."""
 
@@ -119,12 +127,18 @@ class StackPlan:
         first = stack.layers[0].self_attn.qkv_proj
         if first is None:
             raise ValueError("the stack's projections are not fused")
-        self.wbits = 8 if isinstance(first, W8A8Linear) else 4 if isinstance(first, W4A8Linear) else 0
+        bf16 = type(first) is torch.nn.Linear and first.weight.dtype == torch.bfloat16
+        self.wbits = 8 if isinstance(first, W8A8Linear) else 4 if isinstance(first, W4A8Linear) else 16 if bf16 else 0
         if not self.wbits:
-            raise ValueError(f"the stack's layers are {type(first).__name__}, not W8A8 / W4A8")
+            raise ValueError(f"the stack's layers are {type(first).__name__} "
+                             f"({getattr(getattr(first, 'weight', None), 'dtype', '')}), not W8A8 / W4A8 / bf16")
         isa = cpu_ext._state.get("isa", 0)
         if self.wbits == 4 and isa != 2:
             raise ValueError("W4A8 needs the AVX-512 VNNI path")
+        if self.wbits == 16:   # fused_step.cpp's bf16 matmul path: 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA
+            isa = library().ttsf_bf16_isa()
+            if not isa:
+                raise ValueError("the bf16 matmul needs AVX-512F or AVX2 + FMA")
         self.stack = stack
         L, D, H, Hkv, hd = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim)
@@ -296,8 +310,8 @@ class FusedStep:
 
 
 def attach(talker) -> dict[str, str]:
-    """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 on a
-    CPU and the fused library runs here -> {stack: status}. Never raises."""
+    """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 or bf16
+    on a CPU and the fused library runs here -> {stack: status}. Never raises."""
     out = {}
     mode = setting()
     stacks = {"talker": talker.model, "predictor": talker.code_predictor.model}
