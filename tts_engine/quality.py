@@ -98,6 +98,26 @@ def generate_codes(model, prompts: list[Prompt], frames: int) -> torch.Tensor:
     return torch.stack(out, dim=1).cpu()
 
 
+def _talker_inputs(talker, tts_pad: torch.Tensor, p: Prompt, codes_r: torch.Tensor, dev, dtype) -> tuple[torch.Tensor, int]:
+    """One row's talker inputs as ModelRunner._frame_core builds them: the prompt's prefill, then frame f's input
+    E(codes_f) + text track (tts_pad once the text is exhausted) -> (x [1, L+F, D], L)."""
+    Fr = codes_r.shape[0]
+    tr = p.trailing.to(dev, dtype)[:Fr]
+    track = torch.cat([tr, tts_pad.to(dev, dtype)[None].expand(Fr - tr.shape[0], -1)])   # [F, D]
+    x = torch.cat([p.prefill.to(dtype), talker.frame_embed(codes_r).to(dtype) + track])[None]  # [1, L+F, D]
+    return x, p.prefill.shape[0]
+
+
+def _predictor_inputs(talker, hidden_all: torch.Tensor, codes: torch.Tensor, dtype) -> torch.Tensor:
+    """The code predictor's 16 inputs per frame: the talker's hidden, E(c0), E_1(c1) .. E_14(c14)
+    -> [R*F, 16, D] (talker width, before small_to_mtp_projection)."""
+    cp = talker.code_predictor
+    flat = codes.reshape(-1, codes.shape[-1])
+    steps = [hidden_all, talker.codec_embed(flat[:, 0])]
+    steps += [cp.model.codec_embedding[j](flat[:, j + 1]) for j in range(codes.shape[-1] - 2)]
+    return torch.stack(steps, dim=1).to(dtype)
+
+
 @torch.inference_mode()
 def teacher_forced(talker, tts_pad: torch.Tensor, prompts: list[Prompt], codes: torch.Tensor) -> dict:
     """Teacher-forced outputs of `talker` on `codes` [R, F, 16]: hidden [R*F, D], c0_logits [R*F, V] and
@@ -105,15 +125,11 @@ def teacher_forced(talker, tts_pad: torch.Tensor, prompts: list[Prompt], codes: 
     vector of frames past the end of the text."""
     w = talker.model.norm.weight
     dev, dtype = w.device, w.dtype
-    R, Fr, K = codes.shape
+    Fr, K = codes.shape[1:]
     codes = codes.to(dev)
     hidden, logits = [], []
     for r, p in enumerate(prompts):
-        # frame f's input, as ModelRunner._frame_core builds it: E(codes_f) + text track (tts_pad once exhausted)
-        tr = p.trailing.to(dev, dtype)[:Fr]
-        track = torch.cat([tr, tts_pad.to(dev, dtype)[None].expand(Fr - tr.shape[0], -1)])   # [F, D]
-        x = torch.cat([p.prefill.to(dtype), talker.frame_embed(codes[r]).to(dtype) + track])[None]  # [1, L+F, D]
-        L = p.prefill.shape[0]
+        x, L = _talker_inputs(talker, tts_pad, p, codes[r], dev, dtype)               # [1, L+F, D]
         cache = talker.new_cache(1, L + Fr, dev, dtype)
         h = talker.model.run(x, cache, slice(0, 1), torch.zeros(1, dtype=torch.long, device=dev), L + Fr)[0]
         h = h[L - 1:L - 1 + Fr]                                                        # [F, D]: predicts c0_f
@@ -121,10 +137,7 @@ def teacher_forced(talker, tts_pad: torch.Tensor, prompts: list[Prompt], codes: 
         logits.append(talker.codec_head(h).float())
     hidden_all = torch.cat(hidden)                                                     # [R*F, D]
     cp = talker.code_predictor
-    flat = codes.reshape(R * Fr, K)
-    steps = [hidden_all, talker.codec_embed(flat[:, 0])]
-    steps += [cp.model.codec_embedding[j](flat[:, j + 1]) for j in range(K - 2)]       # E_1(c1) .. E_14(c14)
-    x = torch.stack(steps, dim=1).to(dtype)                                            # [N, 16, D]
+    x = _predictor_inputs(talker, hidden_all, codes, dtype)                            # [N, 16, D]
     N, T = x.shape[:2]
     cache = cp.new_cache(N, dev, dtype)
     hc = cp.model.run(cp.small_to_mtp_projection(x), cache, slice(0, N),
@@ -142,14 +155,11 @@ def teacher_forced_stepwise(talker, tts_pad: torch.Tensor, prompts: list[Prompt]
     it. Same inputs and codes as `teacher_forced`."""
     w = talker.model.norm.weight
     dev, dtype = w.device, w.dtype
-    R, Fr, K = codes.shape
+    Fr, K = codes.shape[1:]
     codes = codes.to(dev)
     hidden, logits = [], []
     for r, p in enumerate(prompts):
-        tr = p.trailing.to(dev, dtype)[:Fr]
-        track = torch.cat([tr, tts_pad.to(dev, dtype)[None].expand(Fr - tr.shape[0], -1)])   # [F, D]
-        x = torch.cat([p.prefill.to(dtype), talker.frame_embed(codes[r]).to(dtype) + track])[None]  # [1, L+F, D]
-        L = p.prefill.shape[0]
+        x, L = _talker_inputs(talker, tts_pad, p, codes[r], dev, dtype)               # [1, L+F, D]
         cache = talker.new_cache(1, L + Fr, dev, dtype)
         hs = [talker.model.run(x[:, :L], cache, slice(0, 1), torch.zeros(1, dtype=torch.long, device=dev), L)[0, -1]]
         for f in range(Fr - 1):   # hidden at position L + f (frame f's input) predicts c0 of frame f + 1
@@ -160,10 +170,7 @@ def teacher_forced_stepwise(talker, tts_pad: torch.Tensor, prompts: list[Prompt]
         logits.append(talker.codec_head(h).float())
     hidden_all = torch.cat(hidden)                                                     # [R*F, D]
     cp = talker.code_predictor
-    flat = codes.reshape(R * Fr, K)
-    steps = [hidden_all, talker.codec_embed(flat[:, 0])]
-    steps += [cp.model.codec_embedding[j](flat[:, j + 1]) for j in range(K - 2)]
-    x = cp.small_to_mtp_projection(torch.stack(steps, dim=1).to(dtype))                # [N, 16, Dcp]
+    x = cp.small_to_mtp_projection(_predictor_inputs(talker, hidden_all, codes, dtype))  # [N, 16, Dcp]
     N = x.shape[0]
     cp_logits = []
     for n0 in range(0, N, rows_per_call):
