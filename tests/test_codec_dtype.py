@@ -39,6 +39,7 @@ def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t
         return t16 if dec.pre_conv.conv.weight.dtype == torch.bfloat16 else t32
 
     monkeypatch.setattr(dtype_choice, "time_decoder", fake)
+    monkeypatch.setattr(dtype_choice, "_bf16_convs", lambda: True)   # bf16 a candidate on any CPU (timing faked)
     dec = _dec(torch.bfloat16)
     got = dtype_choice.choose(dec)
     assert got.pre_conv.conv.weight.dtype == want and (got is dec) == (want == torch.bfloat16)
@@ -55,6 +56,27 @@ def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t
         with torch.inference_mode():
             a, b = dec(codes).float(), got(codes)
         assert b.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 0.1
+
+
+def test_without_onednn_bf16_convolutions_bf16_is_no_candidate_and_still_decodes(cache, monkeypatch):
+    """An AVX2-only CPU (oneDNN has no bf16 convolutions; torch's mkldnn_convolution raises for bf16 there, seen
+    under QEMU -cpu Haswell): a bf16 model's decoder is timed and kept in fp32 only, and a bf16 decoder (forced)
+    takes aten's generic convolutions instead of calling oneDNN."""
+    from tts_engine.codec import decoder
+
+    monkeypatch.setattr(decoder, "_MKLDNN_BF16", False)
+    calls = []
+    monkeypatch.setattr(dtype_choice, "time_decoder", lambda d, rounds=3: calls.append(d.pre_conv.conv.weight.dtype) or 1.0)
+    got = dtype_choice.choose(_dec(torch.bfloat16))
+    assert got.pre_conv.conv.weight.dtype == torch.float32 and calls and set(calls) == {torch.float32}
+    assert json.loads(cache.read_text())[dtype_choice.machine_key(got)]["dtype"] == "fp32"
+    d16 = _dec(torch.bfloat16)
+    assert not decoder._direct(torch.zeros(1, 2, 3, dtype=torch.bfloat16))
+    assert decoder._direct(torch.zeros(1, 2, 3)) == decoder._MKLDNN
+    codes = torch.randint(0, 2048, (1, 16, 3), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        a, b = d16(codes).float(), _dec(torch.float32)(codes)
+    assert float((a - b).norm() / b.norm()) < 0.1
 
 
 def test_fp32_models_and_the_override(cache, monkeypatch):

@@ -47,6 +47,16 @@ def ext():
 
 
 @pytest.fixture
+def w4a8_ext(ext):
+    """The W4A8 kernel (AVX-512 VNNI only): skipped on a CPU whose kernels took the AVX2 path."""
+    if not ext.has_w4a8():
+        if EXPECTED:
+            pytest.fail(f"this CPU has AVX-512 VNNI, but the W4A8 kernel is not offered (path {ext.isa()})")
+        pytest.skip(f"no W4A8 kernel on this CPU (our kernels' path: {ext.isa()})")
+    return ext
+
+
+@pytest.fixture
 def fresh_state(cache):
     """cpu_ext forgets what it loaded (the next use tries again); afterwards the loaded library is back (no
     second compile) and the candidates are registered as before."""
@@ -168,11 +178,12 @@ def test_switched_off_by_environment(fresh_state, monkeypatch):
 
 # --- W4A8: int4 weights (quant.Int4Linear's groups, scales and zeros) x int8 activation rows --------------------
 @pytest.mark.parametrize("N,K", [(16, 64), (37, 128), (100, 320), (1024, 1024)])
-def test_w4a8_matches_the_same_arithmetic_in_float64(ext, N, K):
+def test_w4a8_matches_the_same_arithmetic_in_float64(w4a8_ext, N, K):
     from tts_engine.model.quant import int4_quantize
 
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g) * 0.05
+    ext = w4a8_ext
     q, sz = int4_quantize(w, 64)
     packed = ext.pack4(q, sz)
     assert packed.numel() == ext.packed4_bytes(N, K)
@@ -191,7 +202,7 @@ def test_w4a8_matches_the_same_arithmetic_in_float64(ext, N, K):
             assert err < (2e-6 if dtype == torch.float32 else 4e-3), (rows, dtype, err)   # fp32 sums / bf16 result
 
 
-def test_w4a8_layer_is_the_int4_weight_with_int8_activations(ext, cache):
+def test_w4a8_layer_is_the_int4_weight_with_int8_activations(w4a8_ext, cache):
     from tts_engine.model import quant
 
     torch.manual_seed(5)

@@ -90,14 +90,21 @@ _ACT = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
 
 # --- convolutions that ignore the process-wide oneDNN switch ----------------------------------------------------
 _MKLDNN = torch.backends.mkldnn.is_available()
+# oneDNN's bf16 convolutions need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU torch's
+# mkldnn_convolution raises for bf16 ("bf16 path needs the cpu support ..."; seen under QEMU -cpu Haswell), so
+# bf16 inputs take aten's generic path there
+_MKLDNN_BF16 = _MKLDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _direct(x: torch.Tensor) -> bool:
     """On a CPU with oneDNN, the decoder's convolutions call oneDNN directly: `torch._C._set_mkldnn_enabled`
     is process-wide, and the engine turns it off around small bf16 matrix-vector steps (model_runner's
     `aten_bf16_gemv`). A decode running on another thread meanwhile (`overlap_codec`) would then take aten's
-    fallback kernels, measured 5x (depthwise) to 150-200x (bf16 conv and matmul) slower on a Zen 4."""
-    return _MKLDNN and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    fallback kernels, measured 5x (depthwise) to 150-200x (bf16 conv and matmul) slower on a Zen 4. bf16 only
+    where oneDNN has bf16 kernels (`_MKLDNN_BF16`)."""
+    if not _MKLDNN or x.device.type != "cpu":
+        return False
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _MKLDNN_BF16)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,

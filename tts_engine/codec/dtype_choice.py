@@ -9,7 +9,8 @@ reordered once per input shape, channels-last activations; `CodecDecoder.set_con
 So when the model runs in bf16 on a CPU, the decoder is timed once per candidate (bf16 and fp32, each with the
 aten and the packed convolutions) on a stream's first chunks (1 + 2 + 8 frames, interleaved, best of 2 after a
 warm-up: a few seconds, once per machine), and the fastest is kept; an fp32 candidate must take < 90 % of the
-fastest bf16 one's time to replace bf16. The result is remembered per CPU model, thread count, torch version and
+fastest bf16 one's time to replace bf16. On a CPU where oneDNN has no bf16 convolutions (AVX2 only: no AVX-512
+BW/VL/DQ, no AVX-NE-CONVERT) only fp32 is a candidate: bf16 would take aten's generic kernels. The result is remembered per CPU model, thread count, torch version and
 decoder size in ~/.cache/qwen3-tts-live/choices/codec_dtype.json.
 An fp32 model keeps an fp32 decoder on aten's path (exact path, parity-tested); GPUs keep the model's dtype.
 
@@ -101,6 +102,8 @@ def choose(dec):
     want = _want(ENV, ("auto", "fp32", "bf16", "model"))
     want_conv = _want(CONV_ENV, ("auto", "aten", "packed"))
     dtypes = ["bf16", "fp32"] if want == "auto" else ["fp32" if want == "fp32" else "bf16"]
+    if want == "auto" and not _bf16_convs():   # bf16 would take aten's generic convolutions (150-200x slower)
+        dtypes = ["fp32"]
     convs = ["aten", "packed"] if want_conv == "auto" else [want_conv]
     if not packed_conv.available():
         convs = ["aten"]
@@ -134,6 +137,8 @@ def _measure(dec) -> tuple[dict, dict]:
     f32 = _fp32(dec)
     cands = {}
     for name, d in (("bf16", dec), ("fp32", f32)):
+        if name == "bf16" and not _bf16_convs():
+            continue
         for conv in (["aten", "packed"] if packed_conv.available() else ["aten"]):
             cands[f"{name} {conv}"] = (d, conv)
 
@@ -147,15 +152,22 @@ def _measure(dec) -> tuple[dict, dict]:
     for _ in range(2):                                       # interleaved
         for k, (d, conv) in cands.items():
             best[k] = min(best[k], timed(d, conv))
-    b16 = min((k for k in best if k.startswith("bf16")), key=best.get)
+    b16 = min((k for k in best if k.startswith("bf16")), key=best.get, default=None)
     b32 = min((k for k in best if k.startswith("fp32")), key=best.get)
-    pick = b32 if best[b32] < FP32_MARGIN * best[b16] else b16
+    pick = b32 if b16 is None or best[b32] < FP32_MARGIN * best[b16] else b16
     d, conv = cands[pick]
     d.set_conv_mode(conv)
     frames = sum(TIMED_CHUNKS)
     return {"dtype": pick.split()[0], "conv": pick.split()[1],
             "ms_per_frame": {k: round(1000 * v / frames, 2) for k, v in best.items()},
             "timed_chunks": list(TIMED_CHUNKS)}, {pick: d}
+
+
+def _bf16_convs() -> bool:
+    """oneDNN has bf16 convolutions on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on AVX2-only CPUs)."""
+    from .decoder import _MKLDNN_BF16
+
+    return _MKLDNN_BF16
 
 
 def _fp32(dec):
