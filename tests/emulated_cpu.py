@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+T_START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -43,6 +44,8 @@ QEMU = "qemu-x86_64"
 CPUS = {"Haswell": "AVX2 + FMA, no AVX-512", "Nehalem": "SSE4.2 (x86-64-v2), no AVX"}
 MODES = ("w8a8", "w4a8", "bf16")
 FRAMES, ROWS = 6, 2
+QUICK = dict(rows=1, frames=4)   # the pytest variant (tests/test_emulated_cpu.py): fewer frames, codec path forced
+QUICK_ENV = {"TTS_CODEC_DTYPE": "fp32", "TTS_CODEC_CONV": "aten"}   # nothing timed (the payload decodes both paths)
 # the flags probed with cpuid: /proc/cpuinfo name -> __builtin_cpu_supports name
 PROBED = {"sse4_2": "sse4.2", "popcnt": "popcnt", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
           "bmi2": "bmi2", "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512bw": "avx512bw",
@@ -352,7 +355,13 @@ def payload(out: Path, ckpt: Path, reference: Path | None, modes, rows: int, fra
     os.environ.setdefault("TTS_KERNEL_TUNE", "0")    # no timing of 100 MB of weights per shape (minutes under TCG)
     from tts_engine.model import cpu_ext, kernels
 
-    res = {"identity": identity(view), "kernels": kernel_checks(), "candidates": candidate_checks(), "engine": {}}
+    stage = {"start_to_payload": round(time.perf_counter() - T_START, 1)}   # the check's own durations, not speeds
+    t0 = time.perf_counter()
+    res = {"identity": identity(view)}
+    stage["identity (builds our kernels)"], t0 = round(time.perf_counter() - t0, 1), time.perf_counter()
+    res["kernels"], res["candidates"], res["engine"] = kernel_checks(), candidate_checks(), {}
+    stage["kernels"] = round(time.perf_counter() - t0, 1)
+    res["stage_s"] = stage
     # W8A8 layers in our kernels' layout wherever they run (as tests/test_fused_step.py's own_kernels): the same
     # kernel natively and emulated, and the fused step reads that layout
     if cpu_ext.available():
@@ -361,7 +370,7 @@ def payload(out: Path, ckpt: Path, reference: Path | None, modes, rows: int, fra
         ref = torch.load(reference / f"{mode}.pt") if reference is not None and (reference / f"{mode}.pt").exists() else None
         t0 = time.perf_counter()
         summary, tensors = engine_check(mode, ckpt, ref, rows, frames)
-        summary["wall_s"] = round(time.perf_counter() - t0, 1)   # not a speed: the check's own duration
+        stage[mode] = round(time.perf_counter() - t0, 1)
         res["engine"][mode] = summary
         if tensors:
             torch.save(tensors, out / f"{mode}.pt")
@@ -463,12 +472,12 @@ def compare(native_dir: Path, emu_dir: Path) -> list[tuple[str, bool, str]]:
 
 
 def run_side(out: Path, ckpt: Path, cache: Path, cpu: str | None, reference: Path | None, modes, rows: int,
-             frames: int, timeout: float) -> tuple[int, str]:
+             frames: int, timeout: float, extra_env: dict | None = None) -> tuple[int, str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "payload", str(out), "--ckpt", str(ckpt),
            "--modes", ",".join(modes), "--rows", str(rows), "--frames", str(frames)]
     if reference is not None:
         cmd += ["--reference", str(reference)]
-    env = dict(os.environ, TTS_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TTS_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT), **(extra_env or {}))
     env.pop("TTS_EMULATED_CPU", None)
     if cpu:
         cmd = [qemu(), "-cpu", cpu] + cmd
@@ -499,8 +508,11 @@ PYTEST_FILES = ("tests/test_cpu_ext_kernels.py", "tests/test_codec_snake.py", "t
 
 
 def check(cpus, work: Path, modes=MODES, rows: int = ROWS, frames: int = FRAMES, timeout: float = 1800,
-          log=print) -> dict:
-    """Native side, then each emulated CPU; -> {cpu: (rc, stderr tail, checks)}."""
+          log=print, quick: bool = False) -> dict:
+    """Native side, then each emulated CPU; -> {cpu: (rc, stderr tail, checks)}. quick: QUICK sizes and QUICK_ENV."""
+    extra = QUICK_ENV if quick else None
+    if quick:
+        rows, frames = QUICK["rows"], QUICK["frames"]
     from tts_engine.tiny import make_tiny
 
     work.mkdir(parents=True, exist_ok=True)
@@ -508,13 +520,13 @@ def check(cpus, work: Path, modes=MODES, rows: int = ROWS, frames: int = FRAMES,
     if not (ckpt / "config.json").exists():
         make_tiny(ckpt, kind="custom_voice", seed=0)
     cache = work / "cache"
-    rc, err = run_side(work / "native", ckpt, cache, None, None, modes, rows, frames, timeout)
+    rc, err = run_side(work / "native", ckpt, cache, None, None, modes, rows, frames, timeout, extra)
     if rc:
         raise RuntimeError(f"the native side failed ({rc}): {err}")
     results = {}
     for cpu in cpus:
         t0 = time.perf_counter()
-        rc, err = run_side(work / cpu, ckpt, cache, cpu, work / "native", modes, rows, frames, timeout)
+        rc, err = run_side(work / cpu, ckpt, cache, cpu, work / "native", modes, rows, frames, timeout, extra)
         checks = compare(work / "native", work / cpu) if rc == 0 else []
         results[cpu] = (rc, err, checks)
         log(f"{cpu}: exit {rc} after {time.perf_counter() - t0:.0f} s (emulated: not a speed)")
@@ -532,6 +544,8 @@ def report(results: dict, work: Path) -> str:
                          f"({ident['cpu_ext_why_not'] or 'built'}), w4a8 {ident['w4a8_kernel']}, snake "
                          f"{ident['snake_isa']}, fused bf16 {ident['fused_bf16_isa']}; default dtype "
                          f"{ident['default_cpu_dtype']}")
+            res = json.loads((work / cpu / "result.json").read_text())
+            lines.append(f"durations of the check (s, emulated: not speeds): {res.get('stage_s')}")
         if rc:
             lines.append(err)
         for what, ok, detail in checks:
@@ -556,6 +570,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="append", help=f"QEMU CPU model (repeatable; default {' and '.join(CPUS)})")
     p.add_argument("--work", type=Path, help="working folder (default: a new temporary one)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--quick", action="store_true", help="the pytest variant: fewer frames, codec path forced")
     p.add_argument("--pytest", action="store_true", help=f"also run {', '.join(PYTEST_FILES)} under emulation")
     a = p.parse_args(argv)
     if not qemu():
@@ -563,7 +578,7 @@ def main(argv=None) -> int:
         return 2
     work = a.work or Path(tempfile.mkdtemp(prefix="emulated-cpu-"))
     cpus = a.cpu or list(CPUS)
-    results = check(cpus, work, [m for m in a.modes.split(",") if m])
+    results = check(cpus, work, [m for m in a.modes.split(",") if m], quick=a.quick)
     print(report(results, work))
     bad = any(rc or not all(ok for _, ok, _ in checks) for rc, _, checks in results.values())
     if a.pytest:
