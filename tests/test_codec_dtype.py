@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine
-from tts_engine.codec import dtype_choice, packed_conv, speech_tokenizer
+from tts_engine.codec import decoder, dtype_choice, packed_conv, speech_tokenizer
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
 
@@ -62,8 +62,6 @@ def test_without_onednn_bf16_convolutions_bf16_is_no_candidate_and_still_decodes
     """An AVX2-only CPU (oneDNN has no bf16 convolutions; torch's mkldnn_convolution raises for bf16 there, seen
     under QEMU -cpu Haswell): a bf16 model's decoder is timed and kept in fp32 only, and a bf16 decoder (forced)
     takes aten's generic convolutions instead of calling oneDNN."""
-    from tts_engine.codec import decoder
-
     monkeypatch.setattr(decoder, "_MKLDNN_BF16", False)
     calls = []
     monkeypatch.setattr(dtype_choice, "time_decoder", lambda d, rounds=3: calls.append(d.pre_conv.conv.weight.dtype) or 1.0)
@@ -115,6 +113,8 @@ def test_engine_streams_with_a_decoder_dtype_unlike_the_talkers(cache, monkeypat
 
 
 @pytest.mark.skipif(not packed_conv.available(), reason="no oneDNN packed convolutions in this torch")
+@pytest.mark.skipif(not decoder._MKLDNN_BF16, reason="oneDNN has no bf16 convolutions on this CPU (AVX2 only): bf16 is "
+                    "no candidate here (test_without_onednn_bf16_convolutions_... covers it)")
 @pytest.mark.parametrize("fast, want_dtype, want_conv", [("bf16 packed", torch.bfloat16, "packed"),
                                                          ("bf16 aten", torch.bfloat16, "aten"),
                                                          ("fp32 packed", torch.float32, "packed")])
