@@ -27,3 +27,15 @@ def test_a_cpu_frame_crosses_nothing_and_keeps_the_state(tiny_cv_folder):
             assert torch.equal(a, b)
     finally:
         e.close()
+
+
+def test_the_bench_frame_line_with_graphs_derives_no_remainder():
+    from tts_engine.bench import frame_split_line
+
+    prof = {"talker_ms": 101.0, "code_predictor_ms": 134.0, "codec_ms": 30.0, "frame_total_ms": 16.5}
+    line = frame_split_line(prof, graphs=True)
+    assert "CUDA graph replay) 16.50" in line and "eagerly" in line and "sampling" not in line
+    cpu = dict(prof, frame_total_ms=240.0, sampling_and_host_ms=5.0)
+    line = frame_split_line(cpu, graphs=False)
+    assert line == ("Per frame at concurrency 1 (ms): talker 101.00, code predictor 134.00, codec 30.00, "
+                    "frame total 240.00, sampling and host 5.00.")
