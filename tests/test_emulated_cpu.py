@@ -8,17 +8,22 @@ synthesis in w8a8 and bf16 (fused step on) gives finite audio; teacher-forced on
 states and logits stay within test_fused_step's bounds of native; the codec (fp32 aten and packed, bf16) decodes
 those codes as natively. A SIGILL anywhere fails it (the emulated process dies).
 
-Skips when qemu-x86_64 (apt-get install qemu-user; QEMU >= 7.2 emulates AVX2) or gcc is absent. The fuller manual
-check (Haswell and Nehalem, more frames, the codec's measured choice): `python tests/emulated_cpu.py`."""
+A manual check, not part of the default suite: it runs only with TTS_EMULATED_CPU_CHECK=1 (and qemu-x86_64: apt-get
+install qemu-user, QEMU >= 7.2 emulates AVX2; and gcc). Measured on the 2-vCPU Zen 4 (session 7): 135 s wall at load
+6-7, 73 s of CPU (the run is serial), over the 90 s a CI addition may take, so CI does not install qemu-user.
+The fuller check (Haswell and Nehalem, more frames, the codec's measured choice): `python tests/emulated_cpu.py`."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 import emulated_cpu
 
-pytestmark = [pytest.mark.skipif(emulated_cpu.qemu() is None, reason="qemu-x86_64 not installed (apt-get install qemu-user)"),
+pytestmark = [pytest.mark.skipif(os.environ.get("TTS_EMULATED_CPU_CHECK") != "1",
+                                 reason="a manual check (~2 min): TTS_EMULATED_CPU_CHECK=1 runs it"),
+              pytest.mark.skipif(emulated_cpu.qemu() is None, reason="qemu-x86_64 not installed (apt-get install qemu-user)"),
               pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("g++") is None, reason="no gcc/g++")]
 
 
