@@ -9,8 +9,9 @@ states and logits stay within test_fused_step's bounds of native; the codec (fp3
 those codes as natively. A SIGILL anywhere fails it (the emulated process dies).
 
 A manual check, not part of the default suite: it runs only with TTS_EMULATED_CPU_CHECK=1 (and qemu-x86_64: apt-get
-install qemu-user, QEMU >= 7.2 emulates AVX2; and gcc). Measured on the 2-vCPU Zen 4 (session 7): 135 s wall at load
-6-7, 73 s of CPU (the run is serial), over the 90 s a CI addition may take, so CI does not install qemu-user.
+install qemu-user, QEMU >= 7.2 emulates AVX2; and gcc). Measured on the 2-vCPU Zen 4 (session 7, three runs): 73, 100
+and 135 s wall at load 3-7, 62-73 s of CPU (the run is serial; ~50 s of it is importing torch, transformers and
+torch._dynamo under TCG), at or over the 90 s a CI addition may take, so CI does not install qemu-user.
 The fuller check (Haswell and Nehalem, more frames, the codec's measured choice): `python tests/emulated_cpu.py`."""
 from __future__ import annotations
 
