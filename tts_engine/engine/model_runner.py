@@ -83,8 +83,12 @@ class ModelRunner:
         self.on_frame_codes = None
         self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
-        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py)
-        self.fused_status = fused_step.attach(talker) if self.device.type == "cpu" else {}
+        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py; its
+        # trial runs now, timing the eager path as a one-row decode runs it)
+        self.fused_status = {}
+        if self.device.type == "cpu":
+            with aten_bf16_gemv(self._gemv(1)):
+                self.fused_status = fused_step.attach(talker)
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:

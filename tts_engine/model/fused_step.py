@@ -15,12 +15,14 @@ everything stays fp32 where the eager path rounds to the engine's dtype (bf16) a
 written in its own dtype, as eager.
 
 Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
-  auto (default)  the first TRIAL_PAIRS one-position calls of each stack run both paths on the same input, timed,
-                  alternating which goes first (the second overwrites the first's cache entries, and its result is
-                  the one returned); their hidden states must agree (cosine >= MIN_COS, else the fused step is off);
-                  the faster by median serves from then on. The choice is remembered per machine (kernel table's
-                  machine key: CPU model and flags, torch, threads, our kernels) and stack in the cache folder
-                  (`$TTS_CACHE_DIR/fused_step/`), so a later start does not measure again.
+  auto (default)  a trial when the step is attached (engine load), before any request: TRIAL_PAIRS one-position
+                  calls of one row on a private scratch cache (random keys, values and inputs) run both paths,
+                  timed, alternating which goes first; their hidden states must agree (cosine >= MIN_COS, else the
+                  fused step is off); the faster by median serves from then on, from a request's first call on (no
+                  request sees the trial: a lossy engine's first request decodes as its later ones). The choice is
+                  remembered per machine (kernel table's machine key: CPU model and flags, torch, threads, our
+                  kernels) and stack in the cache folder (`$TTS_CACHE_DIR/fused_step/`), so a later start does not
+                  measure again.
   1 / on          fused wherever it runs, without timing (benchmarks' A/B, tests).
   0 / off         never.
 Any failure (no compiler, a build error, an unsupported layer or CPU path, an exception or a refused input later)
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+from .layers import KVCache
 
 log = logging.getLogger("tts_engine")
 
@@ -50,6 +53,7 @@ SOURCE = Path(__file__).with_name("fused_step.cpp")
 MAX_ENTRIES = 16        # (row, position) entries per call: decode batches; more is a prefill (eager)
 MAX_T = 2               # positions per row per call (the predictor's first pass has 2)
 TRIAL_PAIRS = 4         # timed (eager, fused) pairs per stack before choosing
+TRIAL_POS = 32          # the trial's calls write positions TRIAL_POS.. of its scratch cache (attention over ~32 keys)
 MIN_COS = 0.99          # the two paths' hidden states must agree at least this well (a bug detector, not quality)
 LAYER_FIELDS = 12       # fused_step.cpp LayerField
 
@@ -198,8 +202,9 @@ def _choice_path(key: dict) -> Path:
 
 
 class FusedStep:
-    """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc).
-    state: "trial" (measuring), "on", "off"; status: one line for logs and benchmarks."""
+    """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc): built with
+    nothing remembered, it runs the trial at once (`_measure`, on the plan's stack). state: "on", "off" ("trial" only
+    while it measures); status: one line for logs and benchmarks."""
 
     def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False):
         self.plan, self.name = plan, name
@@ -220,8 +225,10 @@ class FusedStep:
             if got.get("key") == self.key and got.get("choice") in ("fused", "eager"):
                 self.state = "on" if got["choice"] == "fused" else "off"
                 self.status = f"{self.state} (measured before: {got.get('why', '')})"
+                return
         except (OSError, ValueError):
             pass
+        self._measure()
 
     def takes(self, B: int, T: int) -> bool:
         return self.state != "off" and T <= MAX_T and B * T <= MAX_ENTRIES
@@ -229,13 +236,8 @@ class FusedStep:
     def run(self, x: torch.Tensor, cache, rows, start: torch.Tensor, eager):
         """x [B, T, D]; rows: cache rows (slice or index tensor [B]); start [B] each row's first new position;
         eager: () -> the eager result (same cache writes). -> normed hidden [B, T, D]."""
-        if self.state == "off":
+        if self.state != "on":
             return eager()
-        B, T, D = x.shape
-        if self.state == "trial":
-            if T != 1:
-                return eager()
-            return self._trial(x, cache, rows, start, eager)
         try:
             return self._fused(x, cache, rows, start)
         except Exception as e:   # one line, then the eager path for good
@@ -262,29 +264,38 @@ class FusedStep:
             out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
         return out.view(B, T, D)
 
-    def _trial(self, x, cache, rows, start, eager):
-        """One timed pair: both paths on this input, in alternating order; the second's result (and cache
-        entries) stands."""
-        fused_first = len(self.times["fused"]) % 2 == 1
+    def _measure(self) -> None:
+        """The trial (module doc): TRIAL_PAIRS one-position calls of one row on a private scratch cache, both paths
+        on the same random input each, alternating which goes first -> state "on" or "off". No engine cache and no
+        request sees it."""
+        stack = self.plan.stack
+        cfg, dtype = stack.cfg, stack.norm.weight.dtype
+        g = torch.Generator().manual_seed(0)
+        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, TRIAL_POS + TRIAL_PAIRS, cfg.head_dim,
+                        "cpu", dtype)
+        for t in (cache.k, cache.v):   # earlier positions' keys and values: something to attend to
+            t.copy_(torch.randn(t.shape, generator=g))
         clock = time.perf_counter
         try:
-            results = {}
-            for which in (("fused", "eager") if fused_first else ("eager", "fused")):
-                t0 = clock()
-                results[which] = self._fused(x, cache, rows, start) if which == "fused" else eager()
-                self.times[which].append(clock() - t0)
-            a, b = results["fused"].float().flatten(1), results["eager"].float().flatten(1)
-            cos = float(F.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1).min())
+            with torch.inference_mode():
+                for i in range(TRIAL_PAIRS):
+                    pos = TRIAL_POS + i
+                    x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
+                    start, got = torch.tensor([pos]), {}
+                    for which in (("fused", "eager") if i % 2 else ("eager", "fused")):
+                        t0 = clock()
+                        got[which] = self._fused(x, cache, slice(0, 1), start) if which == "fused" \
+                            else stack._run_eager(x, cache, slice(0, 1), start, pos + 1, None, None)
+                        self.times[which].append(clock() - t0)
+                    cos = F.cosine_similarity(got["fused"].float().reshape(1, -1), got["eager"].float().reshape(1, -1))
+                    self.min_cos = min(self.min_cos, float(cos))
         except Exception as e:
             self.disable(f"{type(e).__name__}: {e}")
-            return eager()
-        self.min_cos = min(self.min_cos, cos)
-        if cos < MIN_COS:   # the eager result stands, and its cache entries (written again: fused may have run last)
-            self.disable(f"its hidden states differ from the eager path's (cosine {cos:.4f} < {MIN_COS})")
-            return eager()
-        if len(self.times["fused"]) >= TRIAL_PAIRS:
-            self._decide()
-        return results["eager" if fused_first else "fused"]
+            return
+        if self.min_cos < MIN_COS:
+            self.disable(f"its hidden states differ from the eager path's (cosine {self.min_cos:.4f} < {MIN_COS})")
+            return
+        self._decide()
 
     def _decide(self) -> None:
         f, e = statistics.median(self.times["fused"]), statistics.median(self.times["eager"])
