@@ -25,7 +25,7 @@ import torch
 
 from ..errors import TTSError
 from ..model import fused_step
-from ..model.kernels import onednn_off
+from ..model.kernels import onednn_off, onednn_on
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from ..model.talker import Talker
@@ -324,15 +324,11 @@ class ModelRunner:
     def _hand_over(self, codes: torch.Tensor) -> None:
         """on_frame_codes(codes) with oneDNN as it was outside the frame's bf16 gemv switch (the codec decodes
         there: its linear layers need oneDNN)."""
-        inside, outside = torch._C._get_mkldnn_enabled(), self._onednn_outside
-        if inside == outside:
+        if torch._C._get_mkldnn_enabled() or not self._onednn_outside:
             self.on_frame_codes(codes)
             return
-        torch._C._set_mkldnn_enabled(outside)
-        try:
+        with onednn_on():
             self.on_frame_codes(codes)
-        finally:
-            torch._C._set_mkldnn_enabled(inside)
 
     def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1

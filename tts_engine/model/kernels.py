@@ -116,15 +116,48 @@ def load_average() -> float:
 
 
 # --- the candidates -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
+class _OneDNNSwitch:
+    """oneDNN's process-wide switch (`torch._C._set_mkldnn_enabled`) shared by the threads that want it off
+    (`onednn_off`: an engine worker's small bf16 frames) or on (`onednn_on`: `_int_mm` inside such a frame, the codec
+    handed over from one) for a while: on while any thread wants it on, else off while any wants it off, else as it
+    was before the first of them came. Counted under a lock: a save-and-restore per region is not safe across
+    threads (two engines' workers: A saves on and turns it off, B saves off, A restores on, B restores off, and the
+    process is left without oneDNN)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._want = {False: 0, True: 0}
+        self._before = True
+
+    @contextlib.contextmanager
+    def want(self, on: bool):
+        self._move(on, 1)
+        try:
+            yield
+        finally:
+            self._move(on, -1)
+
+    def _move(self, on: bool, step: int) -> None:
+        with self._lock:
+            if not (self._want[False] or self._want[True]):
+                self._before = torch._C._get_mkldnn_enabled()
+            self._want[on] += step
+            state = True if self._want[True] else False if self._want[False] else self._before
+            torch._C._set_mkldnn_enabled(state)
+
+
+_ONEDNN = _OneDNNSwitch()
+
+
 def onednn_off():
-    """PyTorch's own CPU matmul instead of oneDNN's for the calls inside (process-wide switch, kept short)."""
-    prev = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(prev)
+    """PyTorch's own CPU matmul instead of oneDNN's for the calls inside (process-wide switch, kept short; safe to
+    overlap with other threads' `onednn_off` / `onednn_on`)."""
+    return _ONEDNN.want(False)
+
+
+def onednn_on():
+    """oneDNN allowed for the calls inside, also within another `onednn_off` (process-wide, as `onednn_off`)."""
+    return _ONEDNN.want(True)
 
 
 def _onednn_on(fn, *args):
@@ -132,11 +165,8 @@ def _onednn_on(fn, *args):
     gemv), and torch._int_mm without oneDNN is a ~5x slower loop."""
     if torch._C._get_mkldnn_enabled():
         return fn(*args)
-    torch._C._set_mkldnn_enabled(True)
-    try:
+    with onednn_on():
         return fn(*args)
-    finally:
-        torch._C._set_mkldnn_enabled(False)
 
 
 def bf16_aten(x, w):
