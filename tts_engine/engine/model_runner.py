@@ -233,9 +233,8 @@ class ModelRunner:
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        gemv = self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
         self._onednn_outside = torch._C._get_mkldnn_enabled()
-        with aten_bf16_gemv(gemv):
+        with aten_bf16_gemv(self._gemv(B)):
             codes, done = self._decode(rows, B, read_len)
         for i in rows:
             self.host_len[i] += 1

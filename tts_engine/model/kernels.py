@@ -160,7 +160,7 @@ def onednn_on():
     return _ONEDNN.want(True)
 
 
-def _onednn_on(fn, *args):
+def _call_with_onednn(fn, *args):
     """fn(*args) with oneDNN allowed: `ModelRunner` turns it off process-wide for 1-2 row bf16 frames (PyTorch's
     gemv), and torch._int_mm without oneDNN is a ~5x slower loop."""
     if torch._C._get_mkldnn_enabled():
@@ -175,7 +175,7 @@ def bf16_aten(x, w):
 
 
 def bf16_onednn(x, w):
-    return _onednn_on(F.linear, x, w)
+    return _call_with_onednn(F.linear, x, w)
 
 
 def int8_pack(x, q, scale):
@@ -193,7 +193,7 @@ def w8a8_int_mm(x, q, scale127, scale127_bf16=None):
     """int8 x int8 -> int32 sums (torch._int_mm on q's transposed view), times amax_row * scale[n] / 127.
     q [N, K] int8, scale127 [N] fp32 (the weight's per-channel scale / 127). Returns fp32 [M, N]."""
     xq, amax = quantize_rows(x)
-    return _onednn_on(torch._int_mm, xq, q.t()) * (amax * scale127)
+    return _call_with_onednn(torch._int_mm, xq, q.t()) * (amax * scale127)
 
 
 def w8a8_int8pack(x, q, scale127, scale127_bf16):
