@@ -10,6 +10,9 @@
 //   chosen by exactly the rules of sampling.choose (see choose_row).
 // Rounding as the Python loop over the fused stack: every tensor the loop hands from one aten call to the next (the
 // stack's input and output, the head's logits) is rounded to the engine's activation dtype (bf16 or fp32) here too.
+// What it uses of fused_step.cpp (keep in step when that file changes): fstep::Plan, Cache, Lin, Scratch (its vectors
+// h, xq, amax, xsum, gsum, acc, facc, xb, xf, grown here for the heads and the projection), linear(), run_stack<C>(),
+// rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's f32_to_bf16, round_up, BLK, G4.
 #include "fused_step.cpp"
 
 namespace pframe {
