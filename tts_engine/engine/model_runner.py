@@ -24,7 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
-from ..model import fused_step
+from ..model import fused_step, predictor_frame
 from ..model.kernels import onednn_off, onednn_on
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
@@ -69,6 +69,7 @@ class ModelRunner:
         self.seen = torch.zeros(rows, V, dtype=torch.bool, **z)
         self.hidden = torch.zeros(rows, D, dtype=self.dtype, **z)
         self.c0 = torch.zeros(rows, dtype=torch.long, **z)
+        self._true = torch.ones((), dtype=torch.bool, **z)
         self.trailing = torch.zeros(rows, trailing_cap, D, dtype=self.dtype, **z)
         self.trailing_len = torch.zeros(rows, dtype=torch.long, **z)
         self.tts_pad = tts_pad.to(self.dtype)
@@ -89,6 +90,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             with aten_bf16_gemv(self._gemv(1)):
                 self.fused_status = fused_step.attach(talker)
+        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py)
+        self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
@@ -214,7 +217,7 @@ class ModelRunner:
                                           torch.full((1,), P, dtype=torch.long, device=self.device), L, write_start=P)
 
     def _after_c0(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
-        self.seen[r, c0] = True
+        self.seen.index_put_((r, c0), self._true)   # a device value: no host copy inside a graph capture
         self.step[r] += 1
         self.hidden[r] = h
         self.c0[r] = c0
@@ -345,7 +348,17 @@ class ModelRunner:
 
     def _predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                            rp: RowParams) -> torch.Tensor:
-        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]."""
+        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]. Where the
+        predictor's frame in one C++ call serves (`predictor_frame`), the same computations there."""
+        frame = getattr(self.talker.code_predictor, "frame", None)
+        if frame is not None and frame.takes(h.shape[0]):
+            return frame.run(h, c0, frame_idx, rp, self.cp_cache,
+                             lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
+        return self._predict_residuals_loop(h, c0, frame_idx, rp)
+
+    def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
+                                rp: RowParams) -> torch.Tensor:
+        """`_predict_residuals` from Python: one `CodePredictor.step` and one `choose_residual` per codebook."""
         cp = self.talker.code_predictor
         x = torch.stack([h, self.talker.codec_embed(c0)], dim=1)                # [B, 2, D]
         out = [c0]
