@@ -1,7 +1,7 @@
 """The fused step's two ways of using the threads (tts_engine/model/fused_step.cpp): run_stack (one at::parallel_for
 per matmul) and run_team (the whole stack in one parallel region, a barrier after each matmul), and its profile.
 
-- The team path gives the split path's hidden states and KV cache entries bit for bit, at 1, 2, 4 and 16 entries,
+- The team paths (claim, barrier) give the split path's hidden states and KV cache entries bit for bit, at 1, 2, 4 and 16 entries,
   for W8A8 (fp32 and bf16 activations), W4A8 and bf16 stacks, at 2 and 3 threads (3: a thread with no kv head).
 - The profile (fused_step.profile) counts every call and matmul, and its stages add up to the calls' time.
 - The matmuls-alone entry (benchmarks) runs and is counted; rows given as a slice skip the host-side bounds check
@@ -57,16 +57,17 @@ def test_team_path_gives_the_split_path_bit_for_bit(fused_lib, own_kernels, thre
         rows, pos = entries(M)
         x = torch.randn(M, CFG.hidden_size, generator=torch.Generator().manual_seed(M)).to(dtype)
         got = {}
-        for team in (False, True):
+        for team in ("split", "barrier", "claim"):
             fused_step.set_team(team)
             c = copy.deepcopy(base)
             got[team] = (plan.run(x, c, rows, pos), c.k, c.v)
-        for a, b in zip(got[False], got[True]):
-            assert torch.equal(a, b), f"{mode} {dtype} M={M}: the team path differs"
-        assert not torch.equal(got[True][1], base.k)   # it wrote the cache
+        for team in ("barrier", "claim"):
+            for a, b in zip(got["split"], got[team]):
+                assert torch.equal(a, b), f"{mode} {dtype} M={M}: the {team} path differs"
+        assert not torch.equal(got["claim"][1], base.k)   # it wrote the cache
 
 
-@pytest.mark.parametrize("team", [False, True])
+@pytest.mark.parametrize("team", ["split", "barrier", "claim"])
 @torch.inference_mode()
 def test_profile_counts_every_call_and_its_stages_add_up(fused_lib, own_kernels, threads, team_restored, team):  # noqa: F811
     torch.set_num_threads(2)
@@ -99,7 +100,7 @@ def test_matmuls_alone_entry_runs_every_matmul(fused_lib, own_kernels, threads, 
         pytest.skip("no W4A8 kernel here")
     torch.set_num_threads(2)
     plan = fused_step.StackPlan(make_stack(mode, torch.bfloat16))
-    for team in (0, 1):
+    for team in fused_step.TEAM_MODES.values():
         with fused_step.profile() as prof:
             assert fused_lib.ttsf_matmuls(plan.dims.data_ptr(), plan.layers.data_ptr(), 1, 3, team) == 0
         assert prof.ns["calls"] == 3 and prof.ns["matmuls"] == 3 * 4 * CFG.num_hidden_layers

@@ -10,8 +10,8 @@ W4A8 or bf16, as the engine quantises them) and times, in one process and interl
     shapes rotating over > 300 MB (several copies of the predictor's stack), to separate a kernel below the memory
     floor ("busy": the slower thread's time in the kernel) from the hand-offs between kernels and the other stages;
   - the plain read (`cpu_ext.read_bytes` of 512 MB), the floor everything is compared with.
-Paths: "split" (one at::parallel_for per matmul, small ops in the caller) and "team" (the whole stack in one
-parallel region, fused_step.cpp run_team). Prints a table per mode and stack (best of --rounds for each figure's
+Paths (fused_step.team_setting): "split" (one at::parallel_for per matmul, small ops in the caller), "claim" and
+"barrier" (the whole stack in one parallel region, fused_step.cpp run_team). Prints a table per mode and stack (best of --rounds for each figure's
 call) and writes it to --out. Generation-step only: no sampling, no embeddings, no heads.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-STACK_STAGES = ("io", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up",
+STACK_STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up",
                 "silu", "down")
 MATMULS = {"qkv": "qkv", "o_proj": "o", "gate_up": "gu", "down": "down"}
 
@@ -94,13 +94,13 @@ def run_frame(plan, cache, x, calls):
 
 def measure(lib, fused_step, plans, caches, x, calls, path: str, reps: int, matmul_only: bool):
     """Profile sums of `reps` frames (or matmul-only passes over every plan) on `path` -> (ns dict, wall s)."""
-    fused_step.set_team(path == "team")
+    fused_step.set_team(path)
     t0 = time.perf_counter()
     with fused_step.profile() as prof:
         for _ in range(reps):
             if matmul_only:
                 for pl in plans:
-                    lib.ttsf_matmuls(pl.dims.data_ptr(), pl.layers.data_ptr(), 1, 1, int(path == "team"))
+                    lib.ttsf_matmuls(pl.dims.data_ptr(), pl.layers.data_ptr(), 1, 1, fused_step.TEAM_MODES[path])
             else:
                 run_frame(plans[0], caches[0], x, calls)
     return prof.ns, time.perf_counter() - t0
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tts_engine.bench_fused_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="w8a8,w4a8,bf16")
     ap.add_argument("--stacks", default="talker,predictor")
-    ap.add_argument("--paths", default="split,team", help="comma list of split / team, timed interleaved")
+    ap.add_argument("--paths", default="split,claim", help="comma list of split / barrier / claim (fused_step.TEAM_MODES), "
+                    "timed interleaved")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of (path A, path B, ...); the best round counts")
     ap.add_argument("--frames", type=int, default=4, help="frames per path per round")
     ap.add_argument("--talker-pos", type=int, default=60, help="the talker's cache position (prompt + frames)")

@@ -21,6 +21,8 @@
 
 #include <memory>
 #include <omp.h>
+#include <sched.h>
+#include <atomic>
 #include <time.h>
 
 namespace fstep {
@@ -83,13 +85,13 @@ inline float bf16_to_f32(uint16_t b) {
 // for the slower thread); MM_BUSY_MAX / MM_BUSY_MIN sum, over matmuls, the busiest and the idlest thread's time in
 // the kernel itself: (matmul walls - MM_BUSY_MAX) is the hand-off cost, (MAX - MIN) the imbalance.
 enum Stage {
-  P_IO,          // input to fp32, final norm, output store, scratch
+  P_IO,          // input to fp32, final norm, output store, scratch, and the rest outside the stages (fork/join)
   P_NORM_IN, P_QUANT, P_QKV, P_ROPE_CACHE, P_ATTN, P_O, P_RESID, P_NORM_POST, P_GU, P_SILU, P_DOWN,
   P_BUSY_MAX, P_BUSY_MIN, P_CALL, P_CALLS, P_MATMULS, NSTAGES
 };
 constexpr int MAX_THREADS = 256;
 int g_prof = 0;
-int g_team = 1;
+int g_team = 2;   // TeamMode
 int64_t g_acc[NSTAGES];
 int64_t g_busy[2][MAX_THREADS];   // one matmul's kernel time per thread (a team alternates two sets: a thread
                                   // may start the next matmul before thread 0 has read the last one's)
@@ -525,11 +527,18 @@ void run_stack(const Plan& p, const Cache& c, const int64_t* row, const int64_t*
 // ---- the stack in one parallel region (a "team"): no fork/join per matmul ------------------------------------------
 // Every thread of the team keeps its own copy of the residual stream and computes the norms, the activation rows of
 // every matmul and silu(gate) * up itself (the same operations in the same order: the copies stay identical, and the
-// results equal run_stack's bit for bit); it then computes its share of the matmul's output units (a fixed split:
-// each thread streams one contiguous part of the weight) and of the layer's kv heads (rope, cache write and the
-// attention of the q heads that read them). Threads meet at one barrier after each matmul and after the attention
-// (5 per layer): only matmul outputs and the attention output are shared.
-struct Shared {   // written by the team's shares, read by all after a barrier
+// results equal run_stack's bit for bit). The shared work of a layer comes in 5 stages: each matmul's output units
+// and the attention's kv heads (rope, cache write and the attention of the q heads that read them: no thread waits
+// between the cache write and the attention). Only the stages' outputs are shared. Two ways to split a stage:
+//   TEAM_CLAIM (default): threads claim chunks of units from a counter (each chunk a contiguous part of the weight)
+//     and a stage is over when all its units are done, not when all threads have arrived: a thread that the OS
+//     took away (a busy machine) holds back at most the chunk it is in, and the others do its share; a wait spins
+//     a bounded time (SPIN_PAUSES) and then yields the core at each look.
+//   TEAM_BARRIER: a fixed split (thread t streams the t-th contiguous part) and an OpenMP barrier after each stage.
+enum TeamMode { TEAM_OFF = 0, TEAM_BARRIER = 1, TEAM_CLAIM = 2 };
+constexpr int SPIN_PAUSES = 4096;
+
+struct Shared {   // written by the team's shares, read by all once a stage is done
   std::vector<float> qkv, ao, t, gu;
   std::vector<int32_t> acc;
   std::vector<float> facc;
@@ -550,74 +559,210 @@ inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   b = n * (tid + 1) / nt;
 }
 
+// The stages of one call: their claim and done counters, and (profile) each thread's busy time in each
+// TEAM_CLAIM: a thread may run ahead of another by whole stages, so a shared output is rewritten (the next
+// layer's) only once every thread has read the last one: each read of a shared output that every thread makes (a
+// "consume point": the attention output into o_proj's rows, o_proj's and down's outputs into the residual, gate_up's
+// into silu) is numbered, and `progress` holds each thread's last one done (and whether it is reading one now). A
+// writer waits for the others' progress (guard); one that stays behind for SPIN_PAUSES looks (the OS took it away)
+// is dropped: its progress becomes DROPPED, it sees that at its next consume point and leaves the stack to the
+// others (thread 0, whose residual is the call's result, is never dropped: the call waits for it anyway).
+struct Sync {
+  static constexpr int64_t DROPPED = -1;
+  int mode, nt;
+  int64_t stages;
+  std::unique_ptr<std::atomic<int64_t>[]> next, done;
+  std::unique_ptr<std::atomic<int64_t>[]> progress;   // [nt]: 2 (last consume point done + 1) + reading, or DROPPED
+  std::vector<int64_t> busy;   // [stages, nt] ns (profile on only)
+  Sync(int mode, int nt, int64_t stages) : mode(mode), nt(nt), stages(stages), next(new std::atomic<int64_t>[stages]),
+                                           done(new std::atomic<int64_t>[stages]),
+                                           progress(new std::atomic<int64_t>[nt]) {
+    for (int64_t k = 0; k < stages; ++k) {
+      next[k].store(0, std::memory_order_relaxed);
+      done[k].store(0, std::memory_order_relaxed);
+    }
+    for (int i = 0; i < nt; ++i) progress[i].store(0, std::memory_order_relaxed);
+    if (g_prof) busy.assign(stages * nt, 0);
+  }
+  // consume point cp (0, 1, ...): false if this thread was dropped (it must leave the stack then)
+  bool consume_begin(int tid, int64_t cp) {
+    if (mode != TEAM_CLAIM) return true;
+    int64_t idle = 2 * cp;   // idle after cp - 1
+    return progress[tid].compare_exchange_strong(idle, 2 * (cp + 1) + 1, std::memory_order_acq_rel);
+  }
+  void consume_end(int tid, int64_t cp) {
+    if (mode == TEAM_CLAIM) progress[tid].store(2 * (cp + 1), std::memory_order_release);
+  }
+  // before writing a shared output: every other thread has passed consume point cp (the last read of what is
+  // overwritten), or is dropped
+  void guard(int tid, int64_t cp) {
+    if (mode != TEAM_CLAIM || cp < 0) return;
+    for (int i = 0; i < nt; ++i) {
+      if (i == tid) continue;
+      for (int spins = 0;; ++spins) {
+        int64_t v = progress[i].load(std::memory_order_acquire);
+        if (v == DROPPED) break;
+        const int64_t c = v / 2 - 1;                      // idle (v even): done with c; reading (odd): reading c
+        if (v % 2 == 0 ? c >= cp : c > cp) break;         // done with cp
+        if (v % 2 == 1 && c == cp) {                      // reading cp right now: it is running, wait
+          _mm_pause();
+          continue;
+        }
+        if (spins < SPIN_PAUSES || i == 0) {
+          if (spins < SPIN_PAUSES) _mm_pause();
+          else sched_yield();
+          continue;
+        }
+        if (progress[i].compare_exchange_strong(v, DROPPED, std::memory_order_acq_rel)) break;
+      }
+    }
+  }
+  // stage k of U units: work(u0, u1) on this thread's units; returns once all U are done (their outputs visible)
+  template <class F>
+  void run(int64_t k, int tid, int64_t U, int64_t chunk, F&& work) {
+    const int64_t t0 = g_prof ? now_ns() : 0;
+    if (mode == TEAM_BARRIER) {
+      int64_t b0, b1;
+      share(U, tid, nt, b0, b1);
+      if (b1 > b0) work(b0, b1);
+      if (g_prof) busy[k * nt + tid] = now_ns() - t0;
+#pragma omp barrier
+      return;
+    }
+    for (;;) {
+      const int64_t u0 = next[k].fetch_add(chunk, std::memory_order_relaxed);
+      if (u0 >= U) break;
+      const int64_t u1 = std::min(U, u0 + chunk);
+      work(u0, u1);
+      done[k].fetch_add(u1 - u0, std::memory_order_release);
+    }
+    if (g_prof) busy[k * nt + tid] = now_ns() - t0;
+    for (int spins = 0; done[k].load(std::memory_order_acquire) < U;) {
+      if (spins < SPIN_PAUSES) {
+        ++spins;
+        _mm_pause();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+  void profile_done() {   // after the region: each stage's busiest and idlest thread -> BUSY_MAX / BUSY_MIN
+    if (!g_prof) return;
+    for (int64_t k = 0; k < stages; ++k) {
+      int64_t mx = 0, mn = INT64_MAX;
+      for (int i = 0; i < nt; ++i) {
+        mx = std::max(mx, busy[k * nt + i]);
+        mn = std::min(mn, busy[k * nt + i]);
+      }
+      g_acc[P_BUSY_MAX] += mx;
+      g_acc[P_BUSY_MIN] += mn;
+    }
+  }
+};
+
+// units per claim: about 8 claims per thread and stage, at least 64 KB of weight each
+inline int64_t chunk_of(const Plan& p, const Lin& l, int64_t U, int nt) {
+  const int64_t unit_bytes = p.wbits == 16 ? R4 * l.K * 2 : p.wbits == 8 ? BLK * round_up(l.K, KU)
+                                                                           : round_up(l.K, G4) / G4 * GBYTES;
+  return std::max<int64_t>({1, (U + 8 * nt - 1) / (8 * nt), (64 * 1024 + unit_bytes - 1) / unit_bytes});
+}
+
 template <class C>
 void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Shared& sh,
-                 float* h, int tid, int nt) {
+                 Sync& sy, float* h, int tid) {
   const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  const int nt = sy.nt;
   Act x(p, M);
   std::vector<float> a(M * std::max(D, Hhd)), act(M * I), scores(max_len_of(pos, M));
-  const bool prof = g_prof && tid == 0;   // thread 0 times the stages; every thread its kernel time
+  const bool prof = g_prof && tid == 0;   // thread 0 times the stages; every thread its share of each
   int64_t t0 = prof ? now_ns() : 0;
   auto tlap = [&](int st) { if (prof) lap(st, t0); };
-  int set = 0;
-  auto mm = [&](const Lin& l, const float* in, float* y, int st) {
+  int64_t k = 0;   // the stage
+  // one matmul: guard (the last consume point of what y overwrites, or -1), activation rows (read_cp: the consume
+  // point of reading a shared `in`, or -1); false if this thread was dropped
+  auto mm = [&](const Lin& l, const float* in, float* y, int st, int64_t read_cp, int64_t guard_cp) -> bool {
+    if (read_cp >= 0 && !sy.consume_begin(tid, read_cp)) return false;
     prep(p, l.K, in, M, x);
+    if (read_cp >= 0) sy.consume_end(tid, read_cp);
     tlap(P_QUANT);
-    int64_t b0, b1;
-    share(units(p, l), tid, nt, b0, b1);
-    const int64_t b = g_prof ? now_ns() : 0;
-    if (b1 > b0) mm_range(p, l, x, M, b0, b1, y, sh.acc.data(), sh.facc.data());
-    if (g_prof) g_busy[set][tid] += now_ns() - b;
-#pragma omp barrier
+    const int64_t U = units(p, l);
+    sy.guard(tid, guard_cp);
+    sy.run(k++, tid, U, chunk_of(p, l, U, nt), [&](int64_t b0, int64_t b1) {
+      mm_range(p, l, x, M, b0, b1, y, sh.acc.data(), sh.facc.data());
+    });
     tlap(st);
-    if (prof) busy_done(nt, set);
-    set ^= 1;
+    if (prof) g_acc[P_MATMULS] += 1;
+    return true;
   };
-  int64_t j0, j1;
-  share(p.Hkv, tid, nt, j0, j1);
+  auto add = [&](const float* t, int64_t cp) -> bool {   // h += t (shared), consume point cp
+    if (!sy.consume_begin(tid, cp)) return false;
+    for (int64_t i = 0; i < M * D; ++i) h[i] += t[i];
+    sy.consume_end(tid, cp);
+    return true;
+  };
   const int64_t g = p.H / p.Hkv;
   for (int64_t l = 0; l < p.L; ++l) {
+    const int64_t cp = 4 * l;   // this layer's consume points: cp ao -> o_proj, cp + 1 o_proj -> h,
+                                // cp + 2 gate_up -> silu, cp + 3 down -> h
     for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, IN_NORM), D, p.eps, &a[e * D]);
     tlap(P_NORM_IN);
-    mm(p.lin(l, QKV_W, QKV_S, qkvN, D), a.data(), sh.qkv.data(), P_QKV);
-    rope_cache<C>(p, l, c, row, pos, M, sh.qkv.data(), j0, j1);
-    tlap(P_ROPE_CACHE);
-    for (int64_t e = 0; e < M; ++e)   // this thread's q heads (those of its kv heads) of every entry
-      attend<C>(p, l, c, row, pos, sh.qkv.data(), e * p.H + j0 * g, e * p.H + j1 * g, scores.data(), sh.ao.data());
-#pragma omp barrier
+    mm(p.lin(l, QKV_W, QKV_S, qkvN, D), a.data(), sh.qkv.data(), P_QKV, -1, -1);   // qkv: read only inside stages
+    sy.guard(tid, cp - 4);
+    sy.run(k++, tid, p.Hkv, 1, [&](int64_t j0, int64_t j1) {   // kv heads [j0, j1) and their q heads, every entry
+      rope_cache<C>(p, l, c, row, pos, M, sh.qkv.data(), j0, j1);
+      for (int64_t e = 0; e < M; ++e)
+        attend<C>(p, l, c, row, pos, sh.qkv.data(), e * p.H + j0 * g, e * p.H + j1 * g, scores.data(), sh.ao.data());
+    });
     tlap(P_ATTN);
-    mm(p.lin(l, O_W, O_S, D, Hhd), sh.ao.data(), sh.t.data(), P_O);
-    for (int64_t i = 0; i < M * D; ++i) h[i] += sh.t[i];
+    if (!mm(p.lin(l, O_W, O_S, D, Hhd), sh.ao.data(), sh.t.data(), P_O, cp, cp - 1)) return;
+    if (!add(sh.t.data(), cp + 1)) return;
     tlap(P_RESID);
     for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, POST_NORM), D, p.eps, &a[e * D]);
     tlap(P_NORM_POST);
-    mm(p.lin(l, GU_W, GU_S, 2 * I, D), a.data(), sh.gu.data(), P_GU);
+    mm(p.lin(l, GU_W, GU_S, 2 * I, D), a.data(), sh.gu.data(), P_GU, -1, cp - 2);
+    if (!sy.consume_begin(tid, cp + 2)) return;
     silu_mul(sh.gu.data(), M, I, act.data());
+    sy.consume_end(tid, cp + 2);
     tlap(P_SILU);
-    mm(p.lin(l, DOWN_W, DOWN_S, D, I), act.data(), sh.t.data(), P_DOWN);
-    for (int64_t i = 0; i < M * D; ++i) h[i] += sh.t[i];
+    mm(p.lin(l, DOWN_W, DOWN_S, D, I), act.data(), sh.t.data(), P_DOWN, -1, cp + 1);
+    if (!add(sh.t.data(), cp + 3)) return;
     tlap(P_RESID);
   }
 }
 
 template <class C>
-void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, float* h, int nt) {
+void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, float* h, int nt,
+              int mode) {
   Shared sh(p, M);
+  Sync sy(mode, nt, p.L * 5);
+  bool short_team = false;
 #pragma omp parallel num_threads(nt)
   {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    // thread 0 works on the caller's h; the others on their own copies (identical all along)
-    std::vector<float> own(tid ? M * p.D : 0);
-    if (tid) memcpy(own.data(), h, M * p.D * 4);
-    team_member<C>(p, c, row, pos, M, sh, tid ? own.data() : h, tid, n);
+    const int tid = omp_get_thread_num();
+    if (omp_get_num_threads() != nt) {   // fewer threads than asked (nested, a limit): the caller alone below
+#pragma omp atomic write
+      short_team = true;
+    } else {
+      // thread 0 works on the caller's h; the others on their own copies (identical all along)
+      std::vector<float> own(tid ? M * p.D : 0);
+      if (tid) memcpy(own.data(), h, M * p.D * 4);
+      team_member<C>(p, c, row, pos, M, sh, sy, tid ? own.data() : h, tid);
+    }
   }
+  if (short_team) {
+    Sync one(mode, 1, p.L * 5);
+    team_member<C>(p, c, row, pos, M, sh, one, h, 0);
+    one.profile_done();
+    return;
+  }
+  sy.profile_done();
 }
 
 // ---- the matmuls alone (benchmarks: tts_engine.bench_fused_profile) -------------------------------------------
 // Every layer's four matmuls in the stack's order on one fixed activation row set, nothing between them: split as
 // run_stack (team = 0) or run_team (team = 1) splits them, with the same hand-offs, so the profile tells the kernel
 // time (BUSY_MAX), the hand-offs and the gaps that the rest of a step adds.
-void matmuls_only(const Plan& p, int64_t M, bool team, int nt) {
+void matmuls_only(const Plan& p, int64_t M, int team, int nt) {
   const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
   const int64_t Kmax = std::max({D, Hhd, I});
   std::vector<float> x(M * Kmax);
@@ -640,13 +785,14 @@ void matmuls_only(const Plan& p, int64_t M, bool team, int nt) {
     return;
   }
   Shared sh(p, M);
+  Sync sy(team, nt, p.L * 4);
 #pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+  if (omp_get_num_threads() == nt) {
+    const int tid = omp_get_thread_num();
     Act a(p, M);
     const bool prof = g_prof && tid == 0;
     int64_t t0 = prof ? now_ns() : 0;
-    int set = 0;
+    int64_t k = 0;
     for (int64_t l = 0; l < p.L; ++l) {
       Lin ls[4]; int st[4];
       layer_lins(l, ls, st);
@@ -654,20 +800,18 @@ void matmuls_only(const Plan& p, int64_t M, bool team, int nt) {
       for (int j = 0; j < 4; ++j) {
         prep(p, ls[j].K, x.data(), M, a);
         if (prof) lap(P_QUANT, t0);
-        int64_t b0, b1;
-        share(units(p, ls[j]), tid, n, b0, b1);
-        const int64_t b = g_prof ? now_ns() : 0;
-        if (b1 > b0) mm_range(p, ls[j], a, M, b0, b1, ys[j], sh.acc.data(), sh.facc.data());
-        if (g_prof) g_busy[set][tid] += now_ns() - b;
-#pragma omp barrier
+        const int64_t U = units(p, ls[j]);
+        sy.run(k++, tid, U, chunk_of(p, ls[j], U, nt), [&](int64_t b0, int64_t b1) {
+          mm_range(p, ls[j], a, M, b0, b1, ys[j], sh.acc.data(), sh.facc.data());
+        });
         if (prof) {
           lap(st[j], t0);
-          busy_done(n, set);
+          g_acc[P_MATMULS] += 1;
         }
-        set ^= 1;
       }
     }
   }
+  sy.profile_done();
 }
 
 }  // namespace fstep
@@ -676,8 +820,8 @@ extern "C" {
 
 int ttsf_version() { return 2; }
 
-// 1: run each call's stack in one parallel region (run_team), 0: one at::parallel_for per matmul (run_stack).
-// Returns the setting before.
+// 2 / 1: run each call's stack in one parallel region (run_team; 2 claims chunks, 1 splits fixed with barriers),
+// 0: one at::parallel_for per matmul (run_stack). Returns the setting before.
 int ttsf_set_team(int on) {
   const int was = fstep::g_team;
   fstep::g_team = on;
@@ -700,7 +844,7 @@ int ttsf_matmuls(const int64_t* dims, const int64_t* layers, int64_t M, int64_t 
   const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
   for (int64_t r = 0; r < reps; ++r) {
     const int64_t c0 = fstep::g_prof ? fstep::now_ns() : 0;
-    fstep::matmuls_only(p, M, team && nt > 1 && !omp_in_parallel(), nt);
+    fstep::matmuls_only(p, M, nt > 1 && !omp_in_parallel() ? team : 0, nt);
     if (fstep::g_prof) {
       fstep::g_acc[fstep::P_CALL] += fstep::now_ns() - c0;
       fstep::g_acc[fstep::P_CALLS] += 1;
@@ -751,7 +895,7 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
   int64_t t0 = call0;
   const int64_t D = p.D;
   const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
-  const bool team = fstep::g_team && nt > 1 && !omp_in_parallel();
+  const int team = nt > 1 && !omp_in_parallel() ? fstep::g_team : 0;
   std::unique_ptr<fstep::Scratch> s;
   std::vector<float> hv;
   if (!team) s.reset(new fstep::Scratch(p, M));
@@ -760,14 +904,21 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
   for (int64_t i = 0; i < M * D; ++i)
     h[i] = x_is_bf16 ? fstep::bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
   fstep::lap(fstep::P_IO, t0);
+  int64_t staged = 0;   // the stage sums before the stack: what the stages do not cover goes to P_IO
+  for (int i = fstep::P_NORM_IN; i <= fstep::P_DOWN; ++i) staged -= fstep::g_acc[i];
   if (team) {
-    if (cache_is_bf16) fstep::run_team<uint16_t>(p, c, row, pos, M, h, nt);
-    else fstep::run_team<float>(p, c, row, pos, M, h, nt);
+    if (cache_is_bf16) fstep::run_team<uint16_t>(p, c, row, pos, M, h, nt, team);
+    else fstep::run_team<float>(p, c, row, pos, M, h, nt, team);
   } else {
     if (cache_is_bf16) fstep::run_stack<uint16_t>(p, c, row, pos, M, *s);
     else fstep::run_stack<float>(p, c, row, pos, M, *s);
   }
-  t0 = fstep::g_prof ? fstep::now_ns() : 0;
+  if (fstep::g_prof) {   // the stack's time outside its stages (a team's fork and join) -> P_IO
+    const int64_t t = fstep::now_ns();
+    for (int i = fstep::P_NORM_IN; i <= fstep::P_DOWN; ++i) staged += fstep::g_acc[i];
+    fstep::g_acc[fstep::P_IO] += std::max<int64_t>(0, (t - t0) - staged);
+    t0 = t;
+  }
   std::vector<float> out(D);
   for (int64_t e = 0; e < M; ++e) {
     fstep::rms_norm_row(h + e * D, final_norm, D, p.eps, out.data());

@@ -68,20 +68,36 @@ def setting() -> str:
     return "auto"
 
 
-def team_setting() -> bool:
-    """Whether a call runs its whole stack in one parallel region (fused_step.cpp run_team: every thread streams its
-    share of each matmul, one barrier after each; env TTS_FUSED_TEAM, default on) or splits each matmul with its
-    own at::parallel_for (run_stack, 0 / off). Both give the same numbers bit for bit."""
-    return os.environ.get(TEAM_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode
 
 
-def set_team(on: bool) -> bool:
-    """Switch the team path on or off for this process (benchmarks' A/B) -> the setting before."""
-    return bool(library().ttsf_set_team(int(on)))
+def team_setting() -> int:
+    """How a call uses torch's threads (env TTS_FUSED_TEAM; fused_step.cpp): "claim" (default; also 1 / on): the
+    whole stack in one parallel region, the threads claiming chunks of each matmul's output and of the attention's
+    heads, a thread the OS takes away holding back no more than its chunk; "barrier": one parallel region, a fixed
+    split and a barrier after each stage; "split" (0 / off): one at::parallel_for per matmul, the small ops in the
+    caller. All give the same numbers bit for bit."""
+    v = os.environ.get(TEAM_ENV, "claim").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        v = "split"
+    elif v in ("1", "on", "yes", "true"):
+        v = "claim"
+    return TEAM_MODES.get(v, TEAM_MODES["claim"])
 
 
-# fused_step.cpp Stage: the profile's stages, in order (the last two are counts)
-STAGES = ("io", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up", "silu",
+def set_team(mode) -> int:
+    """Switch this process's team mode (benchmarks' A/B, tests): a name of TEAM_MODES, its number, or a bool
+    (True: claim, False: split) -> the mode before (a number)."""
+    if isinstance(mode, str):
+        mode = TEAM_MODES[mode]
+    elif isinstance(mode, bool):
+        mode = TEAM_MODES["claim" if mode else "split"]
+    return int(library().ttsf_set_team(int(mode)))
+
+
+# fused_step.cpp Stage: the profile's stages, in order (the last two are counts); "other": input, output, scratch
+# and what lies outside the stages (a team's fork and join)
+STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up", "silu",
           "down", "busy_max", "busy_min", "call", "calls", "matmuls")
 
 
