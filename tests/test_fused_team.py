@@ -67,6 +67,31 @@ def test_team_path_gives_the_split_path_bit_for_bit(fused_lib, own_kernels, thre
         assert not torch.equal(got["claim"][1], base.k)   # it wrote the cache
 
 
+@pytest.mark.parametrize("nthreads", [2, 4])
+@torch.inference_mode()
+def test_threads_dropped_at_once_still_give_the_same_numbers(fused_lib, own_kernels, threads, team_restored, nthreads):  # noqa: F811
+    """With no spinning, a claim-mode writer drops every thread it finds behind (on 2 cores with 4 threads, many):
+    the others finish the stack and the numbers stay the split path's."""
+    torch.set_num_threads(nthreads)
+    stack = make_stack("w8a8", torch.bfloat16)
+    plan = fused_step.StackPlan(stack)
+    base = filled_cache(stack, torch.bfloat16, max_len=48)
+    rows, pos = entries(4)
+    x = torch.randn(4, CFG.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    fused_step.set_team("split")
+    c0 = copy.deepcopy(base)
+    want = plan.run(x, c0, rows, pos)
+    was = fused_lib.ttsf_set_spin(0)
+    try:
+        fused_step.set_team("claim")
+        for _ in range(20):
+            c = copy.deepcopy(base)
+            assert torch.equal(plan.run(x, c, rows, pos), want)
+            assert torch.equal(c.k, c0.k) and torch.equal(c.v, c0.v)
+    finally:
+        fused_lib.ttsf_set_spin(was)
+
+
 @pytest.mark.parametrize("team", ["split", "barrier", "claim"])
 @torch.inference_mode()
 def test_profile_counts_every_call_and_its_stages_add_up(fused_lib, own_kernels, threads, team_restored, team):  # noqa: F811

@@ -533,10 +533,10 @@ void run_stack(const Plan& p, const Cache& c, const int64_t* row, const int64_t*
 //   TEAM_CLAIM (default): threads claim chunks of units from a counter (each chunk a contiguous part of the weight)
 //     and a stage is over when all its units are done, not when all threads have arrived: a thread that the OS
 //     took away (a busy machine) holds back at most the chunk it is in, and the others do its share; a wait spins
-//     a bounded time (SPIN_PAUSES) and then yields the core at each look.
+//     a bounded time (g_spin) and then yields the core at each look.
 //   TEAM_BARRIER: a fixed split (thread t streams the t-th contiguous part) and an OpenMP barrier after each stage.
 enum TeamMode { TEAM_OFF = 0, TEAM_BARRIER = 1, TEAM_CLAIM = 2 };
-constexpr int SPIN_PAUSES = 4096;
+int g_spin = 4096;   // g_spin: pauses a wait spins before it yields (or drops a thread left behind)
 
 struct Shared {   // written by the team's shares, read by all once a stage is done
   std::vector<float> qkv, ao, t, gu;
@@ -564,7 +564,7 @@ inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
 // layer's) only once every thread has read the last one: each read of a shared output that every thread makes (a
 // "consume point": the attention output into o_proj's rows, o_proj's and down's outputs into the residual, gate_up's
 // into silu) is numbered, and `progress` holds each thread's last one done (and whether it is reading one now). A
-// writer waits for the others' progress (guard); one that stays behind for SPIN_PAUSES looks (the OS took it away)
+// writer waits for the others' progress (guard); one that stays behind for g_spin looks (the OS took it away)
 // is dropped: its progress becomes DROPPED, it sees that at its next consume point and leaves the stack to the
 // others (thread 0, whose residual is the call's result, is never dropped: the call waits for it anyway).
 struct Sync {
@@ -608,8 +608,8 @@ struct Sync {
           _mm_pause();
           continue;
         }
-        if (spins < SPIN_PAUSES || i == 0) {
-          if (spins < SPIN_PAUSES) _mm_pause();
+        if (spins < g_spin || i == 0) {
+          if (spins < g_spin) _mm_pause();
           else sched_yield();
           continue;
         }
@@ -638,7 +638,7 @@ struct Sync {
     }
     if (g_prof) busy[k * nt + tid] = now_ns() - t0;
     for (int spins = 0; done[k].load(std::memory_order_acquire) < U;) {
-      if (spins < SPIN_PAUSES) {
+      if (spins < g_spin) {
         ++spins;
         _mm_pause();
       } else {
@@ -851,6 +851,14 @@ int ttsf_matmuls(const int64_t* dims, const int64_t* layers, int64_t M, int64_t 
     }
   }
   return 0;
+}
+
+// The pauses a team's wait spins before it yields the core or drops a thread left behind (tests: 0 drops any
+// thread found behind at once). Returns the setting before.
+int ttsf_set_spin(int pauses) {
+  const int was = fstep::g_spin;
+  fstep::g_spin = pauses;
+  return was;
 }
 
 int ttsf_profile_read(int64_t* out) {

@@ -135,6 +135,7 @@ def library() -> ctypes.CDLL:
             lib.ttsf_set_team.argtypes, lib.ttsf_set_team.restype = [I], I
             lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
             lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
+            lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
             lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
             lib.ttsf_set_team(int(team_setting()))
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
