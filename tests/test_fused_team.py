@@ -111,7 +111,9 @@ def test_profile_counts_every_call_and_its_stages_add_up(fused_lib, own_kernels,
     stages = sum(ns[s] for s in fused_step.STAGES[:12])
     assert 0 < stages <= ns["call"] and stages >= 0.8 * ns["call"], ns
     assert all(ns[s] > 0 for s in ("qkv", "attn", "o_proj", "gate_up", "down"))
-    assert ns["busy_min"] <= ns["busy_max"] <= sum(ns[s] for s in ("qkv", "o_proj", "gate_up", "down"))
+    assert 0 <= ns["busy_min"] <= ns["busy_max"] and ns["busy_max"] > 0
+    if team == "split":   # the caller's matmul walls hold both threads' kernel times (a team's thread may start
+        assert ns["busy_max"] <= sum(ns[s] for s in ("qkv", "o_proj", "gate_up", "down"))   # before thread 0)
     with fused_step.profile() as again:   # off again after the block: nothing counted in between
         pass
     plan.run(x, cache, rows, pos)

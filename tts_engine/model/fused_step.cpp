@@ -571,6 +571,7 @@ struct Sync {
   static constexpr int64_t DROPPED = -1;
   int mode, nt;
   int64_t stages;
+  int64_t attn_every = 0;   // a stack's stages: 5 per layer, the second the attention (profile only)
   std::unique_ptr<std::atomic<int64_t>[]> next, done;
   std::unique_ptr<std::atomic<int64_t>[]> progress;   // [nt]: 2 (last consume point done + 1) + reading, or DROPPED
   std::vector<int64_t> busy;   // [stages, nt] ns (profile on only)
@@ -620,8 +621,8 @@ struct Sync {
   // stage k of U units: work(u0, u1) on this thread's units; returns once all U are done (their outputs visible)
   template <class F>
   void run(int64_t k, int tid, int64_t U, int64_t chunk, F&& work) {
-    const int64_t t0 = g_prof ? now_ns() : 0;
     if (mode == TEAM_BARRIER) {
+      const int64_t t0 = g_prof ? now_ns() : 0;
       int64_t b0, b1;
       share(U, tid, nt, b0, b1);
       if (b1 > b0) work(b0, b1);
@@ -629,14 +630,17 @@ struct Sync {
 #pragma omp barrier
       return;
     }
+    int64_t spent = 0;
     for (;;) {
       const int64_t u0 = next[k].fetch_add(chunk, std::memory_order_relaxed);
       if (u0 >= U) break;
       const int64_t u1 = std::min(U, u0 + chunk);
+      const int64_t w0 = g_prof ? now_ns() : 0;
       work(u0, u1);
+      if (g_prof) spent += now_ns() - w0;
       done[k].fetch_add(u1 - u0, std::memory_order_release);
     }
-    if (g_prof) busy[k * nt + tid] = now_ns() - t0;
+    if (g_prof) busy[k * nt + tid] = spent;   // its time in the work itself
     for (int spins = 0; done[k].load(std::memory_order_acquire) < U;) {
       if (spins < g_spin) {
         ++spins;
@@ -649,6 +653,7 @@ struct Sync {
   void profile_done() {   // after the region: each stage's busiest and idlest thread -> BUSY_MAX / BUSY_MIN
     if (!g_prof) return;
     for (int64_t k = 0; k < stages; ++k) {
+      if (attn_every && k % attn_every == 1) continue;   // the attention's stages: not a matmul's
       int64_t mx = 0, mn = INT64_MAX;
       for (int i = 0; i < nt; ++i) {
         mx = std::max(mx, busy[k * nt + i]);
@@ -735,7 +740,10 @@ void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* 
               int mode) {
   Shared sh(p, M);
   Sync sy(mode, nt, p.L * 5);
+  sy.attn_every = 5;
   bool short_team = false;
+  const std::vector<float> h0(h, h + M * p.D);   // the input, for the other threads' copies (thread 0 may be at work
+                                                  // on h before another thread has started)
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
@@ -745,12 +753,13 @@ void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* 
     } else {
       // thread 0 works on the caller's h; the others on their own copies (identical all along)
       std::vector<float> own(tid ? M * p.D : 0);
-      if (tid) memcpy(own.data(), h, M * p.D * 4);
+      if (tid) memcpy(own.data(), h0.data(), M * p.D * 4);
       team_member<C>(p, c, row, pos, M, sh, sy, tid ? own.data() : h, tid);
     }
   }
   if (short_team) {
     Sync one(mode, 1, p.L * 5);
+    one.attn_every = 5;
     team_member<C>(p, c, row, pos, M, sh, one, h, 0);
     one.profile_done();
     return;
