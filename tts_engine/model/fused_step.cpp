@@ -91,7 +91,7 @@ enum Stage {
 };
 constexpr int MAX_THREADS = 256;
 int g_prof = 0;
-int g_team = 2;   // TeamMode
+int g_team = 0;   // TeamMode (fused_step.py sets it from TTS_FUSED_TEAM)
 int64_t g_acc[NSTAGES];
 int64_t g_busy[2][MAX_THREADS];   // one matmul's kernel time per thread (a team alternates two sets: a thread
                                   // may start the next matmul before thread 0 has read the last one's)
@@ -530,12 +530,18 @@ void run_stack(const Plan& p, const Cache& c, const int64_t* row, const int64_t*
 // results equal run_stack's bit for bit). The shared work of a layer comes in 5 stages: each matmul's output units
 // and the attention's kv heads (rope, cache write and the attention of the q heads that read them: no thread waits
 // between the cache write and the attention). Only the stages' outputs are shared. Two ways to split a stage:
-//   TEAM_CLAIM (default): threads claim chunks of units from a counter (each chunk a contiguous part of the weight)
+//   TEAM_CLAIM: threads claim chunks of units from a counter (each chunk a contiguous part of the weight)
 //     and a stage is over when all its units are done, not when all threads have arrived: a thread that the OS
 //     took away (a busy machine) holds back at most the chunk it is in, and the others do its share; a wait spins
-//     a bounded time (g_spin) and then yields the core at each look.
+//     a bounded time (g_spin) and then sleeps 20 us between looks.
 //   TEAM_BARRIER: a fixed split (thread t streams the t-th contiguous part) and an OpenMP barrier after each stage.
 enum TeamMode { TEAM_OFF = 0, TEAM_BARRIER = 1, TEAM_CLAIM = 2 };
+// a wait past its spin sleeps in short naps: the core goes to whoever the OS has waiting (on a busy machine, likely
+// the very thread this one waits for), where sched_yield would keep it busy
+inline void nap() {
+  timespec t{0, 20000};
+  nanosleep(&t, nullptr);
+}
 int g_spin = 4096;   // g_spin: pauses a wait spins before it yields (or drops a thread left behind)
 
 struct Shared {   // written by the team's shares, read by all once a stage is done
@@ -611,7 +617,7 @@ struct Sync {
         }
         if (spins < g_spin || i == 0) {
           if (spins < g_spin) _mm_pause();
-          else sched_yield();
+          else nap();
           continue;
         }
         if (progress[i].compare_exchange_strong(v, DROPPED, std::memory_order_acq_rel)) break;
@@ -646,7 +652,7 @@ struct Sync {
         ++spins;
         _mm_pause();
       } else {
-        sched_yield();
+        nap();
       }
     }
   }

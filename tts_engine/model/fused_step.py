@@ -72,17 +72,18 @@ TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode
 
 
 def team_setting() -> int:
-    """How a call uses torch's threads (env TTS_FUSED_TEAM; fused_step.cpp): "claim" (default; also 1 / on): the
-    whole stack in one parallel region, the threads claiming chunks of each matmul's output and of the attention's
-    heads, a thread the OS takes away holding back no more than its chunk; "barrier": one parallel region, a fixed
-    split and a barrier after each stage; "split" (0 / off): one at::parallel_for per matmul, the small ops in the
-    caller. All give the same numbers bit for bit."""
-    v = os.environ.get(TEAM_ENV, "claim").strip().lower()
+    """How a call uses torch's threads (env TTS_FUSED_TEAM; fused_step.cpp): "split" (default; also 0 / off): one
+    at::parallel_for per matmul, the small ops in the caller; "claim" (also 1 / on): the whole stack in one parallel
+    region, the threads claiming chunks of each matmul's output and of the attention's heads, a thread the OS takes
+    away holding back no more than its chunk; "barrier": one parallel region, a fixed split and a barrier after each
+    stage. All give the same numbers bit for bit. Split stays the default until the team modes are measured faster
+    on a quiet machine and not slower on a busy one (session 7: an engine A/B at load 8-10 had claim slower)."""
+    v = os.environ.get(TEAM_ENV, "split").strip().lower()
     if v in ("0", "off", "no", "false"):
         v = "split"
     elif v in ("1", "on", "yes", "true"):
         v = "claim"
-    return TEAM_MODES.get(v, TEAM_MODES["claim"])
+    return TEAM_MODES.get(v, TEAM_MODES["split"])
 
 
 def set_team(mode) -> int:
