@@ -148,3 +148,12 @@ def test_slice_rows_are_built_once_and_index_rows_still_checked(fused_lib, own_k
     assert f._entries(slice(2, 4), start, 2, 1, 3)[2] is False   # past the cache's rows: checked on the host
     with pytest.raises(ValueError, match="do not fit"):
         f.plan.run(x.reshape(2, -1), cache, torch.tensor([0, 3]), start)
+
+
+def test_team_setting_reads_the_env(monkeypatch):
+    monkeypatch.delenv(fused_step.TEAM_ENV, raising=False)
+    assert fused_step.team_setting() == fused_step.TEAM_MODES["split"]   # the default: today's split
+    for v, want in (("claim", "claim"), ("1", "claim"), ("on", "claim"), ("barrier", "barrier"), ("0", "split"),
+                    ("off", "split"), ("nonsense", "split")):
+        monkeypatch.setenv(fused_step.TEAM_ENV, v)
+        assert fused_step.team_setting() == fused_step.TEAM_MODES[want], v

@@ -15,13 +15,15 @@
 //
 // The matmul kernels, the activation quantisation and the weight layouts are cpu_ext.cpp's own (included below, so
 // this library is built from the same source as the layers' kernels and reads the same packed weights).
-// Threads: each matmul splits its output blocks over torch's threads with at::parallel_for, like ttsx_w8a8; the
-// attention of many cache positions splits its (entry, head) pairs the same way; the rest runs in the caller.
+// Threads (g_team, fused_step.py team_setting): TEAM_OFF ("split", the default): each matmul splits its output
+// blocks over torch's threads with at::parallel_for, like ttsx_w8a8; the attention of many cache positions splits its
+// (entry, head) pairs the same way; the rest runs in the caller (run_stack). TEAM_CLAIM / TEAM_BARRIER: the whole
+// stack in one parallel region (run_team, below). All give the same numbers bit for bit.
+// Profile (ttsf_profile_set): per-stage times summed over calls (Stage); off, each stage costs one branch.
 #include "cpu_ext.cpp"
 
 #include <memory>
 #include <omp.h>
-#include <sched.h>
 #include <atomic>
 #include <time.h>
 
@@ -93,8 +95,7 @@ constexpr int MAX_THREADS = 256;
 int g_prof = 0;
 int g_team = 0;   // TeamMode (fused_step.py sets it from TTS_FUSED_TEAM)
 int64_t g_acc[NSTAGES];
-int64_t g_busy[2][MAX_THREADS];   // one matmul's kernel time per thread (a team alternates two sets: a thread
-                                  // may start the next matmul before thread 0 has read the last one's)
+int64_t g_busy[MAX_THREADS];   // the split path: one matmul's kernel time per thread (a team: Sync::busy)
 
 inline int64_t now_ns() {
   timespec t;
@@ -108,12 +109,12 @@ inline void lap(int st, int64_t& t0) {
   g_acc[st] += t - t0;
   t0 = t;
 }
-inline void busy_done(int nt, int set = 0) {   // one matmul's per-thread times -> BUSY_MAX / BUSY_MIN
+inline void busy_done(int nt) {   // one matmul's per-thread times -> BUSY_MAX / BUSY_MIN
   int64_t mx = 0, mn = INT64_MAX;
   for (int i = 0; i < nt; ++i) {
-    mx = std::max(mx, g_busy[set][i]);
-    mn = std::min(mn, g_busy[set][i]);
-    g_busy[set][i] = 0;
+    mx = std::max(mx, g_busy[i]);
+    mn = std::min(mn, g_busy[i]);
+    g_busy[i] = 0;
   }
   g_acc[P_BUSY_MAX] += mx;
   g_acc[P_BUSY_MIN] += mn;
@@ -420,7 +421,7 @@ void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Sc
   at::parallel_for(0, units(p, l), grain_of(p, l, M), [&](int64_t b0, int64_t b1) {
     const int64_t b = g_prof ? now_ns() : 0;
     mm_range(p, l, s.x, M, b0, b1, y, s.acc.data(), s.facc.data());
-    if (g_prof) g_busy[0][std::min(at::get_thread_num(), MAX_THREADS - 1)] += now_ns() - b;
+    if (g_prof) g_busy[std::min(at::get_thread_num(), MAX_THREADS - 1)] += now_ns() - b;
   });
   lap(st, t0);
   if (g_prof) busy_done(at::get_num_threads());
