@@ -134,9 +134,9 @@ def table(name: str, mode: str, res: dict, wb: dict, floor: float, calls_per_fra
             ("hand-offs (matmul walls - busy max)",
              lambda ns, mo: ((sum(ns[s] for s in MATMULS) - ns["busy_max"]) / 1e6, None)),
             ("imbalance (busy max - busy min)", lambda ns, mo: ((ns["busy_max"] - ns["busy_min"]) / 1e6, None)),
-            (f"matmuls alone, rotating over {copies} cop{'y' if copies == 1 else 'ies'} (wall)",
+            (f"matmuls alone, ms per pass over one stack, rotating over {copies} cop{'y' if copies == 1 else 'ies'} (wall)",
              lambda ns, mo: (mo["call"] / copies / 1e6, total_b * copies / mo["call"])),
-            ("matmuls alone, busy max", lambda ns, mo: (mo["busy_max"] / copies / 1e6, total_b * copies / max(1, mo["busy_max"])))):
+            ("matmuls alone, ms per pass, busy max", lambda ns, mo: (mo["busy_max"] / copies / 1e6, total_b * copies / max(1, mo["busy_max"])))):
         cells = []
         for p in paths:
             ms, gb = fn(*res[p])
