@@ -157,3 +157,23 @@ def test_team_setting_reads_the_env(monkeypatch):
                     ("off", "split"), ("nonsense", "split")):
         monkeypatch.setenv(fused_step.TEAM_ENV, v)
         assert fused_step.team_setting() == fused_step.TEAM_MODES[want], v
+
+
+def test_profile_bench_prints_every_stage(fused_lib, own_kernels, tmp_path, threads):  # noqa: F811
+    """`python -m tts_engine.bench_fused_profile` on a small config: a table per stack with every stage, the
+    matmuls' GB/s and the plain read."""
+    import json
+
+    from tts_engine import bench_fused_profile
+
+    stack = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"talker_config": {**stack, "code_predictor_config": stack}}))
+    out = tmp_path / "t.md"
+    assert bench_fused_profile.main(["--config", str(cfg), "--modes", "w8a8", "--rounds", "1", "--frames", "1",
+                                     "--rotate-mb", "1", "--read-mb", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    for name in ("talker, w8a8", "predictor, w8a8", "plain read", "| qkv |", "| attn |", "| down |",
+                 "hand-offs", "matmuls alone"):
+        assert name in text, name

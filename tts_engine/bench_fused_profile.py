@@ -68,10 +68,10 @@ def weight_bytes(stack) -> dict[str, int]:
     return out
 
 
-def plain_read_gbps(reps: int = 5) -> float:
+def plain_read_gbps(mb: int = 512, reps: int = 5) -> float:
     from .model import cpu_ext
 
-    buf = torch.empty(512 << 20, dtype=torch.uint8).fill_(1)
+    buf = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -155,12 +155,14 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=4, help="frames per path per round")
     ap.add_argument("--talker-pos", type=int, default=60, help="the talker's cache position (prompt + frames)")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--rotate-mb", type=int, default=320, help="the matmuls alone rotate over at least this much weight")
+    ap.add_argument("--read-mb", type=int, default=512, help="the plain read's size")
     ap.add_argument("--config", help="the model's config.json (default: the bench's random 0.6b checkpoint's)")
     ap.add_argument("--out", help="write the tables here (markdown)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from .config import ModelConfig
+    from .config import TalkerConfig
     from .cpu_info import cpu_info
     from .model import fused_step
     from .model.layers import KVCache
@@ -170,11 +172,11 @@ def main(argv=None) -> int:
 
         a.config = str(checkpoint_for("0.6b", torch.bfloat16) / "config.json")
     with open(a.config, encoding="utf-8") as f:
-        cfg = ModelConfig.from_dict(json.load(f))
+        talker_cfg = TalkerConfig.from_dict(json.load(f)["talker_config"])
     device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     lib = fused_step.library()
     paths = a.paths.split(",")
-    floor = plain_read_gbps()
+    floor = plain_read_gbps(a.read_mb)
     head = [f"### Fused step profile ({device}, load {os.getloadavg()[0]:.2f})", "",
             f"`python -m tts_engine.bench_fused_profile --modes {a.modes} --stacks {a.stacks} --paths {a.paths} "
             f"--rounds {a.rounds} --frames {a.frames}`: best round of {a.rounds}, {a.frames} frames per path per "
@@ -183,10 +185,10 @@ def main(argv=None) -> int:
     print("\n".join(head), flush=True)
     for mode in a.modes.split(","):
         for name in a.stacks.split(","):
-            scfg = cfg.talker if name == "talker" else cfg.talker.code_predictor
+            scfg = talker_cfg if name == "talker" else talker_cfg.code_predictor
             stack = build_stack(scfg, mode, seed=1)
             wb = weight_bytes(stack)
-            copies = max(1, -(-320_000_000 // sum(wb.values())))   # matmul-only rotation over > 300 MB
+            copies = max(1, -(-a.rotate_mb * 1_000_000 // sum(wb.values())))   # matmul-only rotation over > 300 MB
             plans = [fused_step.StackPlan(stack)]
             extra = [build_stack(scfg, mode, seed=2 + i) for i in range(copies - 1)]
             plans += [fused_step.StackPlan(s) for s in extra]
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
             print("\n".join(lines), flush=True)
             out += lines
             del stack, extra, plans
-    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps():.1f} GB/s")
+    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps(a.read_mb):.1f} GB/s")
     print(out[-1])
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
