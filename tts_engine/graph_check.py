@@ -125,6 +125,15 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
     def say(msg):
         print(msg, file=out, flush=True)
 
+    if gpu and torch.backends.cuda.cudnn_sdp_enabled():
+        # cuDNN's attention chooses its kernel per call, so a captured frame can round differently from the same
+        # frame run eagerly (H100: one greedy code at batch 4, frame 54-63 of 64) although the graph replays the
+        # same ops; flash / memory-efficient attention do not. The check compares the graph machinery with that
+        # attention; the engine serves with cuDNN's (20 % faster at one stream on an H100, docs/benchmarks.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        say("cuDNN attention off for this check (it picks kernels per call: captured and eager frames may round "
+            "differently); the engine serves with it")
+
     eager = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=False, **kw)
     eager.speakers_for_check = _voices(eager)
     bucketed = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=False, **kw)
