@@ -49,6 +49,7 @@ from .layers import KVCache
 log = logging.getLogger("tts_engine")
 
 ENV = "TTS_FUSED_STEP"
+TEAM_ENV = "TTS_FUSED_TEAM"
 SOURCE = Path(__file__).with_name("fused_step.cpp")
 MAX_ENTRIES = 16        # (row, position) entries per call: decode batches; more is a prefill (eager)
 MAX_T = 2               # positions per row per call (the predictor's first pass has 2)
@@ -71,6 +72,59 @@ def setting() -> str:
     return "auto"
 
 
+TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode
+
+
+def team_setting() -> int:
+    """How a call uses torch's threads (env TTS_FUSED_TEAM; fused_step.cpp): "split" (default; also 0 / off): one
+    at::parallel_for per matmul, the small ops in the caller; "claim" (also 1 / on): the whole stack in one parallel
+    region, the threads claiming chunks of each matmul's output and of the attention's heads, a thread the OS takes
+    away holding back no more than its chunk; "barrier": one parallel region, a fixed split and a barrier after each
+    stage. All give the same numbers bit for bit. Split stays the default until the team modes are measured faster
+    on a quiet machine and not slower on a busy one (session 7: an engine A/B at load 8-10 had claim slower)."""
+    v = os.environ.get(TEAM_ENV, "split").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        v = "split"
+    elif v in ("1", "on", "yes", "true"):
+        v = "claim"
+    return TEAM_MODES.get(v, TEAM_MODES["split"])
+
+
+def set_team(mode) -> int:
+    """Switch this process's team mode (benchmarks' A/B, tests): a name of TEAM_MODES, its number, or a bool
+    (True: claim, False: split) -> the mode before (a number)."""
+    if isinstance(mode, str):
+        mode = TEAM_MODES[mode]
+    elif isinstance(mode, bool):
+        mode = TEAM_MODES["claim" if mode else "split"]
+    return int(library().ttsf_set_team(int(mode)))
+
+
+# fused_step.cpp Stage: the profile's stages, in order (the last two are counts); "other": input, output, scratch
+# and what lies outside the stages (a team's fork and join)
+STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up", "silu",
+          "down", "busy_max", "busy_min", "call", "calls", "matmuls")
+
+
+class profile:
+    """`with fused_step.profile() as prof: ...` times every stage of the fused calls made inside (fused_step.cpp's
+    profile; off, it costs nothing but a branch per stage); prof.ns: {stage: nanoseconds summed} (calls, matmuls:
+    counts) once the block is left."""
+
+    def __enter__(self):
+        self.lib = library()
+        self._buf = (ctypes.c_int64 * 64)()
+        self.lib.ttsf_profile_read(self._buf)   # zero the sums
+        self._was = self.lib.ttsf_profile_set(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.ttsf_profile_set(self._was)
+        n = self.lib.ttsf_profile_read(self._buf)
+        self.ns = dict(zip(STAGES, list(self._buf)[:n]))
+        return False
+
+
 def library() -> ctypes.CDLL:
     """The fused step's library (built on first use beside cpu_ext's kernels); raises when it cannot run here."""
     with _lock:
@@ -83,6 +137,12 @@ def library() -> ctypes.CDLL:
             lib.ttsf_bf16_isa.restype = I
             lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
             lib.ttsf_stack_step.restype = I
+            lib.ttsf_set_team.argtypes, lib.ttsf_set_team.restype = [I], I
+            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
+            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
+            lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
+            lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
+            lib.ttsf_set_team(int(team_setting()))
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
                 raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
             _lib["lib"] = lib
@@ -168,22 +228,35 @@ class StackPlan:
         self.final_norm = stack.norm.weight.detach().float().contiguous()
         self.eps = float(cfg.rms_norm_eps)
         self.D = D
+        self._strides = {}   # (k's shape, strides) -> the int64 tensor the call reads
 
-    def run(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def cache_strides(self, k: torch.Tensor) -> torch.Tensor:
+        key = (tuple(k.shape), tuple(k.stride()))
+        t = self._strides.get(key)
+        if t is None:
+            t = self._strides[key] = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        return t
+
+    def run(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor, rows_checked: bool = False) -> torch.Tensor:
         """x [M, D] (the cache's dtype) inputs of M entries; rows, pos [M] int64: each entry's cache row and new
-        position -> normed hidden [M, D] (a new tensor; the entries' keys and values are written to `cache`)."""
+        position -> normed hidden [M, D] (a new tensor; the entries' keys and values are written to `cache`).
+        rows_checked: the caller knows every row is one of the cache's (FusedStep: rows from a slice of it)."""
         lib = library()
         k, v = cache.k, cache.v
         if x.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16) or not k.is_contiguous() \
                 or not v.is_contiguous() or k.shape[0] != self.layers.shape[0]:
             raise ValueError("the cache or the input is not in a layout the fused step reads")
         out = x.reshape(-1, self.D).clone(memory_format=torch.contiguous_format)   # born here, returned
-        rows = rows.to(torch.int64).contiguous()
-        pos = pos.to(torch.int64).contiguous()
+        if rows.dtype != torch.int64 or not rows.is_contiguous():
+            rows = rows.to(torch.int64).contiguous()
+        if pos.dtype != torch.int64 or not pos.is_contiguous():
+            pos = pos.to(torch.int64).contiguous()
         M = out.shape[0]
-        if rows.numel() != M or pos.numel() != M or int(rows.max()) >= k.shape[1] or int(rows.min()) < 0:
+        if rows.numel() != M or pos.numel() != M:
             raise ValueError("rows / positions do not fit the cache")
-        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        if not rows_checked and (int(rows.max()) >= k.shape[1] or int(rows.min()) < 0):
+            raise ValueError("rows / positions do not fit the cache")
+        strides = self.cache_strides(k)
         bf16 = int(k.dtype == torch.bfloat16)
         rc = lib.ttsf_stack_step(self.dims.data_ptr(), self.eps, self.layers.data_ptr(), self.inv_freq.data_ptr(),
                                  self.final_norm.data_ptr(), out.data_ptr(), bf16, M, rows.data_ptr(),
@@ -213,6 +286,7 @@ class FusedStep:
         self.min_cos = 1.0
         self.key = None
         self.state, self.status = "trial", "measuring"
+        self._index: dict = {}   # (first row, B, T) -> (cache rows of the B T entries, position offsets [1, T])
         if force:
             self.state, self.status = "on", "on (TTS_FUSED_STEP=1)"
             return
@@ -244,24 +318,40 @@ class FusedStep:
             self.disable(f"{type(e).__name__}: {e}")
             return eager()
 
+    def _entries(self, rows, start, B: int, T: int, cache_rows: int):
+        """(rows_e, pos_e [B T] int64, rows known to fit the cache): rows given as a slice are built once per
+        (first row, B, T) shape; T == 1 positions are `start` itself."""
+        if isinstance(rows, slice):
+            r0 = rows.start or 0
+            key = (r0, B, T)
+            got = self._index.get(key)
+            if got is None:
+                got = self._index[key] = (torch.arange(r0, r0 + B)[:, None].expand(B, T).reshape(-1).contiguous(),
+                                          torch.arange(T)[None, :])
+            rows_e, t = got
+            checked = 0 <= r0 and r0 + B <= cache_rows
+        else:
+            rows_e = rows.reshape(B)[:, None].expand(B, T).reshape(-1)                   # [B T]
+            t = torch.arange(T)[None, :]
+            checked = False
+        if T == 1 and start.dtype == torch.int64:
+            pos_e = start.reshape(B)
+        else:
+            pos_e = (start.reshape(B, 1) + t).reshape(-1)                                  # [B T]
+        return rows_e, pos_e, checked
+
     def _fused(self, x, cache, rows, start):
         B, T, D = x.shape
-        if isinstance(rows, slice):
-            row_idx = torch.arange(rows.start or 0, (rows.start or 0) + B)
-        else:
-            row_idx = rows.reshape(B)
-        t = torch.arange(T)
-        rows_e = row_idx[:, None].expand(B, T).reshape(-1)                       # [B T]
-        pos_e = (start.reshape(B, 1) + t[None, :]).reshape(-1)                    # [B T]
+        rows_e, pos_e, checked = self._entries(rows, start, B, T, cache.k.shape[1])
         switch = self.threads_switch() if self.threads_switch is not None else None
         if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
             torch.set_num_threads(switch.threads)
             try:
-                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
             finally:
                 torch.set_num_threads(1)
         else:
-            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
         return out.view(B, T, D)
 
     def _measure(self) -> None:
