@@ -74,9 +74,10 @@ os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 # Nor the codec decoder's dtype: a bf16 model keeps a bf16 decoder (tests/test_codec_dtype.py measures the choice in a
 # temporary cache folder). Timing a tiny decoder picks either dtype by noise.
 os.environ.setdefault("TTS_CODEC_DTYPE", "model")
-# Nor the fused decode step (model/fused_step.py): its first calls in an engine time it against the eager path and
-# serve either result, so a bf16 / W8A8 engine's first request would decode differently from its later ones (a
-# prefix-cache hit vs miss, a rerun). tests/test_fused_step.py sets it per test (trial, on, off).
+# Nor the fused decode step (model/fused_step.py): its trial (at engine load; no request sees it) would remember
+# choices for the tiny stacks in the user's cache folder, and with it on the code predictor's frame in one call
+# (model/predictor_frame.py) would run its own trial inside the first request. tests/test_fused_step.py sets it per
+# test (trial, on, off) and checks that the trial never changes a request.
 os.environ.setdefault("TTS_FUSED_STEP", "0")
 
 

@@ -74,6 +74,66 @@ def test_small_bf16_batches_run_atens_gemv_and_restore_onednn(tmp_path):
         assert torch._C._get_mkldnn_enabled() == torch.backends.mkldnn.is_available()
 
 
+def _in_threads(steps):
+    """Run `steps` [(thread 0 or 1, enter or leave, "off" or "on")] in this order, each region entered and left in
+    its own thread (a region spans two steps), and return the oneDNN switch seen after each step."""
+    import threading
+
+    from tts_engine.model import kernels
+
+    go = [threading.Event() for _ in steps]
+    done = [threading.Event() for _ in steps]
+    seen = []
+
+    def worker(me):
+        open_ = {}
+        for i, (who, what, kind) in enumerate(steps):
+            if who != me:
+                continue
+            go[i].wait(10)
+            if what == "enter":
+                open_[kind] = (kernels.onednn_off if kind == "off" else kernels.onednn_on)()
+                open_[kind].__enter__()
+            else:
+                open_.pop(kind).__exit__(None, None, None)
+            seen.append(torch._C._get_mkldnn_enabled())
+            done[i].set()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for i in range(len(steps)):
+        go[i].set()
+        assert done[i].wait(10)
+    for t in threads:
+        t.join(10)
+    return seen
+
+
+@pytest.mark.parametrize("order", ["A in, B in, A out, B out", "A in, B in, B out, A out", "A off, B on, A out, B out"])
+def test_overlapping_onednn_regions_in_two_threads_restore_the_switch(order):
+    """Two engines' workers switch oneDNN off around their small bf16 frames at the same time (and on for _int_mm
+    inside them): however their regions overlap, oneDNN is off while any wants it off and none on, and back on
+    after the last. (A save-and-restore per region left it off for the rest of the process in the first order.)"""
+    steps = {"A in, B in, A out, B out": [(0, "enter", "off"), (1, "enter", "off"), (0, "leave", "off"),
+                                          (1, "leave", "off")],
+             "A in, B in, B out, A out": [(0, "enter", "off"), (1, "enter", "off"), (1, "leave", "off"),
+                                          (0, "leave", "off")],
+             "A off, B on, A out, B out": [(0, "enter", "off"), (1, "enter", "on"), (0, "leave", "off"),
+                                           (1, "leave", "on")]}[order]
+    before = torch._C._get_mkldnn_enabled()
+    try:
+        torch._C._set_mkldnn_enabled(True)
+        seen = _in_threads(steps)
+        want = {"A in, B in, A out, B out": [False, False, False, True],
+                "A in, B in, B out, A out": [False, False, False, True],
+                "A off, B on, A out, B out": [False, True, True, True]}[order]
+        assert seen == want
+        assert torch._C._get_mkldnn_enabled() is True
+    finally:
+        torch._C._set_mkldnn_enabled(before)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codec_convs_ignore_the_process_wide_onednn_switch(dtype):

@@ -6,8 +6,9 @@ W8A8 / W4A8 / bf16 decoder stack.
   index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code path; bf16 stacks
   (nn.Linear bf16 weights read in place) on each of the bf16 matmul's ISA paths (AVX-512 BF16, AVX-512F, AVX2).
 - In an engine: greedy codes with the fused step match the eager engine's on most frames; the step is really used.
-- Choosing and falling back: the first calls time both paths and the choice is remembered; a wrong result, an
-  exception, a missing library or TTS_FUSED_STEP=0 leave the eager path serving; fp32 engines never get it.
+- Choosing and falling back: the trial times both paths when the step is built, before any request (a lossy
+  engine's first request decodes as its later ones), and the choice is remembered; a wrong result, an exception, a
+  missing library or TTS_FUSED_STEP=0 leave the eager path serving; fp32 engines never get it.
 
 Where the CPU has AVX-512 VNNI and g++ is on PATH the fused step must build and run (a failure fails here, it is not
 skipped); elsewhere these tests skip, and the fallback tests still run."""
@@ -204,20 +205,24 @@ def _step_once(stack, cache, pos):
 
 
 @pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("bf16", torch.bfloat16)])
-def test_first_calls_time_both_paths_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch, mode, dtype):
+def test_the_trial_runs_when_built_and_the_choice_is_remembered(fused_lib, own_kernels, monkeypatch, mode, dtype):
+    """Nothing remembered: building the step times both paths at once, on its own scratch cache (the caller's cache
+    is not touched), chooses the faster by median, serves that from the first call, and remembers it."""
     monkeypatch.delenv(fused_step.ENV, raising=False)
     stack = make_stack(mode, dtype)
-    stack.fused = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
-    assert stack.fused.state == "trial"
     cache = filled_cache(stack, dtype, rows=1)
-    for i in range(fused_step.TRIAL_PAIRS):
-        _step_once(stack, cache, 12 + i)
+    before = (cache.k.detach().clone(), cache.v.detach().clone())
+    stack.fused = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
     f = stack.fused
     assert len(f.times["fused"]) == len(f.times["eager"]) == fused_step.TRIAL_PAIRS
     assert f.state in ("on", "off") and f.min_cos > 0.999
     assert f.state == ("on" if statistics.median(f.times["fused"]) < statistics.median(f.times["eager"]) else "off")
+    assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1])
+    calls = _count_plan_calls(monkeypatch)
+    _step_once(stack, cache, 12)
+    assert calls["n"] == (1 if f.state == "on" else 0)   # the chosen path alone, from the first call
     again = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
-    assert again.state == f.state and "measured before" in again.status
+    assert again.state == f.state and "measured before" in again.status and not again.times["fused"]
     assert list((own_kernels / "fused_step").glob("test-*.json"))
 
 
@@ -225,10 +230,10 @@ def test_a_wrong_result_in_the_trial_turns_it_off(fused_lib, own_kernels, monkey
     stack = make_stack("w8a8")
     plan = fused_step.StackPlan(stack)
     monkeypatch.setattr(plan, "run", lambda x, *a: torch.randn_like(x))
-    stack.fused = fused_step.FusedStep(plan, "test")
     cache = filled_cache(stack, torch.float32, rows=1)
     ref = copy.deepcopy(cache)
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        stack.fused = fused_step.FusedStep(plan, "test")
         y = _step_once(stack, cache, 12)
     assert stack.fused.state == "off" and "differ" in stack.fused.status
     assert "eager from now on" in caplog.text
@@ -400,3 +405,53 @@ def test_governor_matmul_option_gives_the_fused_call_its_threads(fused_lib, own_
     finally:
         switch.set(False)
         torch.set_num_threads(before)
+
+
+def _win(monkeypatch, winner: str) -> None:
+    """The trial measures `winner` faster (the other path's times 1 s slower), whatever the clock said."""
+    real = fused_step.FusedStep._decide
+
+    def decide(self):
+        loser = "eager" if winner == "fused" else "fused"
+        self.times[loser] = [t + 1.0 for t in self.times[loser]]
+        real(self)
+    monkeypatch.setattr(fused_step.FusedStep, "_decide", decide)
+
+
+def _greedy_codes(engine, frames: int) -> torch.Tensor:
+    s = engine.stream("Hello there, how are you today?", voice=engine.speakers[0], greedy=True,
+                      max_new_tokens=frames, sampling={"ignore_eos": True})
+    list(s)
+    return s.codes
+
+
+@pytest.mark.parametrize("winner", ["fused", "eager"])
+def test_the_trial_never_changes_a_request(fused_lib, own_kernels, small_ckpt, monkeypatch, winner):
+    """TTS_FUSED_STEP unset and nothing remembered (a fresh cache folder): the trial that chooses between the fused
+    and the eager step must not show in any request. A bf16-activation W8A8 engine's first two identical greedy
+    requests give the same codes, and the same as an engine that serves the chosen path from its first call
+    (TTS_FUSED_STEP=1 / 0): neither the results nor the KV cache entries of the trial's losing path reach a request."""
+    from tts_engine.engine.engine import TTSEngine
+    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+
+    monkeypatch.delenv(fused_step.ENV, raising=False)
+    _win(monkeypatch, winner)
+    model = Qwen3TTSModel.from_pretrained(str(small_ckpt), device="cpu", dtype="bf16", quantize="w8a8")
+    kw = dict(max_batch=1, max_seq_len=256, govern_threads=False)
+    engine = TTSEngine(model, **kw)
+    try:
+        first, second = _greedy_codes(engine, 24), _greedy_codes(engine, 24)
+        status = fused_step.status(model.talker)
+    finally:
+        engine.close()
+    want = "on" if winner == "fused" else "off"
+    assert all(s.startswith(want) for s in status.values()), status
+    assert len(list((own_kernels / "fused_step").glob("*.json"))) == 2   # the choice is remembered per stack
+    monkeypatch.setenv(fused_step.ENV, "1" if winner == "fused" else "0")
+    engine = TTSEngine(model, **kw)
+    try:
+        forced = _greedy_codes(engine, 24)
+    finally:
+        engine.close()
+    assert first.shape[0] >= 20, first.shape
+    assert torch.equal(first, second) and torch.equal(first, forced)

@@ -109,6 +109,8 @@ def test_governed_engine_gives_the_same_codes(folder):
         counts = {o: n for opts in gov.thread_choice.values() for o, (_, n) in opts.items()}
         assert set(counts) == {1, 2, MATMUL}          # every option ran frames and was timed
         assert torch.get_num_threads() == 2           # the process default is untouched
+        # two bf16 engines switched oneDNN off around their frames at once: it is back as it was
+        assert torch._C._get_mkldnn_enabled() == torch.backends.mkldnn.is_available()
         fp32 = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="fp32", max_batch=1)
         assert fp32.worker.governor is None           # fp32 keeps the process's threads (bit-for-bit parity)
         for e in (plain, gov, fp32):

@@ -18,6 +18,7 @@ import time
 import torch
 
 from .bench import checkpoint_for, device_name, run_concurrency
+from .bench_timing import Laps
 
 
 class _Acc:
@@ -68,16 +69,8 @@ def main(argv=None) -> int:
     acc.wrap(r, "_predict_residuals", lambda h, *a: f"code predictor half, {h.shape[0]} row(s)")
     acc.wrap(r, "_advance", lambda rr, *a: f"talker half, {rr.shape[0]} row(s)")
     acc.wrap(w, "_step", "worker step (all of it)")
-    real_group = worker_mod.decode_group
-
-    def group(codec, items):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return real_group(codec, items)
-        finally:
-            acc.add(f"codec decode, {len(items)} stream(s) x {items[0][1].shape[0]} frame(s)",
-                    time.perf_counter() - t0, time.thread_time() - c0)
-    worker_mod.decode_group = group
+    acc.wrap(worker_mod, "decode_group",
+             lambda codec, items: f"codec decode, {len(items)} stream(s) x {items[0][1].shape[0]} frame(s)")
     run_concurrency(engine, 1, 4, a.first_chunk)   # warm-up
     out = [f"Device: **{device_name(torch.device('cpu'))}**. {a.arch} random weights, {engine.precision}, "
            f"{a.frames} frames per stream, first chunk {a.first_chunk} frame(s), thread governor "
@@ -101,27 +94,21 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         for _ in range(3):
-            st = {}
-            t, c = time.perf_counter(), time.thread_time()
-
-            def mark(k):
-                nonlocal t, c
-                st[k] = (1000 * (time.perf_counter() - t), 1000 * (time.thread_time() - c))
-                t, c = time.perf_counter(), time.thread_time()
+            laps = Laps()
             req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers[0], "auto",
                                           None, 0, {"ignore_eos": True}, False, 30, None, 1, 12)
-            mark("request (text -> prompt)")
+            laps.mark("request (text -> prompt)")
             state = codec.init_state(1, r.device)
             r.prefill(0, req.prompt, req.params)
-            mark(f"prefill ({req.prompt.prefill.shape[0]} positions)")
+            laps.mark(f"prefill ({req.prompt.prefill.shape[0]} positions)")
             codes = r.complete([0])
-            mark("first frame: code predictor (15 passes)")
+            laps.mark("first frame: code predictor (15 passes)")
             codec.decode_step(codes[None].transpose(1, 2), state)[0].float().cpu().numpy()
-            mark("first chunk: codec decode of 1 frame")
+            laps.mark("first chunk: codec decode of 1 frame")
             r.advance([0], codes)
-            mark("(after the first audio: talker step)")
+            laps.mark("(after the first audio: talker step)")
             r.release(0)
-            rows.append(st)
+            rows.append(laps.ms)
     out += ["", "**First audio of one stream, part by part** (median of 3, the engine's own calls in the worker's order; "
             f"{torch.get_num_threads()} threads):", "", "| part | wall ms | CPU ms |", "|---|---|---|"]
     total = [0.0, 0.0]

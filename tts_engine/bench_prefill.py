@@ -13,11 +13,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from .bench import checkpoint_for, device_name
+from .bench_timing import Laps
 
 TEXT = "Ladies and gentlemen, please remain calm."
 
@@ -49,21 +49,16 @@ def main(argv=None) -> int:
         r.prefix_cache = None if kind == "no cache" else cache
         if kind == "miss":
             cache.clear()
-        st = {}
-        t, c = time.perf_counter(), time.thread_time()
-
-        def mark(k):
-            nonlocal t, c
-            st[k] = (1000 * (time.perf_counter() - t), 1000 * (time.thread_time() - c))
-            t, c = time.perf_counter(), time.thread_time()
+        laps = Laps()
         state = codec.init_state(1, r.device)
         r.prefill(0, req.prompt, req.params)
-        mark("prefill")
+        laps.mark("prefill")
         codes = r.complete([0])
-        mark("code predictor")
+        laps.mark("code predictor")
         codec.decode_step(codes[None].transpose(1, 2), state)[0].float().cpu().numpy()
-        mark("codec")
+        laps.mark("codec")
         r.release(0)
+        st = dict(laps.ms)
         st["first audio"] = tuple(sum(x[i] for x in st.values()) for i in (0, 1))
         res.setdefault(kind, []).append(st)
 

@@ -24,8 +24,8 @@ import logging
 import torch
 
 from ..errors import TTSError
-from ..model import fused_step
-from ..model.kernels import onednn_off
+from ..model import fused_step, predictor_frame
+from ..model.kernels import onednn_off, onednn_on
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from ..model.talker import Talker
@@ -84,8 +84,14 @@ class ModelRunner:
         self.on_frame_codes = None
         self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
-        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py)
-        self.fused_status = fused_step.attach(talker) if self.device.type == "cpu" else {}
+        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py; its
+        # trial runs now, timing the eager path as a one-row decode runs it)
+        self.fused_status = {}
+        if self.device.type == "cpu":
+            with aten_bf16_gemv(self._gemv(1)):
+                self.fused_status = fused_step.attach(talker)
+        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py)
+        self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
@@ -230,9 +236,8 @@ class ModelRunner:
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        gemv = self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
         self._onednn_outside = torch._C._get_mkldnn_enabled()
-        with aten_bf16_gemv(gemv):
+        with aten_bf16_gemv(self._gemv(B)):
             codes, done = self._decode(rows, B, read_len)
         for i in rows:
             self.host_len[i] += 1
@@ -321,15 +326,11 @@ class ModelRunner:
     def _hand_over(self, codes: torch.Tensor) -> None:
         """on_frame_codes(codes) with oneDNN as it was outside the frame's bf16 gemv switch (the codec decodes
         there: its linear layers need oneDNN)."""
-        inside, outside = torch._C._get_mkldnn_enabled(), self._onednn_outside
-        if inside == outside:
+        if torch._C._get_mkldnn_enabled() or not self._onednn_outside:
             self.on_frame_codes(codes)
             return
-        torch._C._set_mkldnn_enabled(outside)
-        try:
+        with onednn_on():
             self.on_frame_codes(codes)
-        finally:
-            torch._C._set_mkldnn_enabled(inside)
 
     def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1
@@ -347,7 +348,17 @@ class ModelRunner:
 
     def _predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                            rp: RowParams) -> torch.Tensor:
-        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]."""
+        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]. Where the
+        predictor's frame in one C++ call serves (`predictor_frame`), the same computations there."""
+        frame = getattr(self.talker.code_predictor, "frame", None)
+        if frame is not None and frame.takes(h.shape[0]):
+            return frame.run(h, c0, frame_idx, rp, self.cp_cache,
+                             lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
+        return self._predict_residuals_loop(h, c0, frame_idx, rp)
+
+    def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
+                                rp: RowParams) -> torch.Tensor:
+        """`_predict_residuals` from Python: one `CodePredictor.step` and one `choose_residual` per codebook."""
         cp = self.talker.code_predictor
         x = torch.stack([h, self.talker.codec_embed(c0)], dim=1)                # [B, 2, D]
         out = [c0]

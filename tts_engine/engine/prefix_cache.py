@@ -15,25 +15,19 @@ for anyone else (stats, clearing).
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 
 import torch
+
+from ..lru import BoundedLRU, tensor_bytes
 
 DEFAULT_MAX_BYTES = 64 << 20   # ~70 preset-voice prefixes of the 0.6B talker (0.9 MB each in bf16)
 
 
-class PrefixCache:
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.max_bytes = int(max_bytes)
-        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+class PrefixCache(BoundedLRU):
+    """Prefixes' (k, v) [layers, Hkv, P, hd] by `key`, up to `max_bytes` in all (module doc)."""
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
+        super().__init__(None, max_bytes, lambda kv: tensor_bytes(*kv))
 
     @staticmethod
     def key(prefix: torch.Tensor) -> str:
@@ -47,44 +41,14 @@ class PrefixCache:
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k, v) [layers, Hkv, P, hd] of this prefix, or None (counted as a hit or a miss)."""
-        with self._lock:
-            kv = self._entries.get(key)
-            if kv is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return kv
+        return super().get(key)
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep copies of k, v [layers, Hkv, P, hd]; the least recently used entries go past `max_bytes`."""
-        n = 2 * k.numel() * k.element_size()
-        if not self.enabled or n > self.max_bytes:
-            return
-        k, v = k.clone(), v.clone()
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= 2 * old[0].numel() * old[0].element_size()
-            self._entries[key] = (k, v)
-            self._bytes += n
-            while self._bytes > self.max_bytes:
-                _, (ok, _) = self._entries.popitem(last=False)
-                self._bytes -= 2 * ok.numel() * ok.element_size()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
+        if self.enabled and tensor_bytes(k, v) <= self.max_bytes:   # (no copy of what would not be kept)
+            super().put(key, (k.clone(), v.clone()))
 
     def stats(self) -> dict:
         with self._lock:
-            return {"entries": len(self._entries), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
+            return {"entries": len(self._items), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
                     "max_bytes": self.max_bytes}

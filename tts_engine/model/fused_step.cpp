@@ -15,11 +15,17 @@
 //
 // The matmul kernels, the activation quantisation and the weight layouts are cpu_ext.cpp's own (included below, so
 // this library is built from the same source as the layers' kernels and reads the same packed weights).
-// Threads: each matmul splits its output blocks over torch's threads with at::parallel_for, like ttsx_w8a8; the
-// attention of many cache positions splits its (entry, head) pairs the same way; the rest runs in the caller.
+// Threads (g_team, fused_step.py team_setting): TEAM_OFF ("split", the default): each matmul splits its output
+// blocks over torch's threads with at::parallel_for, like ttsx_w8a8; the attention of many cache positions splits its
+// (entry, head) pairs the same way; the rest runs in the caller (run_stack). TEAM_CLAIM / TEAM_BARRIER: the whole
+// stack in one parallel region (run_team, below). All give the same numbers bit for bit.
+// Profile (ttsf_profile_set): per-stage times summed over calls (Stage); off, each stage costs one branch.
 #include "cpu_ext.cpp"
 
 #include <memory>
+#include <omp.h>
+#include <atomic>
+#include <time.h>
 
 namespace fstep {
 
@@ -75,32 +81,57 @@ inline float bf16_to_f32(uint16_t b) {
   return f;
 }
 
+// ---- profile (ttsf_profile_set(1) turns it on; off, each stage pays one predictable branch) -------------------
+// Per stage, the nanoseconds summed over calls (the caller's thread, or thread 0 of a team). A matmul stage is its
+// wall time from the activation rows ready to every thread's share done (so it includes the hand-offs and the wait
+// for the slower thread); MM_BUSY_MAX / MM_BUSY_MIN sum, over matmuls, the busiest and the idlest thread's time in
+// the kernel itself: (matmul walls - MM_BUSY_MAX) is the hand-off cost, (MAX - MIN) the imbalance.
+enum Stage {
+  P_IO,          // input to fp32, final norm, output store, scratch, and the rest outside the stages (fork/join)
+  P_NORM_IN, P_QUANT, P_QKV, P_ROPE_CACHE, P_ATTN, P_O, P_RESID, P_NORM_POST, P_GU, P_SILU, P_DOWN,
+  P_BUSY_MAX, P_BUSY_MIN, P_CALL, P_CALLS, P_MATMULS, NSTAGES
+};
+constexpr int MAX_THREADS = 256;
+int g_prof = 0;
+int g_team = 0;   // TeamMode (fused_step.py sets it from TTS_FUSED_TEAM)
+int64_t g_acc[NSTAGES];
+int64_t g_busy[MAX_THREADS];   // the split path: one matmul's kernel time per thread (a team: Sync::busy)
+
+inline int64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+// t0 <- now, and the time since the old t0 added to stage `st` (profile on only)
+inline void lap(int st, int64_t& t0) {
+  if (!g_prof) return;
+  const int64_t t = now_ns();
+  g_acc[st] += t - t0;
+  t0 = t;
+}
+inline void busy_done(int nt) {   // one matmul's per-thread times -> BUSY_MAX / BUSY_MIN
+  int64_t mx = 0, mn = INT64_MAX;
+  for (int i = 0; i < nt; ++i) {
+    mx = std::max(mx, g_busy[i]);
+    mn = std::min(mn, g_busy[i]);
+    g_busy[i] = 0;
+  }
+  g_acc[P_BUSY_MAX] += mx;
+  g_acc[P_BUSY_MIN] += mn;
+  g_acc[P_MATMULS] += 1;
+}
+
 // ---- scratch: born at the top of a call, sized for its M entries, dies with the call ---------------------------
-struct Scratch {
-  std::vector<float> h;     // [M, D] residual stream
-  std::vector<float> a;     // [M, max(D, H hd)] normed input of a matmul / attention output
-  std::vector<float> t;     // [M, D] a matmul's result before the residual add
-  std::vector<float> qkv;   // [M, (H + 2 Hkv) hd]
-  std::vector<float> gu;    // [M, 2 I]
-  std::vector<float> act;   // [M, I]
-  // the matmuls' activation rows and sums (sized for the widest K and N)
+// A matmul's activation rows, prepared once for all its output blocks (int8 rows, their amax and sums; bf16 rows)
+struct Act {
   std::vector<int8_t> xq;
   std::vector<float> amax;
-  std::vector<int32_t> xsum, gsum, acc;
-  std::vector<float> facc;
+  std::vector<int32_t> xsum, gsum;
   std::vector<uint16_t> xb;   // bf16 weights: activation rows rounded to bf16 [M, Kmax] ...
   std::vector<float> xf;      // ... and the same values widened to fp32 (the paths without AVX-512 BF16)
 
-  Scratch(const Plan& p, int64_t M) {
-    const int64_t qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  Act(const Plan& p, int64_t M) {
     const int64_t Kmax = round_up(std::max({p.D, p.H * p.hd, p.I}), G4);
-    const int64_t Nmax = round_up(std::max({qkvN, p.D, 2 * p.I}), BLK);
-    h.resize(M * p.D);
-    a.resize(M * std::max(p.D, p.H * p.hd));
-    t.resize(M * p.D);
-    qkv.resize(M * qkvN);
-    gu.resize(M * 2 * p.I);
-    act.resize(M * p.I);
     if (p.wbits == 16) {
       xb.resize(M * Kmax);
       xf.resize(M * Kmax);
@@ -110,8 +141,31 @@ struct Scratch {
     amax.resize(M);
     xsum.resize(M);
     gsum.resize(M * (Kmax / G4));
+  }
+};
+
+struct Scratch {
+  std::vector<float> h;     // [M, D] residual stream
+  std::vector<float> a;     // [M, max(D, H hd)] normed input of a matmul / attention output
+  std::vector<float> t;     // [M, D] a matmul's result before the residual add
+  std::vector<float> qkv;   // [M, (H + 2 Hkv) hd]
+  std::vector<float> gu;    // [M, 2 I]
+  std::vector<float> act;   // [M, I]
+  Act x;                    // the activation rows of the matmul at hand
+  std::vector<int32_t> acc; // the matmuls' sums (sized for the widest N)
+  std::vector<float> facc;
+
+  Scratch(const Plan& p, int64_t M) : x(p, M) {
+    const int64_t qkvN = (p.H + 2 * p.Hkv) * p.hd;
+    const int64_t Nmax = round_up(std::max({qkvN, p.D, 2 * p.I}), BLK);
+    h.resize(M * p.D);
+    a.resize(M * std::max(p.D, p.H * p.hd));
+    t.resize(M * p.D);
+    qkv.resize(M * qkvN);
+    gu.resize(M * 2 * p.I);
+    act.resize(M * p.I);
     if (p.wbits == 8) acc.resize(M * Nmax);
-    else facc.resize(M * Nmax);
+    else if (p.wbits == 4) facc.resize(M * Nmax);
   }
 };
 
@@ -291,136 +345,545 @@ void mm16_groups(int isa, const uint16_t* W, int64_t K, const uint16_t* xb, cons
   }
 }
 
-void linear16(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
-  const int64_t N = l.N, K = l.K;
-  uint16_t* xb = s.xb.data();
-  float* xf = s.xf.data();
-  for (int64_t i = 0; i < M * K; ++i) {
-    xb[i] = f32_to_bf16(x[i]);
-    xf[i] = bf16_to_f32(xb[i]);
-  }
-  const uint16_t* W = (const uint16_t*)l.w;
-  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (R4 * K * 2));
-  const int isa = (int)p.isa;
-  at::parallel_for(0, N / R4, grain, [&](int64_t g0, int64_t g1) { mm16_groups(isa, W, K, xb, xf, M, g0, g1, y, N); });
-}
-
-// ---- one quantised matmul: y[M, N] (fp32, rows N apart) = x[M, K] (fp32, rows K apart) @ W^T ------------------
+// ---- one matmul, in three parts: the activation rows (prep), the output units (blocks of BLK rows; bf16: groups
+// of R4) and a range of units (mm_range, any thread; its outputs and sums only) --------------------------------
 // Row quantisation as cpu_ext's layers (kernels.quantize_rows); int32 sums (W8A8) or per-group float sums (W4A8)
-// from cpu_ext.cpp's block kernels; the scale applied per output, as ttsx_w8a8 / ttsx_w4a8 do.
-void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
-  if (p.wbits == 16) return linear16(p, l, x, M, y, s);
-  const int64_t N = l.N, K = l.K, Np = round_up(N, BLK);
+// from cpu_ext.cpp's block kernels; the scale applied per output, as ttsx_w8a8 / ttsx_w4a8 do. bf16: the activations
+// rounded to bf16 (and widened back for the paths without AVX-512 BF16), products and sums in fp32.
+void prep(const Plan& p, int64_t K, const float* x, int64_t M, Act& a) {
+  if (p.wbits == 16) {
+    for (int64_t i = 0; i < M * K; ++i) {
+      a.xb[i] = f32_to_bf16(x[i]);
+      a.xf[i] = bf16_to_f32(a.xb[i]);
+    }
+    return;
+  }
   if (p.wbits == 8) {
     const int64_t Kp = round_up(K, KU);
     for (int64_t m = 0; m < M; ++m) {
-      if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, s.xq.data() + m * Kp, &s.amax[m], &s.xsum[m]);
-      else quantize_row_avx2(x + m * K, 0, K, Kp, s.xq.data() + m * Kp, &s.amax[m], &s.xsum[m]);
+      if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, a.xq.data() + m * Kp, &a.amax[m], &a.xsum[m]);
+      else quantize_row_avx2(x + m * K, 0, K, Kp, a.xq.data() + m * Kp, &a.amax[m], &a.xsum[m]);
     }
-    const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
-    int32_t* acc = s.acc.data();
-    const int8_t* xq = s.xq.data();
-    at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
-      if (p.isa == 2) blocks(l.w, xq, M, Kp, b0, b1, acc, Np);
-      else blocks_avx2(l.w, xq, M, Kp, b0, b1, acc, Np);
-      const int64_t n1 = std::min(N, b1 * BLK);
-      for (int64_t m = 0; m < M; ++m) {
-        const int32_t off = 128 * s.xsum[m];
-        const float am = s.amax[m];
-        if (p.isa == 2) {   // cpu_ext.cpp's vectorised epilogue, the same operations
-          finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
-          continue;
-        }
-        for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = (float)(acc[m * Np + n] - off) * (am * l.scale127[n]);
-      }
-    });
     return;
   }
   const int64_t Kp = round_up(K, G4), ng = Kp / G4;
   for (int64_t m = 0; m < M; ++m) {
-    int8_t* xr = s.xq.data() + m * Kp;
-    quantize_row(x + m * K, 0, K, Kp, xr, &s.amax[m], &s.xsum[m]);
+    int8_t* xr = a.xq.data() + m * Kp;
+    quantize_row(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
     for (int64_t g = 0; g < ng; ++g) {
       int32_t t = 0;
       for (int64_t k = 0; k < G4; ++k) t += xr[g * G4 + k];
-      s.gsum[m * ng + g] = t;
+      a.gsum[m * ng + g] = t;
     }
   }
-  const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
-  float* acc = s.facc.data();
-  at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
-    blocks4(l.w, s.xq.data(), s.gsum.data(), M, Kp, b0, b1, acc, Np);
-    const int64_t n1 = std::min(N, b1 * BLK);
-    for (int64_t m = 0; m < M; ++m)
-      finish_row(nullptr, acc + m * Np, 0, s.amax[m] * (1.0f / 127.0f), nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+}
+
+inline int64_t units(const Plan& p, const Lin& l) { return p.wbits == 16 ? l.N / R4 : round_up(l.N, BLK) / BLK; }
+
+// the split's grain (units): as ttsx_w8a8 / ttsx_w4a8 / the bf16 path always had
+inline int64_t grain_of(const Plan& p, const Lin& l, int64_t M) {
+  if (p.wbits == 16) return std::max<int64_t>(1, (int64_t)(64 * 1024) / (R4 * l.K * 2));
+  if (p.wbits == 8)
+    return std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * round_up(l.K, KU) * std::max<int64_t>(1, M / 4)));
+  return std::max<int64_t>(1, (int64_t)(32 * 1024) / (round_up(l.K, G4) / G4 * GBYTES * std::max<int64_t>(1, M / 4)));
+}
+
+// units [b0, b1) of y[M, N] (fp32, rows N apart); acc / facc: [M, round_up(N, BLK)] sums (W8A8 / W4A8)
+void mm_range(const Plan& p, const Lin& l, const Act& a, int64_t M, int64_t b0, int64_t b1, float* y, int32_t* acc,
+              float* facc) {
+  const int64_t N = l.N, K = l.K, Np = round_up(N, BLK);
+  if (p.wbits == 16) return mm16_groups((int)p.isa, (const uint16_t*)l.w, K, a.xb.data(), a.xf.data(), M, b0, b1, y, N);
+  const int64_t n1 = std::min(N, b1 * BLK);
+  if (p.wbits == 8) {
+    const int64_t Kp = round_up(K, KU);
+    if (p.isa == 2) blocks(l.w, a.xq.data(), M, Kp, b0, b1, acc, Np);
+    else blocks_avx2(l.w, a.xq.data(), M, Kp, b0, b1, acc, Np);
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t off = 128 * a.xsum[m];
+      const float am = a.amax[m];
+      if (p.isa == 2) {   // cpu_ext.cpp's vectorised epilogue, the same operations
+        finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
+        continue;
+      }
+      for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = (float)(acc[m * Np + n] - off) * (am * l.scale127[n]);
+    }
+    return;
+  }
+  blocks4(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
+  for (int64_t m = 0; m < M; ++m)
+    finish_row(nullptr, facc + m * Np, 0, a.amax[m] * (1.0f / 127.0f), nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+}
+
+// y[M, N] = x[M, K] @ W^T, the units split over torch's threads with at::parallel_for; `st`: its profile stage
+void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s, int st, int64_t& t0) {
+  prep(p, l.K, x, M, s.x);
+  lap(P_QUANT, t0);
+  at::parallel_for(0, units(p, l), grain_of(p, l, M), [&](int64_t b0, int64_t b1) {
+    const int64_t b = g_prof ? now_ns() : 0;
+    mm_range(p, l, s.x, M, b0, b1, y, s.acc.data(), s.facc.data());
+    if (g_prof) g_busy[std::min(at::get_thread_num(), MAX_THREADS - 1)] += now_ns() - b;
   });
+  lap(st, t0);
+  if (g_prof) busy_done(at::get_num_threads());
 }
 
 // ---- attention of one layer -------------------------------------------------------------------------------------
-// s.qkv [M, (H + 2 Hkv) hd] -> q, k normed per head and rotated; every entry's k, v written to its (row, pos) of
-// layer l of the cache; then s.a [M, H hd] = attention of each entry's q heads over its row's positions 0..pos.
+// qkv [M, (H + 2 Hkv) hd] -> q, k normed per head and rotated; every entry's k, v written to its (row, pos) of
+// layer l of the cache; then out [M, H hd] = attention of each entry's q heads over its row's positions 0..pos.
+// Both parts take a range of kv heads [j0, j1) (and the q heads that read them), so that a team of threads can split
+// a layer's heads without waiting on each other between the cache write and the attention.
 template <class C>
-void attention(const Plan& p, int64_t l, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M,
-               Scratch& s) {
+void rope_cache(const Plan& p, int64_t l, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M,
+                float* qkv_all, int64_t j0, int64_t j1) {
   const int64_t H = p.H, Hkv = p.Hkv, hd = p.hd, W = (H + 2 * Hkv) * hd, g = H / Hkv;
   const float* qn = p.ptr<float>(l, Q_NORM);
   const float* kn = p.ptr<float>(l, K_NORM);
   C* kl = (C*)c.k + l * c.layer_stride;
   C* vl = (C*)c.v + l * c.layer_stride;
   for (int64_t e = 0; e < M; ++e) {
-    float* qkv = s.qkv.data() + e * W;
-    for (int64_t j = 0; j < H + Hkv; ++j) {   // q heads, then k heads: normed in place, then rotated
+    float* qkv = qkv_all + e * W;
+    for (int64_t j = j0 * g; j < j1 * g; ++j) {   // q heads: normed in place, then rotated
       float* x = qkv + j * hd;
-      rms_norm_row(x, j < H ? qn : kn, hd, p.eps, x);
+      rms_norm_row(x, qn, hd, p.eps, x);
       rope_row(x, hd, p.inv_freq, pos[e]);
     }
-    for (int64_t j = 0; j < Hkv; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {           // k heads, the same; k and v to the cache
+      float* x = qkv + (H + j) * hd;
+      rms_norm_row(x, kn, hd, p.eps, x);
+      rope_row(x, hd, p.inv_freq, pos[e]);
       const int64_t at = row[e] * c.row_stride + j * c.head_stride + pos[e] * hd;
-      store_row<C>(kl + at, qkv + (H + j) * hd, hd);
+      store_row<C>(kl + at, x, hd);
       store_row<C>(vl + at, qkv + (H + Hkv + j) * hd, hd);
     }
   }
+}
+
+inline int64_t max_len_of(const int64_t* pos, int64_t M) {
   int64_t smax = 1;
   for (int64_t e = 0; e < M; ++e) smax = std::max(smax, pos[e] + 1);
+  return smax;
+}
+
+// (entry, q head) pairs [i0, i1) (i = e H + j); scores: [max pos + 1]
+template <class C>
+void attend(const Plan& p, int64_t l, const Cache& c, const int64_t* row, const int64_t* pos, const float* qkv_all,
+            int64_t i0, int64_t i1, float* scores, float* out) {
+  const int64_t H = p.H, Hkv = p.Hkv, hd = p.hd, W = (H + 2 * Hkv) * hd, g = H / Hkv;
+  const C* kl = (const C*)c.k + l * c.layer_stride;
+  const C* vl = (const C*)c.v + l * c.layer_stride;
   const float scale = 1.0f / std::sqrt((float)hd);
-  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (smax * hd));
-  at::parallel_for(0, M * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(smax);   // per task: one (entry, head)'s scores at a time
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / H, j = i % H;
-      const int64_t base = row[e] * c.row_stride + (j / g) * c.head_stride;
-      attend_row<C>(s.qkv.data() + e * W + j * hd, kl + base, vl + base, pos[e] + 1, hd, scale, scores.data(),
-                    s.a.data() + e * H * hd + j * hd);
-    }
-  });
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t e = i / H, j = i % H;
+    const int64_t base = row[e] * c.row_stride + (j / g) * c.head_stride;
+    attend_row<C>(qkv_all + e * W + j * hd, kl + base, vl + base, pos[e] + 1, hd, scale, scores, out + e * H * hd + j * hd);
+  }
 }
 
 template <class C>
+void attention(const Plan& p, int64_t l, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M,
+               Scratch& s, int64_t& t0) {
+  rope_cache<C>(p, l, c, row, pos, M, s.qkv.data(), 0, p.Hkv);
+  lap(P_ROPE_CACHE, t0);
+  const int64_t smax = max_len_of(pos, M);
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (smax * p.hd));
+  at::parallel_for(0, M * p.H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(smax);   // per task: one (entry, head)'s scores at a time
+    attend<C>(p, l, c, row, pos, s.qkv.data(), i0, i1, scores.data(), s.a.data());
+  });
+  lap(P_ATTN, t0);
+}
+
+inline void silu_mul(const float* gu, int64_t M, int64_t I, float* act) {
+  for (int64_t e = 0; e < M; ++e)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gt = gu[e * 2 * I + i], up = gu[e * 2 * I + I + i];
+      act[e * I + i] = gt / (1.0f + std::exp(-gt)) * up;   // silu(gate) * up
+    }
+}
+
+// The stack, each matmul split over torch's threads with at::parallel_for, the rest in the caller.
+template <class C>
 void run_stack(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Scratch& s) {
   const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  int64_t t0 = g_prof ? now_ns() : 0;
   for (int64_t l = 0; l < p.L; ++l) {
     for (int64_t e = 0; e < M; ++e) rms_norm_row(&s.h[e * D], p.ptr<float>(l, IN_NORM), D, p.eps, &s.a[e * D]);
-    linear(p, p.lin(l, QKV_W, QKV_S, qkvN, D), s.a.data(), M, s.qkv.data(), s);
-    attention<C>(p, l, c, row, pos, M, s);
-    linear(p, p.lin(l, O_W, O_S, D, Hhd), s.a.data(), M, s.t.data(), s);
+    lap(P_NORM_IN, t0);
+    linear(p, p.lin(l, QKV_W, QKV_S, qkvN, D), s.a.data(), M, s.qkv.data(), s, P_QKV, t0);
+    attention<C>(p, l, c, row, pos, M, s, t0);
+    linear(p, p.lin(l, O_W, O_S, D, Hhd), s.a.data(), M, s.t.data(), s, P_O, t0);
     for (int64_t i = 0; i < M * D; ++i) s.h[i] += s.t[i];
+    lap(P_RESID, t0);
     for (int64_t e = 0; e < M; ++e) rms_norm_row(&s.h[e * D], p.ptr<float>(l, POST_NORM), D, p.eps, &s.a[e * D]);
-    linear(p, p.lin(l, GU_W, GU_S, 2 * I, D), s.a.data(), M, s.gu.data(), s);
-    for (int64_t e = 0; e < M; ++e)
-      for (int64_t i = 0; i < I; ++i) {
-        const float gt = s.gu[e * 2 * I + i], up = s.gu[e * 2 * I + I + i];
-        s.act[e * I + i] = gt / (1.0f + std::exp(-gt)) * up;   // silu(gate) * up
-      }
-    linear(p, p.lin(l, DOWN_W, DOWN_S, D, I), s.act.data(), M, s.t.data(), s);
+    lap(P_NORM_POST, t0);
+    linear(p, p.lin(l, GU_W, GU_S, 2 * I, D), s.a.data(), M, s.gu.data(), s, P_GU, t0);
+    silu_mul(s.gu.data(), M, I, s.act.data());
+    lap(P_SILU, t0);
+    linear(p, p.lin(l, DOWN_W, DOWN_S, D, I), s.act.data(), M, s.t.data(), s, P_DOWN, t0);
     for (int64_t i = 0; i < M * D; ++i) s.h[i] += s.t[i];
+    lap(P_RESID, t0);
   }
+}
+
+// ---- the stack in one parallel region (a "team"): no fork/join per matmul ------------------------------------------
+// Every thread of the team keeps its own copy of the residual stream and computes the norms, the activation rows of
+// every matmul and silu(gate) * up itself (the same operations in the same order: the copies stay identical, and the
+// results equal run_stack's bit for bit). The shared work of a layer comes in 5 stages: each matmul's output units
+// and the attention's kv heads (rope, cache write and the attention of the q heads that read them: no thread waits
+// between the cache write and the attention). Only the stages' outputs are shared. Two ways to split a stage:
+//   TEAM_CLAIM: threads claim chunks of units from a counter (each chunk a contiguous part of the weight)
+//     and a stage is over when all its units are done, not when all threads have arrived: a thread that the OS
+//     took away (a busy machine) holds back at most the chunk it is in, and the others do its share; a wait spins
+//     a bounded time (g_spin) and then sleeps 20 us between looks.
+//   TEAM_BARRIER: a fixed split (thread t streams the t-th contiguous part) and an OpenMP barrier after each stage.
+enum TeamMode { TEAM_OFF = 0, TEAM_BARRIER = 1, TEAM_CLAIM = 2 };
+// a wait past its spin sleeps in short naps: the core goes to whoever the OS has waiting (on a busy machine, likely
+// the very thread this one waits for), where sched_yield would keep it busy
+inline void nap() {
+  timespec t{0, 20000};
+  nanosleep(&t, nullptr);
+}
+int g_spin = 4096;   // g_spin: pauses a wait spins before it yields (or drops a thread left behind)
+
+struct Shared {   // written by the team's shares, read by all once a stage is done
+  std::vector<float> qkv, ao, t, gu;
+  std::vector<int32_t> acc;
+  std::vector<float> facc;
+  Shared(const Plan& p, int64_t M) {
+    const int64_t qkvN = (p.H + 2 * p.Hkv) * p.hd;
+    const int64_t Nmax = round_up(std::max({qkvN, p.D, 2 * p.I}), BLK);
+    qkv.resize(M * qkvN);
+    ao.resize(M * p.H * p.hd);
+    t.resize(M * p.D);
+    gu.resize(M * 2 * p.I);
+    if (p.wbits == 8) acc.resize(M * Nmax);
+    else if (p.wbits == 4) facc.resize(M * Nmax);
+  }
+};
+
+inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
+  a = n * tid / nt;
+  b = n * (tid + 1) / nt;
+}
+
+// The stages of one call: their claim and done counters, and (profile) each thread's busy time in each
+// TEAM_CLAIM: a thread may run ahead of another by whole stages, so a shared output is rewritten (the next
+// layer's) only once every thread has read the last one: each read of a shared output that every thread makes (a
+// "consume point": the attention output into o_proj's rows, o_proj's and down's outputs into the residual, gate_up's
+// into silu) is numbered, and `progress` holds each thread's last one done (and whether it is reading one now). A
+// writer waits for the others' progress (guard); one that stays behind for g_spin looks (the OS took it away)
+// is dropped: its progress becomes DROPPED, it sees that at its next consume point and leaves the stack to the
+// others (thread 0, whose residual is the call's result, is never dropped: the call waits for it anyway).
+struct Sync {
+  static constexpr int64_t DROPPED = -1;
+  int mode, nt;
+  int64_t stages;
+  int64_t attn_every = 0;   // a stack's stages: 5 per layer, the second the attention (profile only)
+  std::unique_ptr<std::atomic<int64_t>[]> next, done;
+  std::unique_ptr<std::atomic<int64_t>[]> progress;   // [nt]: 2 (last consume point done + 1) + reading, or DROPPED
+  std::vector<int64_t> busy;   // [stages, nt] ns (profile on only)
+  Sync(int mode, int nt, int64_t stages) : mode(mode), nt(nt), stages(stages), next(new std::atomic<int64_t>[stages]),
+                                           done(new std::atomic<int64_t>[stages]),
+                                           progress(new std::atomic<int64_t>[nt]) {
+    for (int64_t k = 0; k < stages; ++k) {
+      next[k].store(0, std::memory_order_relaxed);
+      done[k].store(0, std::memory_order_relaxed);
+    }
+    for (int i = 0; i < nt; ++i) progress[i].store(0, std::memory_order_relaxed);
+    if (g_prof) busy.assign(stages * nt, 0);
+  }
+  // consume point cp (0, 1, ...): false if this thread was dropped (it must leave the stack then)
+  bool consume_begin(int tid, int64_t cp) {
+    if (mode != TEAM_CLAIM) return true;
+    int64_t idle = 2 * cp;   // idle after cp - 1
+    return progress[tid].compare_exchange_strong(idle, 2 * (cp + 1) + 1, std::memory_order_acq_rel);
+  }
+  void consume_end(int tid, int64_t cp) {
+    if (mode == TEAM_CLAIM) progress[tid].store(2 * (cp + 1), std::memory_order_release);
+  }
+  // before writing a shared output: every other thread has passed consume point cp (the last read of what is
+  // overwritten), or is dropped
+  void guard(int tid, int64_t cp) {
+    if (mode != TEAM_CLAIM || cp < 0) return;
+    for (int i = 0; i < nt; ++i) {
+      if (i == tid) continue;
+      for (int spins = 0;; ++spins) {
+        int64_t v = progress[i].load(std::memory_order_acquire);
+        if (v == DROPPED) break;
+        const int64_t c = v / 2 - 1;                      // idle (v even): done with c; reading (odd): reading c
+        if (v % 2 == 0 ? c >= cp : c > cp) break;         // done with cp
+        if (v % 2 == 1 && c == cp) {                      // reading cp right now: it is running, wait
+          _mm_pause();
+          continue;
+        }
+        if (spins < g_spin || i == 0) {
+          if (spins < g_spin) _mm_pause();
+          else nap();
+          continue;
+        }
+        if (progress[i].compare_exchange_strong(v, DROPPED, std::memory_order_acq_rel)) break;
+      }
+    }
+  }
+  // stage k of U units: work(u0, u1) on this thread's units; returns once all U are done (their outputs visible)
+  template <class F>
+  void run(int64_t k, int tid, int64_t U, int64_t chunk, F&& work) {
+    if (mode == TEAM_BARRIER) {
+      const int64_t t0 = g_prof ? now_ns() : 0;
+      int64_t b0, b1;
+      share(U, tid, nt, b0, b1);
+      if (b1 > b0) work(b0, b1);
+      if (g_prof) busy[k * nt + tid] = now_ns() - t0;
+#pragma omp barrier
+      return;
+    }
+    int64_t spent = 0;
+    for (;;) {
+      const int64_t u0 = next[k].fetch_add(chunk, std::memory_order_relaxed);
+      if (u0 >= U) break;
+      const int64_t u1 = std::min(U, u0 + chunk);
+      const int64_t w0 = g_prof ? now_ns() : 0;
+      work(u0, u1);
+      if (g_prof) spent += now_ns() - w0;
+      done[k].fetch_add(u1 - u0, std::memory_order_release);
+    }
+    if (g_prof) busy[k * nt + tid] = spent;   // its time in the work itself
+    for (int spins = 0; done[k].load(std::memory_order_acquire) < U;) {
+      if (spins < g_spin) {
+        ++spins;
+        _mm_pause();
+      } else {
+        nap();
+      }
+    }
+  }
+  void profile_done() {   // after the region: each stage's busiest and idlest thread -> BUSY_MAX / BUSY_MIN
+    if (!g_prof) return;
+    for (int64_t k = 0; k < stages; ++k) {
+      if (attn_every && k % attn_every == 1) continue;   // the attention's stages: not a matmul's
+      int64_t mx = 0, mn = INT64_MAX;
+      for (int i = 0; i < nt; ++i) {
+        mx = std::max(mx, busy[k * nt + i]);
+        mn = std::min(mn, busy[k * nt + i]);
+      }
+      g_acc[P_BUSY_MAX] += mx;
+      g_acc[P_BUSY_MIN] += mn;
+    }
+  }
+};
+
+// units per claim: about 8 claims per thread and stage, at least 64 KB of weight each
+inline int64_t chunk_of(const Plan& p, const Lin& l, int64_t U, int nt) {
+  const int64_t unit_bytes = p.wbits == 16 ? R4 * l.K * 2 : p.wbits == 8 ? BLK * round_up(l.K, KU)
+                                                                           : round_up(l.K, G4) / G4 * GBYTES;
+  return std::max<int64_t>({1, (U + 8 * nt - 1) / (8 * nt), (64 * 1024 + unit_bytes - 1) / unit_bytes});
+}
+
+template <class C>
+void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Shared& sh,
+                 Sync& sy, float* h, int tid) {
+  const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  const int nt = sy.nt;
+  Act x(p, M);
+  std::vector<float> a(M * std::max(D, Hhd)), act(M * I), scores(max_len_of(pos, M));
+  const bool prof = g_prof && tid == 0;   // thread 0 times the stages; every thread its share of each
+  int64_t t0 = prof ? now_ns() : 0;
+  auto tlap = [&](int st) { if (prof) lap(st, t0); };
+  int64_t k = 0;   // the stage
+  // one matmul: guard (the last consume point of what y overwrites, or -1), activation rows (read_cp: the consume
+  // point of reading a shared `in`, or -1); false if this thread was dropped
+  auto mm = [&](const Lin& l, const float* in, float* y, int st, int64_t read_cp, int64_t guard_cp) -> bool {
+    if (read_cp >= 0 && !sy.consume_begin(tid, read_cp)) return false;
+    prep(p, l.K, in, M, x);
+    if (read_cp >= 0) sy.consume_end(tid, read_cp);
+    tlap(P_QUANT);
+    const int64_t U = units(p, l);
+    sy.guard(tid, guard_cp);
+    sy.run(k++, tid, U, chunk_of(p, l, U, nt), [&](int64_t b0, int64_t b1) {
+      mm_range(p, l, x, M, b0, b1, y, sh.acc.data(), sh.facc.data());
+    });
+    tlap(st);
+    if (prof) g_acc[P_MATMULS] += 1;
+    return true;
+  };
+  auto add = [&](const float* t, int64_t cp) -> bool {   // h += t (shared), consume point cp
+    if (!sy.consume_begin(tid, cp)) return false;
+    for (int64_t i = 0; i < M * D; ++i) h[i] += t[i];
+    sy.consume_end(tid, cp);
+    return true;
+  };
+  const int64_t g = p.H / p.Hkv;
+  for (int64_t l = 0; l < p.L; ++l) {
+    const int64_t cp = 4 * l;   // this layer's consume points: cp ao -> o_proj, cp + 1 o_proj -> h,
+                                // cp + 2 gate_up -> silu, cp + 3 down -> h
+    for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, IN_NORM), D, p.eps, &a[e * D]);
+    tlap(P_NORM_IN);
+    mm(p.lin(l, QKV_W, QKV_S, qkvN, D), a.data(), sh.qkv.data(), P_QKV, -1, -1);   // qkv: read only inside stages
+    sy.guard(tid, cp - 4);
+    sy.run(k++, tid, p.Hkv, 1, [&](int64_t j0, int64_t j1) {   // kv heads [j0, j1) and their q heads, every entry
+      rope_cache<C>(p, l, c, row, pos, M, sh.qkv.data(), j0, j1);
+      for (int64_t e = 0; e < M; ++e)
+        attend<C>(p, l, c, row, pos, sh.qkv.data(), e * p.H + j0 * g, e * p.H + j1 * g, scores.data(), sh.ao.data());
+    });
+    tlap(P_ATTN);
+    if (!mm(p.lin(l, O_W, O_S, D, Hhd), sh.ao.data(), sh.t.data(), P_O, cp, cp - 1)) return;
+    if (!add(sh.t.data(), cp + 1)) return;
+    tlap(P_RESID);
+    for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, POST_NORM), D, p.eps, &a[e * D]);
+    tlap(P_NORM_POST);
+    mm(p.lin(l, GU_W, GU_S, 2 * I, D), a.data(), sh.gu.data(), P_GU, -1, cp - 2);
+    if (!sy.consume_begin(tid, cp + 2)) return;
+    silu_mul(sh.gu.data(), M, I, act.data());
+    sy.consume_end(tid, cp + 2);
+    tlap(P_SILU);
+    mm(p.lin(l, DOWN_W, DOWN_S, D, I), act.data(), sh.t.data(), P_DOWN, -1, cp + 1);
+    if (!add(sh.t.data(), cp + 3)) return;
+    tlap(P_RESID);
+  }
+}
+
+template <class C>
+void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, float* h, int nt,
+              int mode) {
+  Shared sh(p, M);
+  Sync sy(mode, nt, p.L * 5);
+  sy.attn_every = 5;
+  bool short_team = false;
+  const std::vector<float> h0(h, h + M * p.D);   // the input, for the other threads' copies (thread 0 may be at work
+                                                  // on h before another thread has started)
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    if (omp_get_num_threads() != nt) {   // fewer threads than asked (nested, a limit): the caller alone below
+#pragma omp atomic write
+      short_team = true;
+    } else {
+      // thread 0 works on the caller's h; the others on their own copies (identical all along)
+      std::vector<float> own(tid ? M * p.D : 0);
+      if (tid) memcpy(own.data(), h0.data(), M * p.D * 4);
+      team_member<C>(p, c, row, pos, M, sh, sy, tid ? own.data() : h, tid);
+    }
+  }
+  if (short_team) {
+    Sync one(mode, 1, p.L * 5);
+    one.attn_every = 5;
+    team_member<C>(p, c, row, pos, M, sh, one, h, 0);
+    one.profile_done();
+    return;
+  }
+  sy.profile_done();
+}
+
+// ---- the matmuls alone (benchmarks: tts_engine.bench_fused_profile) -------------------------------------------
+// Every layer's four matmuls in the stack's order on one fixed activation row set, nothing between them: split as
+// run_stack (team = 0) or run_team (team = 1) splits them, with the same hand-offs, so the profile tells the kernel
+// time (BUSY_MAX), the hand-offs and the gaps that the rest of a step adds.
+void matmuls_only(const Plan& p, int64_t M, int team, int nt) {
+  const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
+  const int64_t Kmax = std::max({D, Hhd, I});
+  std::vector<float> x(M * Kmax);
+  for (int64_t i = 0; i < M * Kmax; ++i) x[i] = 0.01f * (float)((i * 7919) % 201 - 100);
+  auto layer_lins = [&](int64_t l, Lin* out, int* st) {
+    out[0] = p.lin(l, QKV_W, QKV_S, qkvN, D); st[0] = P_QKV;
+    out[1] = p.lin(l, O_W, O_S, D, Hhd); st[1] = P_O;
+    out[2] = p.lin(l, GU_W, GU_S, 2 * I, D); st[2] = P_GU;
+    out[3] = p.lin(l, DOWN_W, DOWN_S, D, I); st[3] = P_DOWN;
+  };
+  if (!team) {
+    Scratch s(p, M);
+    int64_t t0 = g_prof ? now_ns() : 0;
+    for (int64_t l = 0; l < p.L; ++l) {
+      Lin ls[4]; int st[4];
+      layer_lins(l, ls, st);
+      float* ys[4] = {s.qkv.data(), s.t.data(), s.gu.data(), s.t.data()};
+      for (int j = 0; j < 4; ++j) linear(p, ls[j], x.data(), M, ys[j], s, st[j], t0);
+    }
+    return;
+  }
+  Shared sh(p, M);
+  Sync sy(team, nt, p.L * 4);
+#pragma omp parallel num_threads(nt)
+  if (omp_get_num_threads() == nt) {
+    const int tid = omp_get_thread_num();
+    Act a(p, M);
+    const bool prof = g_prof && tid == 0;
+    int64_t t0 = prof ? now_ns() : 0;
+    int64_t k = 0;
+    for (int64_t l = 0; l < p.L; ++l) {
+      Lin ls[4]; int st[4];
+      layer_lins(l, ls, st);
+      float* ys[4] = {sh.qkv.data(), sh.t.data(), sh.gu.data(), sh.t.data()};
+      for (int j = 0; j < 4; ++j) {
+        prep(p, ls[j].K, x.data(), M, a);
+        if (prof) lap(P_QUANT, t0);
+        const int64_t U = units(p, ls[j]);
+        sy.run(k++, tid, U, chunk_of(p, ls[j], U, nt), [&](int64_t b0, int64_t b1) {
+          mm_range(p, ls[j], a, M, b0, b1, ys[j], sh.acc.data(), sh.facc.data());
+        });
+        if (prof) {
+          lap(st[j], t0);
+          g_acc[P_MATMULS] += 1;
+        }
+      }
+    }
+  }
+  sy.profile_done();
 }
 
 }  // namespace fstep
 
 extern "C" {
 
-int ttsf_version() { return 1; }
+int ttsf_version() { return 2; }
+
+// 2 / 1: run each call's stack in one parallel region (run_team; 2 claims chunks, 1 splits fixed with barriers),
+// 0: one at::parallel_for per matmul (run_stack). Returns the setting before.
+int ttsf_set_team(int on) {
+  const int was = fstep::g_team;
+  fstep::g_team = on;
+  return was;
+}
+
+// The profile: on (1) / off (0); returns the setting before. ttsf_profile_read copies the NSTAGES sums (ns; the
+// last two are counts) into out, zeroes them and returns NSTAGES.
+int ttsf_profile_set(int on) {
+  const int was = fstep::g_prof;
+  fstep::g_prof = on;
+  return was;
+}
+
+// The matmuls of a stack alone (fstep::matmuls_only), M activation rows, `reps` times over.
+int ttsf_matmuls(const int64_t* dims, const int64_t* layers, int64_t M, int64_t reps, int team) {
+  fstep::Plan p{dims[fstep::L_], dims[fstep::D_], dims[fstep::H_], dims[fstep::HKV_], dims[fstep::HD_],
+                dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], 1e-6f, layers, nullptr, nullptr};
+  if (M < 1 || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16)) return -1;
+  const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
+  for (int64_t r = 0; r < reps; ++r) {
+    const int64_t c0 = fstep::g_prof ? fstep::now_ns() : 0;
+    fstep::matmuls_only(p, M, nt > 1 && !omp_in_parallel() ? team : 0, nt);
+    if (fstep::g_prof) {
+      fstep::g_acc[fstep::P_CALL] += fstep::now_ns() - c0;
+      fstep::g_acc[fstep::P_CALLS] += 1;
+    }
+  }
+  return 0;
+}
+
+// The pauses a team's wait spins before it yields the core or drops a thread left behind (tests: 0 drops any
+// thread found behind at once). Returns the setting before.
+int ttsf_set_spin(int pauses) {
+  const int was = fstep::g_spin;
+  fstep::g_spin = pauses;
+  return was;
+}
+
+int ttsf_profile_read(int64_t* out) {
+  for (int i = 0; i < fstep::NSTAGES; ++i) {
+    out[i] = fstep::g_acc[i];
+    fstep::g_acc[i] = 0;
+  }
+  return fstep::NSTAGES;
+}
 
 int ttsf_layer_fields() { return fstep::LAYER_FIELDS; }
 
@@ -452,17 +915,45 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
     return -1;
   for (int64_t e = 0; e < M; ++e)
     if (pos[e] < 0 || pos[e] >= c.max_len) return -2;
-  fstep::Scratch s(p, M);
+  const int64_t call0 = fstep::g_prof ? fstep::now_ns() : 0;
+  int64_t t0 = call0;
   const int64_t D = p.D;
+  const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
+  const int team = nt > 1 && !omp_in_parallel() ? fstep::g_team : 0;
+  std::unique_ptr<fstep::Scratch> s;
+  std::vector<float> hv;
+  if (!team) s.reset(new fstep::Scratch(p, M));
+  else hv.resize(M * D);
+  float* h = team ? hv.data() : s->h.data();
   for (int64_t i = 0; i < M * D; ++i)
-    s.h[i] = x_is_bf16 ? fstep::bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
-  if (cache_is_bf16) fstep::run_stack<uint16_t>(p, c, row, pos, M, s);
-  else fstep::run_stack<float>(p, c, row, pos, M, s);
+    h[i] = x_is_bf16 ? fstep::bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+  fstep::lap(fstep::P_IO, t0);
+  int64_t staged = 0;   // the stage sums before the stack: what the stages do not cover goes to P_IO
+  for (int i = fstep::P_NORM_IN; i <= fstep::P_DOWN; ++i) staged -= fstep::g_acc[i];
+  if (team) {
+    if (cache_is_bf16) fstep::run_team<uint16_t>(p, c, row, pos, M, h, nt, team);
+    else fstep::run_team<float>(p, c, row, pos, M, h, nt, team);
+  } else {
+    if (cache_is_bf16) fstep::run_stack<uint16_t>(p, c, row, pos, M, *s);
+    else fstep::run_stack<float>(p, c, row, pos, M, *s);
+  }
+  if (fstep::g_prof) {   // the stack's time outside its stages (a team's fork and join) -> P_IO
+    const int64_t t = fstep::now_ns();
+    for (int i = fstep::P_NORM_IN; i <= fstep::P_DOWN; ++i) staged += fstep::g_acc[i];
+    fstep::g_acc[fstep::P_IO] += std::max<int64_t>(0, (t - t0) - staged);
+    t0 = t;
+  }
   std::vector<float> out(D);
   for (int64_t e = 0; e < M; ++e) {
-    fstep::rms_norm_row(&s.h[e * D], final_norm, D, p.eps, out.data());
+    fstep::rms_norm_row(h + e * D, final_norm, D, p.eps, out.data());
     if (x_is_bf16) fstep::store_row<uint16_t>((uint16_t*)x + e * D, out.data(), D);
     else fstep::store_row<float>((float*)x + e * D, out.data(), D);
+  }
+  if (fstep::g_prof) {
+    s.reset();
+    fstep::lap(fstep::P_IO, t0);
+    fstep::g_acc[fstep::P_CALL] += fstep::now_ns() - call0;
+    fstep::g_acc[fstep::P_CALLS] += 1;
   }
   return 0;
 }

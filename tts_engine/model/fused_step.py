@@ -15,12 +15,14 @@ everything stays fp32 where the eager path rounds to the engine's dtype (bf16) a
 written in its own dtype, as eager.
 
 Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
-  auto (default)  the first TRIAL_PAIRS one-position calls of each stack run both paths on the same input, timed,
-                  alternating which goes first (the second overwrites the first's cache entries, and its result is
-                  the one returned); their hidden states must agree (cosine >= MIN_COS, else the fused step is off);
-                  the faster by median serves from then on. The choice is remembered per machine (kernel table's
-                  machine key: CPU model and flags, torch, threads, our kernels) and stack in the cache folder
-                  (`$TTS_CACHE_DIR/fused_step/`), so a later start does not measure again.
+  auto (default)  a trial when the step is attached (engine load), before any request: TRIAL_PAIRS one-position
+                  calls of one row on a private scratch cache (random keys, values and inputs) run both paths,
+                  timed, alternating which goes first; their hidden states must agree (cosine >= MIN_COS, else the
+                  fused step is off); the faster by median serves from then on, from a request's first call on (no
+                  request sees the trial: a lossy engine's first request decodes as its later ones). The choice is
+                  remembered per machine (kernel table's machine key: CPU model and flags, torch, threads, our
+                  kernels) and stack in the cache folder (`$TTS_CACHE_DIR/fused_step/`), so a later start does not
+                  measure again.
   1 / on          fused wherever it runs, without timing (benchmarks' A/B, tests).
   0 / off         never.
 Any failure (no compiler, a build error, an unsupported layer or CPU path, an exception or a refused input later)
@@ -42,14 +44,17 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+from .layers import KVCache
 
 log = logging.getLogger("tts_engine")
 
 ENV = "TTS_FUSED_STEP"
+TEAM_ENV = "TTS_FUSED_TEAM"
 SOURCE = Path(__file__).with_name("fused_step.cpp")
 MAX_ENTRIES = 16        # (row, position) entries per call: decode batches; more is a prefill (eager)
 MAX_T = 2               # positions per row per call (the predictor's first pass has 2)
 TRIAL_PAIRS = 4         # timed (eager, fused) pairs per stack before choosing
+TRIAL_POS = 32          # the trial's calls write positions TRIAL_POS.. of its scratch cache (attention over ~32 keys)
 MIN_COS = 0.99          # the two paths' hidden states must agree at least this well (a bug detector, not quality)
 LAYER_FIELDS = 12       # fused_step.cpp LayerField
 
@@ -67,6 +72,59 @@ def setting() -> str:
     return "auto"
 
 
+TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode
+
+
+def team_setting() -> int:
+    """How a call uses torch's threads (env TTS_FUSED_TEAM; fused_step.cpp): "split" (default; also 0 / off): one
+    at::parallel_for per matmul, the small ops in the caller; "claim" (also 1 / on): the whole stack in one parallel
+    region, the threads claiming chunks of each matmul's output and of the attention's heads, a thread the OS takes
+    away holding back no more than its chunk; "barrier": one parallel region, a fixed split and a barrier after each
+    stage. All give the same numbers bit for bit. Split stays the default until the team modes are measured faster
+    on a quiet machine and not slower on a busy one (session 7: an engine A/B at load 8-10 had claim slower)."""
+    v = os.environ.get(TEAM_ENV, "split").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        v = "split"
+    elif v in ("1", "on", "yes", "true"):
+        v = "claim"
+    return TEAM_MODES.get(v, TEAM_MODES["split"])
+
+
+def set_team(mode) -> int:
+    """Switch this process's team mode (benchmarks' A/B, tests): a name of TEAM_MODES, its number, or a bool
+    (True: claim, False: split) -> the mode before (a number)."""
+    if isinstance(mode, str):
+        mode = TEAM_MODES[mode]
+    elif isinstance(mode, bool):
+        mode = TEAM_MODES["claim" if mode else "split"]
+    return int(library().ttsf_set_team(int(mode)))
+
+
+# fused_step.cpp Stage: the profile's stages, in order (the last two are counts); "other": input, output, scratch
+# and what lies outside the stages (a team's fork and join)
+STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up", "silu",
+          "down", "busy_max", "busy_min", "call", "calls", "matmuls")
+
+
+class profile:
+    """`with fused_step.profile() as prof: ...` times every stage of the fused calls made inside (fused_step.cpp's
+    profile; off, it costs nothing but a branch per stage); prof.ns: {stage: nanoseconds summed} (calls, matmuls:
+    counts) once the block is left."""
+
+    def __enter__(self):
+        self.lib = library()
+        self._buf = (ctypes.c_int64 * 64)()
+        self.lib.ttsf_profile_read(self._buf)   # zero the sums
+        self._was = self.lib.ttsf_profile_set(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.ttsf_profile_set(self._was)
+        n = self.lib.ttsf_profile_read(self._buf)
+        self.ns = dict(zip(STAGES, list(self._buf)[:n]))
+        return False
+
+
 def library() -> ctypes.CDLL:
     """The fused step's library (built on first use beside cpu_ext's kernels); raises when it cannot run here."""
     with _lock:
@@ -79,6 +137,12 @@ def library() -> ctypes.CDLL:
             lib.ttsf_bf16_isa.restype = I
             lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
             lib.ttsf_stack_step.restype = I
+            lib.ttsf_set_team.argtypes, lib.ttsf_set_team.restype = [I], I
+            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
+            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
+            lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
+            lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
+            lib.ttsf_set_team(int(team_setting()))
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
                 raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
             _lib["lib"] = lib
@@ -164,22 +228,35 @@ class StackPlan:
         self.final_norm = stack.norm.weight.detach().float().contiguous()
         self.eps = float(cfg.rms_norm_eps)
         self.D = D
+        self._strides = {}   # (k's shape, strides) -> the int64 tensor the call reads
 
-    def run(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def cache_strides(self, k: torch.Tensor) -> torch.Tensor:
+        key = (tuple(k.shape), tuple(k.stride()))
+        t = self._strides.get(key)
+        if t is None:
+            t = self._strides[key] = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        return t
+
+    def run(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor, rows_checked: bool = False) -> torch.Tensor:
         """x [M, D] (the cache's dtype) inputs of M entries; rows, pos [M] int64: each entry's cache row and new
-        position -> normed hidden [M, D] (a new tensor; the entries' keys and values are written to `cache`)."""
+        position -> normed hidden [M, D] (a new tensor; the entries' keys and values are written to `cache`).
+        rows_checked: the caller knows every row is one of the cache's (FusedStep: rows from a slice of it)."""
         lib = library()
         k, v = cache.k, cache.v
         if x.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16) or not k.is_contiguous() \
                 or not v.is_contiguous() or k.shape[0] != self.layers.shape[0]:
             raise ValueError("the cache or the input is not in a layout the fused step reads")
         out = x.reshape(-1, self.D).clone(memory_format=torch.contiguous_format)   # born here, returned
-        rows = rows.to(torch.int64).contiguous()
-        pos = pos.to(torch.int64).contiguous()
+        if rows.dtype != torch.int64 or not rows.is_contiguous():
+            rows = rows.to(torch.int64).contiguous()
+        if pos.dtype != torch.int64 or not pos.is_contiguous():
+            pos = pos.to(torch.int64).contiguous()
         M = out.shape[0]
-        if rows.numel() != M or pos.numel() != M or int(rows.max()) >= k.shape[1] or int(rows.min()) < 0:
+        if rows.numel() != M or pos.numel() != M:
             raise ValueError("rows / positions do not fit the cache")
-        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        if not rows_checked and (int(rows.max()) >= k.shape[1] or int(rows.min()) < 0):
+            raise ValueError("rows / positions do not fit the cache")
+        strides = self.cache_strides(k)
         bf16 = int(k.dtype == torch.bfloat16)
         rc = lib.ttsf_stack_step(self.dims.data_ptr(), self.eps, self.layers.data_ptr(), self.inv_freq.data_ptr(),
                                  self.final_norm.data_ptr(), out.data_ptr(), bf16, M, rows.data_ptr(),
@@ -198,8 +275,9 @@ def _choice_path(key: dict) -> Path:
 
 
 class FusedStep:
-    """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc).
-    state: "trial" (measuring), "on", "off"; status: one line for logs and benchmarks."""
+    """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc): built with
+    nothing remembered, it runs the trial at once (`_measure`, on the plan's stack). state: "on", "off" ("trial" only
+    while it measures); status: one line for logs and benchmarks."""
 
     def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False):
         self.plan, self.name = plan, name
@@ -208,6 +286,7 @@ class FusedStep:
         self.min_cos = 1.0
         self.key = None
         self.state, self.status = "trial", "measuring"
+        self._index: dict = {}   # (first row, B, T) -> (cache rows of the B T entries, position offsets [1, T])
         if force:
             self.state, self.status = "on", "on (TTS_FUSED_STEP=1)"
             return
@@ -220,8 +299,10 @@ class FusedStep:
             if got.get("key") == self.key and got.get("choice") in ("fused", "eager"):
                 self.state = "on" if got["choice"] == "fused" else "off"
                 self.status = f"{self.state} (measured before: {got.get('why', '')})"
+                return
         except (OSError, ValueError):
             pass
+        self._measure()
 
     def takes(self, B: int, T: int) -> bool:
         return self.state != "off" and T <= MAX_T and B * T <= MAX_ENTRIES
@@ -229,62 +310,82 @@ class FusedStep:
     def run(self, x: torch.Tensor, cache, rows, start: torch.Tensor, eager):
         """x [B, T, D]; rows: cache rows (slice or index tensor [B]); start [B] each row's first new position;
         eager: () -> the eager result (same cache writes). -> normed hidden [B, T, D]."""
-        if self.state == "off":
+        if self.state != "on":
             return eager()
-        B, T, D = x.shape
-        if self.state == "trial":
-            if T != 1:
-                return eager()
-            return self._trial(x, cache, rows, start, eager)
         try:
             return self._fused(x, cache, rows, start)
         except Exception as e:   # one line, then the eager path for good
             self.disable(f"{type(e).__name__}: {e}")
             return eager()
 
+    def _entries(self, rows, start, B: int, T: int, cache_rows: int):
+        """(rows_e, pos_e [B T] int64, rows known to fit the cache): rows given as a slice are built once per
+        (first row, B, T) shape; T == 1 positions are `start` itself."""
+        if isinstance(rows, slice):
+            r0 = rows.start or 0
+            key = (r0, B, T)
+            got = self._index.get(key)
+            if got is None:
+                got = self._index[key] = (torch.arange(r0, r0 + B)[:, None].expand(B, T).reshape(-1).contiguous(),
+                                          torch.arange(T)[None, :])
+            rows_e, t = got
+            checked = 0 <= r0 and r0 + B <= cache_rows
+        else:
+            rows_e = rows.reshape(B)[:, None].expand(B, T).reshape(-1)                   # [B T]
+            t = torch.arange(T)[None, :]
+            checked = False
+        if T == 1 and start.dtype == torch.int64:
+            pos_e = start.reshape(B)
+        else:
+            pos_e = (start.reshape(B, 1) + t).reshape(-1)                                  # [B T]
+        return rows_e, pos_e, checked
+
     def _fused(self, x, cache, rows, start):
         B, T, D = x.shape
-        if isinstance(rows, slice):
-            row_idx = torch.arange(rows.start or 0, (rows.start or 0) + B)
-        else:
-            row_idx = rows.reshape(B)
-        t = torch.arange(T)
-        rows_e = row_idx[:, None].expand(B, T).reshape(-1)                       # [B T]
-        pos_e = (start.reshape(B, 1) + t[None, :]).reshape(-1)                    # [B T]
+        rows_e, pos_e, checked = self._entries(rows, start, B, T, cache.k.shape[1])
         switch = self.threads_switch() if self.threads_switch is not None else None
         if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
             torch.set_num_threads(switch.threads)
             try:
-                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
             finally:
                 torch.set_num_threads(1)
         else:
-            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e)
+            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
         return out.view(B, T, D)
 
-    def _trial(self, x, cache, rows, start, eager):
-        """One timed pair: both paths on this input, in alternating order; the second's result (and cache
-        entries) stands."""
-        fused_first = len(self.times["fused"]) % 2 == 1
+    def _measure(self) -> None:
+        """The trial (module doc): TRIAL_PAIRS one-position calls of one row on a private scratch cache, both paths
+        on the same random input each, alternating which goes first -> state "on" or "off". No engine cache and no
+        request sees it."""
+        stack = self.plan.stack
+        cfg, dtype = stack.cfg, stack.norm.weight.dtype
+        g = torch.Generator().manual_seed(0)
+        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, TRIAL_POS + TRIAL_PAIRS, cfg.head_dim,
+                        "cpu", dtype)
+        for t in (cache.k, cache.v):   # earlier positions' keys and values: something to attend to
+            t.copy_(torch.randn(t.shape, generator=g))
         clock = time.perf_counter
         try:
-            results = {}
-            for which in (("fused", "eager") if fused_first else ("eager", "fused")):
-                t0 = clock()
-                results[which] = self._fused(x, cache, rows, start) if which == "fused" else eager()
-                self.times[which].append(clock() - t0)
-            a, b = results["fused"].float().flatten(1), results["eager"].float().flatten(1)
-            cos = float(F.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1).min())
+            with torch.inference_mode():
+                for i in range(TRIAL_PAIRS):
+                    pos = TRIAL_POS + i
+                    x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
+                    start, got = torch.tensor([pos]), {}
+                    for which in (("fused", "eager") if i % 2 else ("eager", "fused")):
+                        t0 = clock()
+                        got[which] = self._fused(x, cache, slice(0, 1), start) if which == "fused" \
+                            else stack._run_eager(x, cache, slice(0, 1), start, pos + 1, None, None)
+                        self.times[which].append(clock() - t0)
+                    cos = F.cosine_similarity(got["fused"].float().reshape(1, -1), got["eager"].float().reshape(1, -1))
+                    self.min_cos = min(self.min_cos, float(cos))
         except Exception as e:
             self.disable(f"{type(e).__name__}: {e}")
-            return eager()
-        self.min_cos = min(self.min_cos, cos)
-        if cos < MIN_COS:   # the eager result stands, and its cache entries (written again: fused may have run last)
-            self.disable(f"its hidden states differ from the eager path's (cosine {cos:.4f} < {MIN_COS})")
-            return eager()
-        if len(self.times["fused"]) >= TRIAL_PAIRS:
-            self._decide()
-        return results["eager" if fused_first else "fused"]
+            return
+        if self.min_cos < MIN_COS:
+            self.disable(f"its hidden states differ from the eager path's (cosine {self.min_cos:.4f} < {MIN_COS})")
+            return
+        self._decide()
 
     def _decide(self) -> None:
         f, e = statistics.median(self.times["fused"]), statistics.median(self.times["eager"])

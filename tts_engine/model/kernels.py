@@ -116,27 +116,57 @@ def load_average() -> float:
 
 
 # --- the candidates -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
+class _OneDNNSwitch:
+    """oneDNN's process-wide switch (`torch._C._set_mkldnn_enabled`) shared by the threads that want it off
+    (`onednn_off`: an engine worker's small bf16 frames) or on (`onednn_on`: `_int_mm` inside such a frame, the codec
+    handed over from one) for a while: on while any thread wants it on, else off while any wants it off, else as it
+    was before the first of them came. Counted under a lock: a save-and-restore per region is not safe across
+    threads (two engines' workers: A saves on and turns it off, B saves off, A restores on, B restores off, and the
+    process is left without oneDNN)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._want = {False: 0, True: 0}
+        self._before = True
+
+    @contextlib.contextmanager
+    def want(self, on: bool):
+        self._move(on, 1)
+        try:
+            yield
+        finally:
+            self._move(on, -1)
+
+    def _move(self, on: bool, step: int) -> None:
+        with self._lock:
+            if not (self._want[False] or self._want[True]):
+                self._before = torch._C._get_mkldnn_enabled()
+            self._want[on] += step
+            state = True if self._want[True] else False if self._want[False] else self._before
+            torch._C._set_mkldnn_enabled(state)
+
+
+_ONEDNN = _OneDNNSwitch()
+
+
 def onednn_off():
-    """PyTorch's own CPU matmul instead of oneDNN's for the calls inside (process-wide switch, kept short)."""
-    prev = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(prev)
+    """PyTorch's own CPU matmul instead of oneDNN's for the calls inside (process-wide switch, kept short; safe to
+    overlap with other threads' `onednn_off` / `onednn_on`)."""
+    return _ONEDNN.want(False)
 
 
-def _onednn_on(fn, *args):
+def onednn_on():
+    """oneDNN allowed for the calls inside, also within another `onednn_off` (process-wide, as `onednn_off`)."""
+    return _ONEDNN.want(True)
+
+
+def _call_with_onednn(fn, *args):
     """fn(*args) with oneDNN allowed: `ModelRunner` turns it off process-wide for 1-2 row bf16 frames (PyTorch's
     gemv), and torch._int_mm without oneDNN is a ~5x slower loop."""
     if torch._C._get_mkldnn_enabled():
         return fn(*args)
-    torch._C._set_mkldnn_enabled(True)
-    try:
+    with onednn_on():
         return fn(*args)
-    finally:
-        torch._C._set_mkldnn_enabled(False)
 
 
 def bf16_aten(x, w):
@@ -145,7 +175,7 @@ def bf16_aten(x, w):
 
 
 def bf16_onednn(x, w):
-    return _onednn_on(F.linear, x, w)
+    return _call_with_onednn(F.linear, x, w)
 
 
 def int8_pack(x, q, scale):
@@ -163,7 +193,7 @@ def w8a8_int_mm(x, q, scale127, scale127_bf16=None):
     """int8 x int8 -> int32 sums (torch._int_mm on q's transposed view), times amax_row * scale[n] / 127.
     q [N, K] int8, scale127 [N] fp32 (the weight's per-channel scale / 127). Returns fp32 [M, N]."""
     xq, amax = quantize_rows(x)
-    return _onednn_on(torch._int_mm, xq, q.t()) * (amax * scale127)
+    return _call_with_onednn(torch._int_mm, xq, q.t()) * (amax * scale127)
 
 
 def w8a8_int8pack(x, q, scale127, scale127_bf16):

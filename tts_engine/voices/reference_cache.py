@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import threading
-from collections import OrderedDict
 
 import numpy as np
 
+from ..lru import BoundedLRU, tensor_bytes
 from .voice import Voice
 
 
@@ -34,65 +33,15 @@ def reference_key(wav: np.ndarray, sr: int, ref_text: str | None, x_vector_only:
     return h.hexdigest()
 
 
-def _tensor_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-class BoundedLRU:
-    """Thread-safe LRU {key: value}, bounded by entries and by `size(value)` bytes in all. `max_entries=0` turns
-    it off. `hits` / `misses` count lookups."""
-
-    def __init__(self, max_entries: int, max_bytes: int, size):
-        self.max_entries, self.max_bytes, self._size = int(max_entries), int(max_bytes), size
-        self._items: OrderedDict[str, object] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-    def _get(self, key: str):
-        with self._lock:
-            v = self._items.get(key)
-            if v is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return v
-
-    def put(self, key: str, value):
-        size = self._size(value)
-        if self.max_entries <= 0 or size > self.max_bytes:
-            return value
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= self._size(old)
-            self._items[key] = value
-            self._bytes += size
-            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-                _, dropped = self._items.popitem(last=False)
-                self._bytes -= self._size(dropped)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-
 class ReferenceCache(BoundedLRU):
     """Cloned voices by `reference_key`: the speaker embedding and (ICL) the reference codes of a clip."""
 
     def __init__(self, max_entries: int = 128, max_bytes: int = 64 * 2**20):
-        super().__init__(max_entries, max_bytes, lambda v: _tensor_bytes(v.embedding, v.ref_codes))
+        super().__init__(max_entries, max_bytes, lambda v: tensor_bytes(v.embedding, v.ref_codes))
 
     def get(self, key: str, name: str = "") -> Voice | None:
         """A copy of the cached voice (named `name`), or None."""
-        v = self._get(key)
+        v = super().get(key)
         return None if v is None else dataclasses.replace(v, name=name, meta=dict(v.meta))
 
 
@@ -101,12 +50,9 @@ class DecoderPrimeCache(BoundedLRU):
     by a hash of the codes. The engine worker hands out copies: decoding advances a state in place."""
 
     def __init__(self, max_entries: int = 32, max_bytes: int = 256 * 2**20):
-        super().__init__(max_entries, max_bytes, lambda st: _tensor_bytes(*st.convs, st.k, st.v, st.pos))
+        super().__init__(max_entries, max_bytes, lambda st: tensor_bytes(*st.convs, st.k, st.v, st.pos))
 
     @staticmethod
     def key(ref_codes) -> str:
         return hashlib.blake2b(ref_codes.detach().cpu().long().numpy().tobytes()
                                + bytes(str(tuple(ref_codes.shape)), "ascii"), digest_size=20).hexdigest()
-
-    def get(self, key: str):
-        return self._get(key)
