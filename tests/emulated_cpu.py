@@ -17,6 +17,7 @@ numpy 2.x needs x86-64-v2 (SSE4.2 + POPCNT), so `-cpu Nehalem` is the plainest C
 Timings under emulation mean nothing (TCG is 10-100x slower); nothing here measures speed.
 
     python tests/emulated_cpu.py                         # Haswell and Nehalem, vs native; prints a table
+    python tests/emulated_cpu.py --quick --cpu Haswell   # what tests/test_emulated_cpu.py runs (~60 s)
     python tests/emulated_cpu.py --cpu Haswell --pytest  # also the kernel test files under emulation
     python tests/emulated_cpu.py payload OUT_DIR [--reference NATIVE_DIR]   # one side (what the driver runs)
 """
@@ -322,7 +323,8 @@ def engine_check(mode: str, ckpt: Path, ref: dict | None, rows: int, frames: int
         wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=frames)
         model = engine.model
         summary = {"precision": engine.precision if hasattr(engine, "precision") else "",
-                   "fused": dict(engine.runner.fused_status), "synth_samples": int(wav.size),
+                   "fused": dict(engine.runner.fused_status), "frame": engine.runner.frame_status,
+                   "synth_samples": int(wav.size),
                    "synth_finite": bool(np.isfinite(wav).all()),
                    "codec": {"dtype": str(model.speech_tokenizer.decoder.pre_conv.conv.weight.dtype)[6:],
                              "conv": getattr(model.speech_tokenizer.decoder, "conv_mode", "?")}}
@@ -351,7 +353,8 @@ def payload(out: Path, ckpt: Path, reference: Path | None, modes, rows: int, fra
     import torch
 
     torch.set_num_threads(1)
-    os.environ.setdefault("TTS_FUSED_STEP", "1")     # the fused step wherever it runs (no timing)
+    os.environ["TTS_FUSED_STEP"] = "1"               # the fused step wherever it runs (no timing) ...
+    os.environ.setdefault("TTS_PREDICTOR_FRAME", "1")  # ... and the predictor's frame in one call on top of it
     os.environ.setdefault("TTS_KERNEL_TUNE", "0")    # no timing of 100 MB of weights per shape (minutes under TCG)
     from tts_engine.model import cpu_ext, kernels
 
@@ -450,9 +453,13 @@ def compare(native_dir: Path, emu_dir: Path) -> list[tuple[str, bool, str]]:
         check(f"{mode}: synthesis gives finite audio", se["synth_finite"] and se["synth_samples"] > 0,
               f"{se['synth_samples']} samples, fused {se['fused']}, codec {se['codec']}")
         if ident["cpu_ext_isa"] is not None:   # the same stacks fused as natively
-            check(f"{mode}: fused step as natively", se["fused"] == sn.get("fused"), se["fused"])
+            check(f"{mode}: fused step as natively", se["fused"] == sn.get("fused") and
+                  any(v.startswith("on") for v in se["fused"].values()), se["fused"])
+            check(f"{mode}: predictor frame in one call on, as natively", se["frame"] == sn.get("frame") and
+                  se["frame"].startswith("on"), se["frame"])
         else:
             check(f"{mode}: fused step off", not any(v.startswith("on") for v in se["fused"].values()), se["fused"])
+            check(f"{mode}: predictor frame off", not se["frame"].startswith("on"), se["frame"])
         if "refused" in sn or not (native_dir / f"{mode}.pt").exists():
             continue
         tn, te = torch.load(native_dir / f"{mode}.pt"), torch.load(emu_dir / f"{mode}.pt")
@@ -477,8 +484,11 @@ def run_side(out: Path, ckpt: Path, cache: Path, cpu: str | None, reference: Pat
            "--modes", ",".join(modes), "--rows", str(rows), "--frames", str(frames)]
     if reference is not None:
         cmd += ["--reference", str(reference)]
-    env = dict(os.environ, TTS_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT), **(extra_env or {}))
-    env.pop("TTS_EMULATED_CPU", None)
+    env = dict(os.environ, TTS_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    for k in ("TTS_EMULATED_CPU", "TTS_CPU_DTYPE", "TTS_CODEC_DTYPE", "TTS_CODEC_CONV", "TTS_FUSED_STEP",
+              "TTS_PREDICTOR_FRAME", "TTS_KERNEL_TUNE"):   # tests/conftest.py's settings do not apply here
+        env.pop(k, None)
+    env.update(extra_env or {})
     if cpu:
         cmd = [qemu(), "-cpu", cpu] + cmd
         env["TTS_EMULATED_CPU"] = cpu
