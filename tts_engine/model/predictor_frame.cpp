@@ -11,8 +11,9 @@
 // Rounding as the Python loop over the fused stack: every tensor the loop hands from one aten call to the next (the
 // stack's input and output, the head's logits) is rounded to the engine's activation dtype (bf16 or fp32) here too.
 // What it uses of fused_step.cpp (keep in step when that file changes): fstep::Plan, Cache, Lin, Scratch (its vectors
-// h, xq, amax, xsum, gsum, acc, facc, xb, xf, grown here for the heads and the projection), linear(), run_stack<C>(),
-// rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's f32_to_bf16, round_up, BLK, G4.
+// h, acc, facc and the activation rows x: xq, amax, xsum, gsum, xb, xf, grown here for the heads and the projection),
+// linear() (with its profile stage), run_stack<C>(), rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's
+// f32_to_bf16, round_up, BLK, G4.
 #include "fused_step.cpp"
 
 namespace pframe {
@@ -157,14 +158,14 @@ void grow(Scratch& s, const Plan& p, int64_t M, int64_t N, int64_t K) {
   };
   const int64_t Kp = round_up(K, G4), Np = round_up(N, BLK);
   if (p.wbits == 16) {
-    at_least(s.xb, M * Kp);
-    at_least(s.xf, M * Kp);
+    at_least(s.x.xb, M * Kp);
+    at_least(s.x.xf, M * Kp);
     return;
   }
-  at_least(s.xq, M * Kp);
-  at_least(s.amax, M);
-  at_least(s.xsum, M);
-  at_least(s.gsum, M * (Kp / G4));
+  at_least(s.x.xq, M * Kp);
+  at_least(s.x.amax, M);
+  at_least(s.x.xsum, M);
+  at_least(s.x.gsum, M * (Kp / G4));
   if (p.wbits == 8) at_least(s.acc, M * Np);
   else at_least(s.facc, M * Np);
 }
@@ -189,7 +190,8 @@ void stack_input(const Frame& f, const float* xin, int64_t M, Scratch& s, std::v
   }
   const Lin l{(const uint8_t*)(intptr_t)f.proj[PROJ_W], (const float*)(intptr_t)f.proj[PROJ_S], D, f.Dt};
   tmp.resize(M * D);
-  fstep::linear(f.p, l, xin, M, tmp.data(), s);
+  int64_t t0 = 0;   // (the profile's clock: the projection counts as fused_step's P_IO)
+  fstep::linear(f.p, l, xin, M, tmp.data(), s, fstep::P_IO, t0);
   const void* bias = (const void*)(intptr_t)f.proj[PROJ_BIAS];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < D; ++i) {
@@ -231,7 +233,8 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
     }
     const int64_t* hf = f.heads + j * HEAD_FIELDS;
     const Lin head{(const uint8_t*)(intptr_t)hf[HEAD_W], (const float*)(intptr_t)hf[HEAD_S], V, D};
-    fstep::linear(p, head, hid.data(), B, logits.data(), s);
+    int64_t t0 = 0;   // (the heads count as fused_step's P_IO in its profile)
+    fstep::linear(p, head, hid.data(), B, logits.data(), s, fstep::P_IO, t0);
     for (int64_t i = 0; i < B * V; ++i) logits[i] = round_to(logits[i], f.bf16);
     if (logits_out) std::copy(logits.begin(), logits.end(), logits_out + j * B * V);
     for (int64_t b = 0; b < B; ++b) codes[b * f.books + j] = choose_row(&logits[b * V], V, rp, b, j + 1, facts, w);
