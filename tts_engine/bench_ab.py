@@ -55,7 +55,7 @@ def _switch(engine, setting: dict) -> None:
     if unknown:
         raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
     ov = setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)
-    engine.worker.overlap_codec(ov if ov == "streams" else bool(ov), 1)
+    engine.worker.overlap_codec(ov if ov in ("streams", "auto") else bool(ov), 1)
     kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
     engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
     if engine.worker.governor is not None and kept is not None:
