@@ -16,8 +16,8 @@ frame each way:
            c_thread / f_busy of the frames run beside a decode, the others alone;
            c_thread                                     when it does not (the codec bounds the throughput).
 `choose` gives the cheaper one, after each has been measured (`warm` decodes each), and now and then (`explore_every`
-choices, backing off to `max_interval` while the other keeps losing) the other one, so that its figures follow the
-machine's load. A chunk can only decode in the worker while the codec thread is idle (a sequence's chunks must stay in
+choices, backing off to `max_interval` unless it comes out below `promising` x the best's cost or becomes the best)
+the other one, so that its figures follow the machine's load. A chunk can only decode in the worker while the codec thread is idle (a sequence's chunks must stay in
 order): while it is busy `choose` says "thread" and counts nothing.
 """
 from __future__ import annotations
@@ -92,11 +92,11 @@ class CodecChoice:
             b = self._bucket(rows)
             before = self._best(b)
             b.c[where].add(seconds / row_frames, self.alpha if where == before else max(self.alpha, 0.5))
-            if before is not None and where != before:   # an exploration: explore soon again while it looks close
+            if before is not None and where != before:   # an exploration: soon again if it looks better, else less often
                 costs = self._costs(b)
-                close = costs is not None and (costs[where] < costs[before] / self.promising or
-                                               self._best(b) != before)
-                b.interval = self.explore_every if close else min(2 * b.interval, self.max_interval)
+                better = costs is not None and (costs[where] < self.promising * costs[before] or
+                                                self._best(b) != before)
+                b.interval = self.explore_every if better else min(2 * b.interval, self.max_interval)
 
     # --- the choice --------------------------------------------------------------------------------------------
     def choose(self, rows: int, codec_busy: bool) -> str:
