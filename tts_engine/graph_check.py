@@ -8,10 +8,14 @@ exact eager path instead, and the eager speed is printed. Exit status 0 when eve
 """
 from __future__ import annotations
 
+import collections
 import sys
 import time
+import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .engine.cuda_graphs import EagerBuckets
 from .engine.engine import TTSEngine
@@ -63,6 +67,56 @@ def _voices(engine: TTSEngine):
     return engine.speakers or [None]
 
 
+def crossing(in_devices: set[str], out_devices: set[str], to_device: str | None) -> str | None:
+    """What an op does across host and device, if anything: "mixed" (a CPU tensor beside CUDA ones: a host value
+    copied in, which breaks a CUDA-graph capture unless pinned), "to-cuda" (a CPU tensor copied to the GPU) or
+    "to-cpu" (a GPU result read back: a host sync); None for an op that stays on one side."""
+    if "cpu" in in_devices and "cuda" in in_devices:
+        return "mixed"
+    if in_devices == {"cpu"} and to_device == "cuda":
+        return "to-cuda"
+    if in_devices == {"cuda"} and "cpu" in out_devices:
+        return "to-cpu"
+    return None
+
+
+class _CrossingSpy(TorchDispatchMode):
+    """Records every op of a block that crosses between host and device, with where in our code it was called."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        to = kwargs.get("device")
+        kind = crossing({t.device.type for t in ins}, {t.device.type for t in outs},
+                        torch.device(to).type if to is not None else None)
+        if kind is not None:
+            ours = [f for f in traceback.extract_stack()[:-1] if "tts_engine" in f.filename]
+            where = " <- ".join(f"{f.filename.rsplit('tts_engine', 1)[-1]}:{f.lineno} {f.line}" for f in ours[::-1][:3])
+            self.found[f"{kind} {func}: {where}"] += 1
+        return out
+
+
+def host_crossings(runner, b: int, read_len: int) -> list[str]:
+    """Run one eager frame of `runner` (rows 0..b-1, state restored afterwards) and list the ops that cross between
+    host and device, most frequent first: what to mend when a CUDA-graph capture fails."""
+    state = [runner.pos, runner.step, runner.seen, runner.hidden, runner.c0]
+    saved = [t.clone() for t in state]
+    spy = _CrossingSpy()
+    try:
+        with torch.inference_mode(), spy:
+            runner.frame(b, read_len, general=True)
+    finally:
+        for t, s in zip(state, saved):
+            t.copy_(s)
+    return [f"{n} x {k}" for k, n in spy.found.most_common()]
+
+
 def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdout) -> int:
     gpu = device.type == "cuda"
     kw = dict(device=device, dtype=dtype, max_batch=4, max_seq_len=frames + 256)
@@ -70,6 +124,15 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
 
     def say(msg):
         print(msg, file=out, flush=True)
+
+    if gpu and torch.backends.cuda.cudnn_sdp_enabled():
+        # cuDNN's attention chooses its kernel per call, so a captured frame can round differently from the same
+        # frame run eagerly (H100: one greedy code at batch 4, frame 54-63 of 64) although the graph replays the
+        # same ops; flash / memory-efficient attention do not. The check compares the graph machinery with that
+        # attention; the engine serves with cuDNN's (20 % faster at one stream on an H100, docs/benchmarks.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        say("cuDNN attention off for this check (it picks kernels per call: captured and eager frames may round "
+            "differently); the engine serves with it")
 
     eager = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=False, **kw)
     eager.speakers_for_check = _voices(eager)
@@ -84,6 +147,8 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
         say(f"CUDA graphs: {fast.graph_status}; engine start {time.perf_counter() - t0:.1f} s")
         if not fast.uses_cuda_graphs:
             say("FAIL: graphs could not be captured (the app would serve eagerly)")
+            for line in host_crossings(fast.runner, 1, 64):
+                say(f"  host/device crossing in a frame: {line}")
             ok = False
     else:
         say("no CUDA device: CUDA graphs cannot be checked here; checking the bucketed static step against "

@@ -69,6 +69,7 @@ class ModelRunner:
         self.seen = torch.zeros(rows, V, dtype=torch.bool, **z)
         self.hidden = torch.zeros(rows, D, dtype=self.dtype, **z)
         self.c0 = torch.zeros(rows, dtype=torch.long, **z)
+        self._true = torch.ones((), dtype=torch.bool, **z)
         self.trailing = torch.zeros(rows, trailing_cap, D, dtype=self.dtype, **z)
         self.trailing_len = torch.zeros(rows, dtype=torch.long, **z)
         self.tts_pad = tts_pad.to(self.dtype)
@@ -210,7 +211,7 @@ class ModelRunner:
                                           torch.full((1,), P, dtype=torch.long, device=self.device), L, write_start=P)
 
     def _after_c0(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
-        self.seen[r, c0] = True
+        self.seen.index_put_((r, c0), self._true)   # a device value: no host copy inside a graph capture
         self.step[r] += 1
         self.hidden[r] = h
         self.c0[r] = c0

@@ -146,7 +146,7 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_asc, idx_asc = torch.sort(logits, dim=-1, descending=False)
     cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum <= (1 - top_p)[:, None]
-    remove_sorted[:, -1] = False
+    remove_sorted[:, -1].fill_(False)    # (a fill, not a copy of a host scalar: CUDA-graph capturable)
     remove = torch.zeros_like(remove_sorted).scatter(-1, idx_asc, remove_sorted)
     return logits.masked_fill(remove & (top_p < 1.0)[:, None], NEG_INF)
 
