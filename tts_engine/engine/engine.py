@@ -96,12 +96,14 @@ class TTSStream:
 
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
-# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True, "streams" or "auto"):
-# "auto" since session 7: where a batch's chunks decode (the codec thread, or the worker with all threads) is measured
-# per batch size as the engine runs (engine/codec_choice.py), because at four streams the fixed modes' order changed
-# from run to run on the 2-vCPU Zen 4 (session 6, medians: on 1.47, "streams" 1.69, off 1.14 audio s per wall s;
-# session 7 under load 8-12, medians of 4 interleaved rounds: auto 0.49, on 0.43, "streams" 0.43, off 0.37)
-OVERLAP_CODEC_CPU_DEFAULT = "auto"
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True, "streams" or "auto"): on
+# since the packed codec (session 6): two quiet interleaved A/B runs (load 1.1-1.8, w8a8) measured on +29-30 % x real
+# time at one stream and +30-40 % audio s per wall s at four against off (docs/benchmarks.md, "Codec: packed oneDNN
+# convolutions..."); under heavy load (no free core) it measured slower. "auto" (measured per batch size as the engine
+# runs, engine/codec_choice.py; session 7) is not the default: under load 8-12 two interleaved A/Bs of 4 rounds gave
+# four-stream medians auto 0.49 / 0.27, on 0.43 / 0.37, "streams" 0.43 / 0.34 audio s per wall s (one stream: auto
+# 0.215 / 0.197, on 0.213 / 0.149 x real time), inside the noise; it needs a quiet machine's A/B
+OVERLAP_CODEC_CPU_DEFAULT = True
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
