@@ -24,7 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
-from ..model import fused_step
+from ..model import fused_step, predictor_frame
 from ..model.kernels import onednn_off
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
@@ -86,6 +86,8 @@ class ModelRunner:
         self.graph_status = "off"
         # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py)
         self.fused_status = fused_step.attach(talker) if self.device.type == "cpu" else {}
+        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py)
+        self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
@@ -347,7 +349,17 @@ class ModelRunner:
 
     def _predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                            rp: RowParams) -> torch.Tensor:
-        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]."""
+        """Code predictor: [h, C(c0)] -> codebooks 1..15, one KV-cached step each. Returns [B, 16]. Where the
+        predictor's frame in one C++ call serves (`predictor_frame`), the same computations there."""
+        frame = getattr(self.talker.code_predictor, "frame", None)
+        if frame is not None and frame.takes(h.shape[0]):
+            return frame.run(h, c0, frame_idx, rp, self.cp_cache,
+                             lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
+        return self._predict_residuals_loop(h, c0, frame_idx, rp)
+
+    def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
+                                rp: RowParams) -> torch.Tensor:
+        """`_predict_residuals` from Python: one `CodePredictor.step` and one `choose_residual` per codebook."""
         cp = self.talker.code_predictor
         x = torch.stack([h, self.talker.codec_embed(c0)], dim=1)                # [B, 2, D]
         out = [c0]

@@ -53,6 +53,19 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def _local_includes(source: Path, seen: set | None = None) -> list[Path]:
+    """The files beside `source` that it `#include "..."`s, directly or through each other (cpu_ext.cpp at least)."""
+    seen = set() if seen is None else seen
+    out = []
+    for line in source.read_text(encoding="utf-8").splitlines():
+        if line.startswith('#include "'):
+            f = source.with_name(line.split('"')[1])
+            if f not in seen and f.exists():
+                seen.add(f)
+                out += [f] + _local_includes(f, seen)
+    return out
+
+
 def build(force: bool = False, source: Path | None = None) -> Path:
     """Compile cpu_ext.cpp (or `source`: another checkout's cpu_ext.cpp, benchmarks; or a file that includes the
     cpu_ext.cpp beside it, fused_step.cpp) into the cache folder (once per source, torch and compiler) and return the
@@ -65,8 +78,8 @@ def build(force: bool = False, source: Path | None = None) -> Path:
     source = Path(source) if source is not None else SOURCE
     src = source.read_bytes()
     own = source.name == "cpu_ext.cpp" or source == SOURCE
-    if not own:   # a file that includes the kernels: their source is part of its identity
-        src += source.with_name("cpu_ext.cpp").read_bytes()
+    if not own:   # a file that includes the kernels (and maybe fused_step.cpp): their sources are part of its identity
+        src += b"".join(f.read_bytes() for f in _local_includes(source) or [source.with_name("cpu_ext.cpp")])
     torch_dir = Path(torch.__file__).parent
     tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
     out = _cache_dir() / f"{'ttsx' if own else source.stem}-{tag}.so"

@@ -1,0 +1,336 @@
+"""The code predictor's whole frame in one C++ call (`predictor_frame.cpp`, built on first use beside fused_step.cpp and
+called through ctypes): the 15 passes of `ModelRunner._predict_residuals` (embedding lookup, the fused decoder stack,
+final norm, lm_head, the codebook's sampling, the next pass's embedding) without Python or aten between them.
+
+Where it serves: CPU engines whose code-predictor stack is served by the fused step (`fused_step.FusedStep` state "on":
+W8A8, W4A8, bf16), frames of 1..MAX_ROWS rows. fp32 engines, the other modes, GPUs and prompt prefills never get it.
+
+Numerics: the Python loop over the fused stack's, computation for computation: the same stack code (fused_step.cpp,
+included), the heads through the stack's own matmul kernel on the heads' packed weights (W8A8: cpu_ext's layout,
+exact int32 sums with the fp32 epilogue of the "vnni" / "int_mm" / "own_avx2" kernels; a head that holds only the
+[N, K] int8 weight gets a packed copy here), every tensor the loop hands between aten calls rounded to the engine's
+dtype, and sampling.choose's rules (temperature -> top-k -> top-p -> counter-hash Gumbel-max, greedy rows by argmax)
+with torch.topk's partial sort re-done so equal logits come out in the same order. Differences that remain:
+bf16 heads (the Python loop's aten/oneDNN bf16 gemv sums in another order than fused_step.cpp's bf16 tiles), W8A8
+heads whose measured kernel is "int8pack_a8" (bf16 scales), and top-p < 1 rows, where torch's unstable sort may drop
+another of several equal candidates at the cut (tests/test_predictor_frame.py measures how often that changes a draw).
+
+Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
+  auto (default)  once the predictor's fused step serves, the first TRIAL_FRAMES frames run both paths on the same
+                  input (the predictor's cache is scratch, and a frame's draws depend only on its seeds and logits, so
+                  both give the same codes up to the rounding differences above), timed, alternating which goes
+                  first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
+                  faster by median serves from then on, remembered per machine and model shape in the cache folder
+                  (`$TTS_CACHE_DIR/predictor_frame/`).
+  1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests).
+  0 / off         never.
+Any failure (no library, a refused input, an exception) logs one line and leaves the Python loop serving for good.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import cpu_ext, fused_step
+
+log = logging.getLogger("tts_engine")
+
+ENV = "TTS_PREDICTOR_FRAME"
+SOURCE = Path(__file__).with_name("predictor_frame.cpp")
+MAX_ROWS = fused_step.MAX_ENTRIES // 2   # the first pass has two entries a row
+TRIAL_FRAMES = 4                         # timed (loop, frame) pairs before choosing
+MIN_AGREE = 0.5                          # first-codebook codes of the two paths that must agree in the trial
+
+_lib: dict = {}
+_lock = threading.Lock()
+
+
+def setting() -> str:
+    """"auto", "on" or "off" (env TTS_PREDICTOR_FRAME)."""
+    v = os.environ.get(ENV, "auto").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        return "off"
+    if v in ("1", "on", "yes", "true"):
+        return "on"
+    return "auto"
+
+
+def library() -> ctypes.CDLL:
+    """The frame's library (built on first use); raises when it cannot run here."""
+    with _lock:
+        if "lib" not in _lib:
+            if cpu_ext.library() is None:
+                raise RuntimeError(f"our CPU kernels are not available ({cpu_ext.why_unavailable()})")
+            lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
+            P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+            lib.ttsp_frame.argtypes = [P, F, P, P, P, P, P, P, I, I64, I64, I64, P, P, P, P, P, P,
+                                       P, P, P, P, P, P, I, I64, I, P, P]
+            lib.ttsp_frame.restype = I
+            lib.ttsp_choose.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, I, I64, I, P]
+            lib.ttsp_choose.restype = None
+            _lib["lib"] = lib
+        return _lib["lib"]
+
+
+def tag() -> str:
+    """The identity of the frame's code (its sources, torch) for the remembered choice."""
+    return hashlib.sha1(SOURCE.read_bytes() + fused_step.SOURCE.read_bytes() + cpu_ext.SOURCE.read_bytes()
+                        + torch.__version__.encode()).hexdigest()[:12]
+
+
+def _sampler_args(rp, frame_idx: torch.Tensor, keep: list) -> list[int]:
+    """Pointers of the sub-talker sampling rows (sampling.RowParams) and the frame indices, as ttsp_* read them."""
+    def c(t, dtype):
+        t = t.to(dtype).contiguous()
+        keep.append(t)
+        return t.data_ptr()
+    return [c(rp.sub_do_sample, torch.uint8), c(rp.sub_top_k, torch.int64), c(rp.sub_top_p, torch.float32),
+            c(rp.sub_temperature, torch.float32), c(rp.seed, torch.int64), c(frame_idx, torch.int64)]
+
+
+def _facts(host: dict) -> list[int]:
+    h = host["sub"]
+    return [int(bool(h["any_sample"])), int(h["k_max"] or 0), int(bool(h["any_top_p"]))]
+
+
+def choose(logits: torch.Tensor, frame_idx: torch.Tensor, book: int, rp) -> torch.Tensor:
+    """The C++ sampler alone on logits [B, V] fp32 -> ids [B] (as sampling.choose_residual; tests)."""
+    lib = library()
+    logits = logits.float().contiguous()
+    B, V = logits.shape
+    keep: list = []
+    out = torch.empty(B, dtype=torch.int64)
+    lib.ttsp_choose(logits.data_ptr(), B, V, book, *_sampler_args(rp, frame_idx, keep), *_facts(rp.host),
+                    out.data_ptr())
+    return out
+
+
+def _head_fields(m, N: int, K: int, wbits: int, keep: list) -> tuple[int, int]:
+    """(weight pointer, scale127 pointer or 0) of an lm_head or the projection (N x K) in the stack's kernel layout,
+    as fused_step._linear_fields but with or without a bias (the projection's is added in predictor_frame.cpp); a
+    W8A8 layer that holds only the [N, K] int8 weight (its measured kernels read that) gets a packed copy, in `keep`."""
+    from .quant import W4A8Linear, W8A8Linear
+
+    if (m.out_features, m.in_features) != (N, K):
+        raise ValueError(f"a {type(m).__name__} of {m.out_features}x{m.in_features} where {N}x{K} is needed")
+    if wbits == 8 and isinstance(m, W8A8Linear):
+        packed = m.packed
+        if packed is None:
+            packed = cpu_ext.pack(m.int8_weight())
+            keep.append(packed)
+        return packed.data_ptr(), m.scale127.data_ptr()
+    if wbits == 4 and isinstance(m, W4A8Linear):
+        return m.packed4.data_ptr(), 0
+    if wbits == 16 and type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16:
+        if not m.weight.is_contiguous() or K % 32 or N % 8:   # fused_step.cpp linear16: K % 32, N % R4
+            raise ValueError(f"a bf16 weight of {N}x{K}: not contiguous, or K not a multiple of 32 or N of 8")
+        return m.weight.data_ptr(), 0
+    raise ValueError(f"{type(m).__name__} is not in the stack's kernel layout (wbits {wbits})")
+
+
+class FramePlan:
+    """Pointers of everything one frame reads: the predictor stack's `fused_step.StackPlan`, the 15 heads, the 14
+    codec embeddings, the talker's codec embedding (codebook 0) and small_to_mtp_projection."""
+
+    def __init__(self, talker, stack_plan: fused_step.StackPlan):
+        cp = talker.code_predictor
+        self.stack = stack_plan
+        wbits, D = stack_plan.wbits, stack_plan.D
+        dtype = talker.model.norm.weight.dtype
+        self.keep: list = []
+        self.books = len(cp.lm_head)
+        self.V = cp.lm_head[0].out_features
+        self.heads = torch.tensor([_head_fields(h, self.V, D, wbits, self.keep) for h in cp.lm_head],
+                                  dtype=torch.int64)
+        embs = [e.weight for e in cp.model.codec_embedding]
+        e0 = talker.model.codec_embedding.weight
+        self.Dt = e0.shape[1]
+        for e in embs + [e0]:
+            if e.dtype != dtype or e.shape[1] != self.Dt or e.stride(1) != 1 or e.stride(0) != self.Dt:
+                raise ValueError("a codec embedding is not a dense table in the activation dtype")
+        if len(embs) < self.books - 1:
+            raise ValueError("fewer codec embeddings than passes")
+        self.embeds = torch.tensor([e.data_ptr() for e in embs[:self.books - 1]], dtype=torch.int64)
+        self.emb0 = e0
+        self.emb_refs = embs
+        proj = cp.small_to_mtp_projection
+        if isinstance(proj, torch.nn.Identity):
+            if self.Dt != D:
+                raise ValueError("talker and predictor widths differ without a projection")
+            self.proj = torch.zeros(4, dtype=torch.int64)
+        else:
+            w, s = _head_fields(proj, D, self.Dt, wbits, self.keep)
+            bias = proj.bias
+            if bias is not None:
+                bias = bias.detach().to(dtype).contiguous()
+                self.keep.append(bias)
+            self.proj = torch.tensor([w, s, 0 if bias is None else bias.data_ptr(), self.Dt], dtype=torch.int64)
+        self.dtype = dtype
+
+    def run(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor, rp, cache,
+            with_logits: bool = False):
+        """h [B, Dt] talker hidden, c0 [B] -> codes [B, 1 + books] (c0 first; as _predict_residuals), and the
+        logits [books, B, V] fp32 when asked. Writes cache rows 0..B-1 (the predictor's scratch)."""
+        lib = library()
+        sp = self.stack
+        k, v = cache.k, cache.v
+        B = h.shape[0]
+        if h.dtype != self.dtype or k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() \
+                or k.shape[0] != sp.layers.shape[0] or B > k.shape[1] or B < 1 or h.shape[1] != self.Dt:
+            raise ValueError("the cache or the input is not in a layout the predictor frame reads")
+        h = h.contiguous()
+        c0 = c0.to(torch.int64).contiguous()
+        if int(c0.min()) < 0 or int(c0.max()) >= self.emb0.shape[0]:
+            raise ValueError("codebook-0 id out of range")
+        keep: list = []
+        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        codes = torch.empty(B, self.books, dtype=torch.int64)
+        logits = torch.empty(self.books, B, self.V) if with_logits else None
+        bf16 = int(k.dtype == torch.bfloat16)
+        rc = lib.ttsp_frame(sp.dims.data_ptr(), sp.eps, sp.layers.data_ptr(), sp.inv_freq.data_ptr(),
+                            sp.final_norm.data_ptr(), k.data_ptr(), v.data_ptr(), strides.data_ptr(), bf16, B,
+                            self.V, self.books, self.heads.data_ptr(), self.embeds.data_ptr(), self.proj.data_ptr(),
+                            h.data_ptr(), self.emb0.data_ptr(), c0.data_ptr(),
+                            *_sampler_args(rp, frame_idx, keep), *_facts(rp.host), codes.data_ptr(),
+                            None if logits is None else logits.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"the predictor frame refused its input (code {rc})")
+        out = torch.cat([c0[:, None], codes], dim=1)
+        return (out, logits) if with_logits else out
+
+
+# --- the choice between the frame and the Python loop ----------------------------------------------------------------
+def _choice_path(key: dict) -> Path:
+    from .kernels import cache_root
+
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "predictor_frame" / f"{digest}.json"
+
+
+class PredictorFrame:
+    """Serves `ModelRunner._predict_residuals` through a `FramePlan` where that was measured faster (module doc).
+    state: "trial", "on", "off"; status: one line for logs and benchmarks."""
+
+    def __init__(self, plan: FramePlan, fused: fused_step.FusedStep, threads_switch=None, force: bool = False):
+        self.plan, self.fused = plan, fused
+        self.threads_switch = threads_switch
+        self.times: dict[str, list[float]] = {"frame": [], "loop": []}
+        self.agree = [0, 0]
+        self.key = None
+        self.state, self.status = "trial", "measuring"
+        if force:
+            self.state, self.status = "on", f"on ({ENV}=1)"
+            return
+        from .kernels import machine_key
+
+        self.key = {"machine": machine_key(), "frame": tag(), "wbits": plan.stack.wbits,
+                    "dims": plan.stack.dims.tolist(), "V": plan.V, "Dt": plan.Dt}
+        try:
+            got = json.loads(_choice_path(self.key).read_text(encoding="utf-8"))
+            if got.get("key") == self.key and got.get("choice") in ("frame", "loop"):
+                self.state = "on" if got["choice"] == "frame" else "off"
+                self.status = f"{self.state} (measured before: {got.get('why', '')})"
+        except (OSError, ValueError):
+            pass
+
+    def takes(self, B: int) -> bool:
+        """The frame may serve B rows now: it is not off, B fits, and the predictor's fused step serves."""
+        return self.state != "off" and 1 <= B <= MAX_ROWS and self.fused.state == "on"
+
+    def run(self, h, c0, frame_idx, rp, cache, loop):
+        """codes [B, 16] of this frame; loop: () -> the Python loop's codes (same cache rows)."""
+        if self.state == "trial":
+            return self._trial(h, c0, frame_idx, rp, cache, loop)
+        try:
+            return self._frame(h, c0, frame_idx, rp, cache)
+        except Exception as e:   # one line, then the Python loop for good
+            self.disable(f"{type(e).__name__}: {e}")
+            return loop()
+
+    def _frame(self, h, c0, frame_idx, rp, cache):
+        switch = self.threads_switch() if self.threads_switch is not None else None
+        if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
+            torch.set_num_threads(switch.threads)
+            try:
+                return self.plan.run(h, c0, frame_idx, rp, cache)
+            finally:
+                torch.set_num_threads(1)
+        return self.plan.run(h, c0, frame_idx, rp, cache)
+
+    def _trial(self, h, c0, frame_idx, rp, cache, loop):
+        frame_first = len(self.times["frame"]) % 2 == 1
+        clock = time.perf_counter
+        try:
+            res = {}
+            for which in (("frame", "loop") if frame_first else ("loop", "frame")):
+                t0 = clock()
+                res[which] = self._frame(h, c0, frame_idx, rp, cache) if which == "frame" else loop()
+                self.times[which].append(clock() - t0)
+        except Exception as e:
+            self.disable(f"{type(e).__name__}: {e}")
+            return loop()
+        same = res["frame"][:, 1] == res["loop"][:, 1]
+        self.agree[0] += int(same.sum())
+        self.agree[1] += same.numel()
+        if len(self.times["frame"]) >= TRIAL_FRAMES:
+            self._decide()
+        return res["loop" if frame_first else "frame"]
+
+    def _decide(self) -> None:
+        rate = self.agree[0] / max(1, self.agree[1])
+        if rate < MIN_AGREE:
+            self.disable(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
+            return
+        f, p = statistics.median(self.times["frame"]), statistics.median(self.times["loop"])
+        self.state = "on" if f < p else "off"
+        why = f"frame {1e3 * f:.2f} ms vs Python loop {1e3 * p:.2f} ms, first codebook agreeing {rate:.0%}"
+        self.status = f"{self.state} ({why})"
+        log.info("tts_engine: code predictor frame in one call %s", self.status)
+        if self.key is not None:
+            path = _choice_path(self.key)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"key": self.key, "choice": "frame" if self.state == "on" else "loop",
+                                           "why": why}, indent=1), encoding="utf-8")
+                tmp.replace(path)
+            except OSError as err:
+                log.info("predictor frame choice not saved to %s: %s", path, err)
+
+    def disable(self, why: str) -> None:
+        self.state = "off"
+        self.status = f"off ({why.splitlines()[0][:200] if why else ''})"
+        log.warning("tts_engine: code predictor frame not used, the Python loop from now on: %s", self.status)
+
+
+def attach(talker) -> str:
+    """Give the code predictor a `PredictorFrame` (`talker.code_predictor.frame`) where its stack has a fused step
+    (fused_step.attach ran first) and the library runs here -> status line. Never raises."""
+    cp = talker.code_predictor
+    cp.frame = None
+    mode = setting()
+    if mode == "off":
+        return f"off ({ENV}=0)"
+    fused = getattr(cp.model, "fused", None)
+    if fused is None:
+        return "off (the code predictor has no fused step)"
+    try:
+        plan = FramePlan(talker, fused.plan)
+        library()
+        cp.frame = PredictorFrame(plan, fused, lambda: getattr(talker, "_matmul_threads", None),
+                                  force=mode == "on")
+        return cp.frame.status
+    except Exception as e:   # an unsupported layer, no compiler, ...: the Python loop, one line
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        if not isinstance(e, ValueError):
+            log.warning("tts_engine: code predictor frame not used: %s", why)
+        return f"off ({why})"
