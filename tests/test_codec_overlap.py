@@ -151,6 +151,69 @@ def test_streams_mode_overlaps_only_concurrent_requests(engines):
         overlap.worker.overlap_codec(True)
 
 
+def _synchronous_codec_thread(worker, monkeypatch, calls):
+    """The codec thread's decode run at once in the worker (so it is never busy at the next emission: which way each
+    chunk goes is then the choice's alone, not the scheduler's); `calls` gets each handed-over chunk's frames."""
+    codec = worker.codec
+
+    def decode(items, on_done=None):
+        calls.append(items[0][1].shape[0])
+        codec._decode(items, on_done)
+
+    monkeypatch.setattr(codec, "decode", decode)
+
+
+def test_auto_mode_measures_both_ways_and_gives_the_serial_audio(engines, monkeypatch):
+    from tts_engine.engine.codec_choice import HERE, THREAD
+
+    serial, overlap = engines
+    overlap.worker.overlap_codec("auto")
+    try:
+        choice, calls = overlap.worker.codec_choice, []
+        assert choice is not None and overlap.worker.codec is not None
+        _synchronous_codec_thread(overlap.worker, monkeypatch, calls)
+        for seed in (51, 52):
+            chunks_s, codes_s = _run(serial, seed, frames=40)
+            chunks_o, codes_o = _run(overlap, seed, frames=40)                # chunks 1, 2, 4, 8, 12, 12, 1
+            assert torch.equal(codes_s, codes_o)
+            assert [len(c) for c in chunks_o] == [len(c) for c in chunks_s]
+            np.testing.assert_allclose(np.concatenate(chunks_o), np.concatenate(chunks_s), atol=1e-5)
+        snap = choice.snapshot()[1]
+        assert snap["decodes"][THREAD] >= 1 and snap["decodes"][HERE] >= 1     # each way measured
+        assert snap["f_idle_ms"] is not None and snap["best"] in (THREAD, HERE)
+        assert calls                                                          # some chunks went to the thread
+        texts = [TEXT, "A second sentence, generated alongside the first one.", "And a third, shorter one."]
+        alone = [_run(serial, 60 + i, t, frames=24) for i, t in enumerate(texts)]
+        streams = [overlap.stream(t, voice="ryan", seed=60 + i, max_new_tokens=24, first_chunk_frames=1)
+                   for i, t in enumerate(texts)]
+        got = [(list(s), s.codes) for s in streams]
+        for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
+            assert torch.equal(codes_a, codes_g)
+            np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-4)
+        assert 4 in choice.snapshot()                                         # three rows: the 3-4 bucket
+    finally:
+        overlap.worker.overlap_codec(True)
+
+
+def test_auto_mode_decodes_the_last_chunks_here_when_nothing_else_runs(engines, monkeypatch):
+    from tts_engine.engine.codec_choice import THREAD, CodecChoice
+
+    serial, overlap = engines
+    overlap.worker.overlap_codec("auto")
+    try:
+        calls = []
+        _synchronous_codec_thread(overlap.worker, monkeypatch, calls)
+        monkeypatch.setattr(CodecChoice, "choose", lambda self, rows, busy: THREAD)   # always the thread ...
+        chunks_s, codes_s = _run(serial, 71, frames=20)
+        chunks_o, codes_o = _run(overlap, 71, frames=20)
+        sizes = [len(c) // 1920 for c in chunks_o]
+        assert sizes[0] == 1 and len(sizes) >= 4
+        assert calls == sizes[1:-1]                                           # ... but the first and the last
+        np.testing.assert_allclose(np.concatenate(chunks_o), np.concatenate(chunks_s), atol=1e-5)
+    finally:
+        overlap.worker.overlap_codec(True)
+
+
 def test_the_cpu_default_applies_in_16_bit_and_never_in_fp32(tiny_cv_folder, monkeypatch):
     from tts_engine.engine import engine as engine_mod
 
@@ -187,6 +250,8 @@ def test_bench_ab_variants_switch_the_overlap_mode(engines):
         assert overlap.worker.codec is not None and overlap.worker.codec_min_rows == 1
         bench_ab._switch(overlap, {"overlap_codec": 0})
         assert overlap.worker.codec is None
+        bench_ab._switch(overlap, {"overlap_codec": "auto"})
+        assert overlap.worker.codec is not None and overlap.worker.codec_choice is not None
     finally:
         overlap.worker.overlap_codec(True)
         overlap.worker.split_frames = None

@@ -177,6 +177,24 @@ def test_bf16_plan_reads_the_weights_in_place_and_every_isa_path_gives_the_same_
         plan.run(x, copy.deepcopy(base), rows, pos)
 
 
+@pytest.mark.parametrize("M", [1, 3, 4, 8, 16])
+def test_bf16_matmul_tiles_match_a_plain_matmul_at_every_row_count(fused_lib, M):
+    """The bf16 matmul alone (its tiles of 1-8 activation rows, 2 weight rows at a time from 3 rows on, passes of 8
+    beyond 8 rows) on each ISA path this CPU runs: fp32 products of the bf16-rounded activations and the bf16
+    weight, equal to a plain fp32 matmul of the same values up to summation order. K = 1056 is not a multiple of
+    the unrolled step (the remainder loop runs); N = 48 is 6 groups of 8 weight rows."""
+    g = torch.Generator().manual_seed(M)
+    w = torch.randn(48, 1056, generator=g).to(torch.bfloat16)
+    x = torch.randn(M, 1056, generator=g) * 3
+    want = x.to(torch.bfloat16).double() @ w.double().t()
+    for isa in range(fused_lib.ttsf_bf16_isa(), 0, -1):
+        got = fused_step.bf16_matmul(w, x, isa)
+        assert got.shape == (M, 48)
+        torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-5, msg=f"ISA path {isa}")
+    with pytest.raises(RuntimeError, match="refused"):
+        fused_step.bf16_matmul(w[:44], x, 1)   # N not a multiple of 8
+
+
 def test_w4a8_plan_declines_the_avx2_path(fused_lib, own_kernels, monkeypatch):
     if not cpu_ext.has_w4a8():
         pytest.skip("no W4A8 kernel here")

@@ -55,7 +55,7 @@ def _switch(engine, setting: dict) -> None:
     if unknown:
         raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
     ov = setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)
-    engine.worker.overlap_codec(ov if ov == "streams" else bool(ov), 1)
+    engine.worker.overlap_codec(ov if ov in ("streams", "auto") else bool(ov), 1)
     kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
     engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
     if engine.worker.governor is not None and kept is not None:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                       f"{row['xrt_p50']:.3f}, {row['audio_s_per_s']:.2f} audio s per s ({_load()})", file=sys.stderr)
     lines = [f"Device: **{device_name(torch.device('cpu'))}**. {a.arch} random weights, --quantize {a.quantize} "
              f"({engines[names[-1]].precision}), {a.frames} frames per stream, first chunk {a.first_chunk} frame(s); "
-             f"{a.rounds} interleaved rounds, median (best). {start_load} at the start, {_load()} at the end.",
+             f"{a.rounds} interleaved rounds, median (best, worst). {start_load} at the start, {_load()} at the end.",
              "", f"Command: `python -m tts_engine.bench_ab {' '.join(argv if argv is not None else sys.argv[1:])}`",
              "", "| engine | streams | first audio p50 ms | first audio p99 ms | x real time per stream | "
              "audio s per wall s |", "|---|---|---|---|---|---|"]
@@ -125,8 +125,13 @@ def main(argv=None) -> int:
         f99 = [x["ttfa_p99_ms"] for x in rows]
         x = [x["xrt_p50"] for x in rows]
         s = [x["audio_s_per_s"] for x in rows]
-        lines.append(f"| {n} | {c} | {statistics.median(f):.0f} ({min(f):.0f}) | {statistics.median(f99):.0f} | "
-                     f"{statistics.median(x):.3f} ({max(x):.3f}) | {statistics.median(s):.2f} ({max(s):.2f}) |")
+        lines.append(f"| {n} | {c} | {statistics.median(f):.0f} ({min(f):.0f}, {max(f):.0f}) | "
+                     f"{statistics.median(f99):.0f} | {statistics.median(x):.3f} ({max(x):.3f}, {min(x):.3f}) | "
+                     f"{statistics.median(s):.2f} ({max(s):.2f}, {min(s):.2f}) |")
+    cc = getattr(b.worker, "_kept_choice", None)
+    if cc is not None:
+        lines.append(f"\nB: where chunks decode (overlap_codec auto; per batch-size bucket, ms per frame of one row) "
+                     f"{cc.snapshot()}")
     tc = getattr(b, "thread_choice", None)
     if tc:
         lines.append(f"\nB: thread governor's averages at the end ((rows 1-2 / more, codec busy): option: (ms per "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -63,10 +64,10 @@ class CodecThread:
         self.decoded_chunks = 0     # decodes done on this thread (tests, benchmarks)
 
     # --- the worker's side ---------------------------------------------------------------------------------
-    def decode(self, items: list) -> None:
+    def decode(self, items: list, on_done=None) -> None:
         """Decode [(seq, frames [n, 16])] (all with the same n) as one batch, then put each row's audio on its
-        sequence's queue."""
-        self._put(("decode", items))
+        sequence's queue; on_done(seconds): called on this thread after a decode that succeeded (its wall time)."""
+        self._put(("decode", items, on_done))
 
     def finish(self, seq, item) -> None:
         """`seq.finish(item)` (or its codec error) once every chunk handed over before has been decoded."""
@@ -128,7 +129,7 @@ class CodecThread:
             try:
                 with torch.inference_mode():
                     if job[0] == "decode":
-                        self._decode(job[1])
+                        self._decode(job[1], job[2])
                     else:
                         self._finish(job[1], job[2])
             except Exception:   # a bug here must not kill the thread (the requests got their error in _decode)
@@ -143,14 +144,20 @@ class CodecThread:
                 self._in_flight = 0
                 self._idle.set()
 
-    def _decode(self, items: list) -> None:
+    def _decode(self, items: list, on_done=None) -> None:
         items = [(s, f) for s, f in items if s.codec_error is None and not s.cancelled.is_set()
                  and s.decoder_state is not None]
         if not items:
             return
         try:
+            t0 = time.perf_counter()
             decode_group(self._decoder_of(), items)
             self.decoded_chunks += 1
+            if on_done is not None:
+                try:
+                    on_done(time.perf_counter() - t0)
+                except Exception:   # a measurement must never fail a decode
+                    log.warning("codec thread: on_done failed:\n%s", traceback.format_exc())
         except Exception as e:
             log.error("codec decode failed for request(s) %s: %s", [s.id for s, _ in items], e)
             for s, _ in items:

@@ -13,10 +13,13 @@ to the codec thread and goes on with the next frame; a sequence's first chunk is
 overlap it with yet, and its first audio must not wait), and a sequence's end goes through the codec thread so it
 comes after its last audio. With `overlap_codec("streams")` chunks go to the codec thread only while two or more
 sequences run (one stream decodes here, as with it off): the codec's share of a several-stream frame then runs on a
-second core beside the next frame's generation.
+second core beside the next frame's generation. With `overlap_codec("auto")` a `codec_choice.CodecChoice` decides at
+each emission, per batch size, by the measured cost of a frame each way (the codec thread, or here with all the
+process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,6 +29,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import TTSError
+from .codec_choice import HERE, THREAD, CodecChoice
 from .codec_thread import CodecThread, decode_group
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
@@ -48,6 +52,7 @@ class EngineWorker:
         self.driven = False   # the callers step this engine themselves (`drive_in_caller`): no thread
         self.codec: CodecThread | None = None   # set by `overlap_codec`: later chunks decode on their own thread
         self.codec_min_rows = 1   # chunks go to the codec thread only while at least this many sequences run
+        self.codec_choice: CodecChoice | None = None   # overlap_codec("auto"): where chunks decode, measured
         self.governor: ThreadGovernor | None = None   # CPU: the frames' OpenMP threads, chosen by measuring them
         self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
         self._default_threads = torch.get_num_threads()
@@ -56,15 +61,20 @@ class EngineWorker:
     def overlap_codec(self, on: bool | str, threads: int | None = 1) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
         process default), overlapped with generation; "streams": only while two or more sequences run (a lone
-        stream's chunks decode here unless its earlier ones are still on the codec thread); off: in this thread,
+        stream's chunks decode here unless its earlier ones are still on the codec thread); "auto": where
+        `CodecChoice` measures it cheaper for the batch size at hand (see the module's doc); off: in this thread,
         between frames. Takes effect between frames (call it while no request runs); not with a caller-driven
         engine (no threads there)."""
-        if on not in (True, False, "streams"):
-            raise ValueError(f"overlap_codec: True, False or 'streams', not {on!r}")
+        if on not in (True, False, "streams", "auto"):
+            raise ValueError(f"overlap_codec: True, False, 'streams' or 'auto', not {on!r}")
         old, self.codec = self.codec, None
         if old is not None:
             old.close()
         self.codec_min_rows = 2 if on == "streams" else 1
+        if on == "auto":   # what an earlier "auto" measured stays (a switch back and forth, e.g. bench_ab)
+            self._kept_choice = self.codec_choice = getattr(self, "_kept_choice", None) or CodecChoice()
+        else:
+            self.codec_choice = None
         if on and not self.driven:
             self.codec = CodecThread(lambda: self.speech_tokenizer.decoder, threads,
                                      on_error=lambda seq, e: _user_error(type(e), e))
@@ -175,9 +185,12 @@ class EngineWorker:
         if not active:
             return
         n_active = len(active)
+        busy = self.codec is not None and self.codec.busy
         t0 = time.perf_counter()
         between = self._decode(active)   # whole frames, or (CPU) halves with the completed chunks between them
         spent = time.perf_counter() - t0 - between
+        if self.codec_choice is not None:
+            self.codec_choice.record_frame(n_active, busy, spent)
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
         if ready:
             self._emit(ready)
@@ -319,6 +332,12 @@ class EngineWorker:
         flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
+        rows, choice, where = len(self.scheduler.running), self.codec_choice, None
+        if choice is not None and self.codec is not None:
+            where = choice.choose(rows, self.codec.busy)
+            if self._nothing_after(ready, flags) and not self.codec.busy:
+                where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
+            local = where != THREAD
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
         for s in ready:
@@ -334,10 +353,19 @@ class EngineWorker:
         codec = self.speech_tokenizer.decoder
         for (n, here), items in groups.items():
             if not here:
-                self.codec.decode(items)
+                done = None if where is None else \
+                    (lambda sec, k=n * len(items): choice.record_decode(rows, THREAD, sec, k))
+                self.codec.decode(items, on_done=done)
                 continue
             try:
-                decode_group(codec, items)
+                if where in (HERE, "last") and all(s.request.codes[:-n] for s, _ in items):   # not first chunks
+                    t0 = time.perf_counter()
+                    with self._all_threads():
+                        decode_group(codec, items)
+                    if where == HERE:
+                        choice.record_decode(rows, HERE, time.perf_counter() - t0, n * len(items))
+                else:
+                    decode_group(codec, items)
             except Exception as e:
                 for s, _ in items:
                     if defer_failures:
@@ -352,6 +380,34 @@ class EngineWorker:
                     self._end(s)
                 else:
                     s.target = next(s.chunk_sizes)
+
+    def _nothing_after(self, ready: list[Sequence], flags: torch.Tensor) -> bool:
+        """Every running sequence ends with the chunks of `ready` (their end flags are in `flags`, their pending
+        frames' in order) and none waits: nothing is left to generate beside their decode."""
+        if self.scheduler.waiting or len(ready) != len(self.scheduler.running):
+            return False
+        o = 0
+        for s in ready:
+            if not bool(flags[o:o + len(s.pending)].any()):
+                return False
+            o += len(s.pending)
+        return True
+
+    @contextlib.contextmanager
+    def _all_threads(self):
+        """The process's intra-op threads for a decode in this thread (the frame's option may be fewer), and the
+        frame's own back after."""
+        n, serial = torch.get_num_threads(), self.matmul_threads is not None and self.matmul_threads.serial
+        if n == self._default_threads:
+            yield
+            return
+        torch.set_num_threads(self._default_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+            if serial:
+                self.matmul_threads.set(True)
 
     # --- endings -------------------------------------------------------------------------------------
     def _end(self, seq: Sequence, item=None) -> None:

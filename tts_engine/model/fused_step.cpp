@@ -5,7 +5,7 @@
 // entry e being one new position pos[e] of cache row row[e] (rows decode one position each; the code predictor's
 // first pass gives two entries of the same row, positions 0 and 1: every layer writes all entries' keys before any
 // entry attends, so the second sees the first, as the causal mask of the eager path). Per layer:
-//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels; bf16: linear16 below
+//   a = RMSNorm(h) * w_in;  qkv = a @ Wqkv (W8A8 or W4A8 through cpu_ext.cpp's block kernels; bf16: mm16_groups below
 //   on the nn.Linear's own bf16 weight)
 //   q, k per head: RMSNorm(.) * w_q / w_k, then rotate-half RoPE at pos[e]; k, v -> the static KV cache
 //   o = softmax(q k^T / sqrt(hd)) v over the row's cache positions 0..pos[e] (fp32), query head j reads kv head j/g
@@ -234,88 +234,132 @@ void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t
 
 // ---- one bf16 matmul: y[M, N] (fp32) = bf16(x[M, K]) @ W^T, W the layer's own bf16 weight [N, K] row-major -------
 // Read in place (no packed copy). The activations are rounded to bf16 as the eager bf16 path's are; products and
-// sums in fp32. Output rows go in groups of R4 over the threads; within a group one weight row at a time (one
-// sequential stream: measured 1.5x the bandwidth of 4-8 interleaved rows on a Zen 4), with U independent sums per
-// activation row; a group's rows are read from memory once and again from L1/L2 for every tile of MT activation
-// rows. K must be a multiple of 32 (the plan checks it).
-// ISA (Dim ISA_ for wbits 16): 3 AVX-512 BF16 (vdpbf16ps), 2 AVX-512F (bf16 widened to fp32, FMA), 1 AVX2 + FMA.
-constexpr int64_t R4 = 8;    // weight rows per group (a unit of the threads' split)
+// sums in fp32. Output rows go in groups of R4 over the threads. Within a group a tile takes RW weight rows at a
+// time against MT activation rows (up to MAXR16 = 8: every weight block is read once for all of them), U
+// independent sums per (weight row, activation row) over k: per step RW weight vectors and MT activation vectors
+// are loaded for RW x MT x U products. At 1-2 rows RW is 1 (one sequential stream: two rows read side by side
+// measured half the bandwidth on a Zen 4); at 3-8 rows the (L1-resident) activations' loads bound the speed, and
+// RW is 2 with the next tile's rows prefetched in memory order, so the memory still sees one stream (Zen 4, one
+// thread, weights over 300 MB: 10-14 % faster at 3, 4 and 8 rows than one weight row at a time). AVX2 (16
+// registers) keeps RW 1 and passes of at most 4 rows. More than 8 activation rows take passes of 8 over a group
+// (its rows then come again from L1/L2). K must be a multiple of 32 (the plan checks it). ISA (Dim ISA_ for
+// wbits 16): 3 AVX-512 BF16 (vdpbf16ps), 2 AVX-512F (bf16 widened to fp32, FMA), 1 AVX2 + FMA.
+constexpr int64_t R4 = 8;       // weight rows per group (a unit of the threads' split)
+constexpr int MAXR16 = 8;       // activation rows per pass over a group
 
-// one weight row n at a time (one sequential stream), U independent sums per activation row over k
+// the tile shapes: RW weight rows x MT activation rows x U sums (AVX-512: at most 16 accumulators of 32 registers)
+template <int MT> constexpr int rw16() { return MT <= 2 ? 1 : 2; }
+template <int MT> constexpr int u16() { return MT <= 2 ? 4 : (MT <= 4 ? 2 : 1); }
+template <int MT> constexpr int u16_avx2() { return MT <= 2 ? 4 : 2; }   // RW 1, MT <= 4: <= 8 sums
+
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void mm16_tile_bf16(const uint16_t* W, int64_t K, const uint16_t* xb, int64_t n, int64_t m0, float* y, int64_t N) {
-  constexpr int U = 4;
-  for (int64_t r = 0; r < R4; ++r) {
+  constexpr int RW = rw16<MT>(), U = u16<MT>();
+  const uint16_t* x0 = xb + m0 * K;
+  for (int64_t r = 0; r < R4; r += RW) {
     const uint16_t* w0 = W + (n + r) * K;
-    __m512 acc[MT][U];
-    for (int i = 0; i < MT; ++i)
-      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+    __m512 acc[RW][MT][U];
+    for (int j = 0; j < RW; ++j)
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u) acc[j][i][u] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 * U <= K; k += 32 * U) {
-      __m512bh w[U];
-      for (int u = 0; u < U; ++u) w[u] = (__m512bh)_mm512_loadu_si512(w0 + k + 32 * u);
+      __m512bh w[RW][U];
+      if (RW > 1)   // the next tile's rows, in memory order: the weights reach the core as one stream
+        for (int u = 0; u < RW * U; ++u) _mm_prefetch((const char*)(w0 + RW * K + RW * k + 32 * u), _MM_HINT_T0);
+      for (int j = 0; j < RW; ++j)
+        for (int u = 0; u < U; ++u) w[j][u] = (__m512bh)_mm512_loadu_si512(w0 + j * K + k + 32 * u);
       for (int i = 0; i < MT; ++i)
-        for (int u = 0; u < U; ++u)
-          acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_loadu_si512(xb + (m0 + i) * K + k + 32 * u), w[u]);
+        for (int u = 0; u < U; ++u) {
+          const __m512bh a = (__m512bh)_mm512_loadu_si512(x0 + i * K + k + 32 * u);
+          for (int j = 0; j < RW; ++j) acc[j][i][u] = _mm512_dpbf16_ps(acc[j][i][u], a, w[j][u]);
+        }
     }
     for (; k < K; k += 32) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(w0 + k);
-      for (int i = 0; i < MT; ++i)
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_loadu_si512(xb + (m0 + i) * K + k), w);
+      __m512bh w[RW];
+      for (int j = 0; j < RW; ++j) w[j] = (__m512bh)_mm512_loadu_si512(w0 + j * K + k);
+      for (int i = 0; i < MT; ++i) {
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(x0 + i * K + k);
+        for (int j = 0; j < RW; ++j) acc[j][i][0] = _mm512_dpbf16_ps(acc[j][i][0], a, w[j]);
+      }
     }
-    for (int i = 0; i < MT; ++i)
-      y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+    for (int j = 0; j < RW; ++j)
+      for (int i = 0; i < MT; ++i) {
+        __m512 s = acc[j][i][0];
+        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[j][i][u]);
+        y[(m0 + i) * N + n + r + j] = _mm512_reduce_add_ps(s);
+      }
   }
 }
 
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void mm16_tile_avx512(const uint16_t* W, int64_t K, const float* xf, int64_t n, int64_t m0, float* y, int64_t N) {
-  constexpr int U = 4;
-  for (int64_t r = 0; r < R4; ++r) {
+  constexpr int RW = rw16<MT>(), U = u16<MT>();
+  const float* x0 = xf + m0 * K;
+  for (int64_t r = 0; r < R4; r += RW) {
     const uint16_t* w0 = W + (n + r) * K;
-    __m512 acc[MT][U];
-    for (int i = 0; i < MT; ++i)
-      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16 * U) {   // K a multiple of 32: the last step may be half
-      const int uu = (int)std::min<int64_t>(U, (K - k) / 16);
-      __m512 w[U];
-      for (int u = 0; u < U; ++u)
-        w[u] = u < uu ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w0 + k + 16 * u))), 16))
-                      : _mm512_setzero_ps();
+    __m512 acc[RW][MT][U];
+    for (int j = 0; j < RW; ++j)
       for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u) acc[j][i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U) {
+      __m512 w[RW][U];
+      if (RW > 1)   // as in mm16_tile_bf16 (16 bf16 per vector: a cache line every other one)
+        for (int u = 0; u < RW * U; u += 2) _mm_prefetch((const char*)(w0 + RW * K + RW * k + 16 * u), _MM_HINT_T0);
+      for (int j = 0; j < RW; ++j)
         for (int u = 0; u < U; ++u)
-          if (u < uu) acc[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + (m0 + i) * K + k + 16 * u), w[u], acc[i][u]);
+          w[j][u] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w0 + j * K + k + 16 * u))), 16));
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < U; ++u) {
+          const __m512 a = _mm512_loadu_ps(x0 + i * K + k + 16 * u);
+          for (int j = 0; j < RW; ++j) acc[j][i][u] = _mm512_fmadd_ps(a, w[j][u], acc[j][i][u]);
+        }
     }
-    for (int i = 0; i < MT; ++i)
-      y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+    for (; k < K; k += 16) {   // K a multiple of 32: whole steps of 16
+      __m512 w[RW];
+      for (int j = 0; j < RW; ++j)
+        w[j] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w0 + j * K + k))), 16));
+      for (int i = 0; i < MT; ++i) {
+        const __m512 a = _mm512_loadu_ps(x0 + i * K + k);
+        for (int j = 0; j < RW; ++j) acc[j][i][0] = _mm512_fmadd_ps(a, w[j], acc[j][i][0]);
+      }
+    }
+    for (int j = 0; j < RW; ++j)
+      for (int i = 0; i < MT; ++i) {
+        __m512 s = acc[j][i][0];
+        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[j][i][u]);
+        y[(m0 + i) * N + n + r + j] = _mm512_reduce_add_ps(s);
+      }
   }
 }
 
 template <int MT>
 __attribute__((target("avx2,fma")))
 void mm16_tile_avx2(const uint16_t* W, int64_t K, const float* xf, int64_t n, int64_t m0, float* y, int64_t N) {
-  constexpr int U = 4;
+  static_assert(MT <= 4, "AVX2: at most 4 rows per tile");
+  constexpr int U = u16_avx2<MT>();   // one weight row at a time: MT x U <= 8 sums of 16 registers
+  const float* x0 = xf + m0 * K;
   for (int64_t r = 0; r < R4; ++r) {
     const uint16_t* w0 = W + (n + r) * K;
     __m256 acc[MT][U];
     for (int i = 0; i < MT; ++i)
       for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8 * U) {   // K is a multiple of 32
+    for (int64_t k = 0; k < K; k += 8 * U) {   // K a multiple of 32, 8 U divides 32
       __m256 w[U];
       for (int u = 0; u < U; ++u)
         w[u] = _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w0 + k + 8 * u))), 16));
       for (int i = 0; i < MT; ++i)
-        for (int u = 0; u < U; ++u)
-          acc[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + i) * K + k + 8 * u), w[u], acc[i][u]);
+        for (int u = 0; u < U; ++u) acc[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i * K + k + 8 * u), w[u], acc[i][u]);
     }
     for (int i = 0; i < MT; ++i) {
-      const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+      __m256 a = acc[i][0];
+      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[i][u]);
       __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       v = _mm_add_ps(v, _mm_movehl_ps(v, v));
       v = _mm_add_ss(v, _mm_movehdup_ps(v));
@@ -324,25 +368,49 @@ void mm16_tile_avx2(const uint16_t* W, int64_t K, const float* xf, int64_t n, in
   }
 }
 
-// output rows [g0, g1) groups of R4, all M activation rows
+// one tile of mt (1..MAXR16) activation rows from m0 against the group's weight rows n..n+R4
+template <int MT>
+void mm16_tile(int isa, const uint16_t* W, int64_t K, const uint16_t* xb, const float* xf, int64_t n, int64_t m0,
+               float* y, int64_t N) {
+  if (isa == 3) mm16_tile_bf16<MT>(W, K, xb, n, m0, y, N);
+  else if (isa == 2) mm16_tile_avx512<MT>(W, K, xf, n, m0, y, N);
+  else if constexpr (MT <= 4) mm16_tile_avx2<MT>(W, K, xf, n, m0, y, N);
+  else {   // AVX2: passes of at most 4 rows (8 rows at one sum each measured slower)
+    mm16_tile_avx2<4>(W, K, xf, n, m0, y, N);
+    mm16_tile_avx2<MT - 4>(W, K, xf, n, m0 + 4, y, N);
+  }
+}
+
+// output rows [g0, g1) groups of R4, all M activation rows (passes of up to MAXR16 rows over each group)
 void mm16_groups(int isa, const uint16_t* W, int64_t K, const uint16_t* xb, const float* xf, int64_t M, int64_t g0,
                  int64_t g1, float* y, int64_t N) {
+  static_assert(MAXR16 == 8, "the switch below covers 1..8 rows");
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n = g * R4;
-    int64_t m = 0;
-    if (isa == 3) {
-      for (; m + 4 <= M; m += 4) mm16_tile_bf16<4>(W, K, xb, n, m, y, N);
-      for (; m + 2 <= M; m += 2) mm16_tile_bf16<2>(W, K, xb, n, m, y, N);
-      for (; m < M; ++m) mm16_tile_bf16<1>(W, K, xb, n, m, y, N);
-    } else if (isa == 2) {
-      for (; m + 4 <= M; m += 4) mm16_tile_avx512<4>(W, K, xf, n, m, y, N);
-      for (; m + 2 <= M; m += 2) mm16_tile_avx512<2>(W, K, xf, n, m, y, N);
-      for (; m < M; ++m) mm16_tile_avx512<1>(W, K, xf, n, m, y, N);
-    } else {
-      for (; m + 2 <= M; m += 2) mm16_tile_avx2<2>(W, K, xf, n, m, y, N);
-      for (; m < M; ++m) mm16_tile_avx2<1>(W, K, xf, n, m, y, N);
+    for (int64_t m = 0; m < M; m += MAXR16) {
+      switch (std::min<int64_t>(MAXR16, M - m)) {
+        case 1: mm16_tile<1>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 2: mm16_tile<2>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 3: mm16_tile<3>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 4: mm16_tile<4>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 5: mm16_tile<5>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 6: mm16_tile<6>(isa, W, K, xb, xf, n, m, y, N); break;
+        case 7: mm16_tile<7>(isa, W, K, xb, xf, n, m, y, N); break;
+        default: mm16_tile<8>(isa, W, K, xb, xf, n, m, y, N); break;
+      }
     }
   }
+}
+
+// the activation rows to bf16 (xb) and back to fp32 (xf), then the groups split over torch's threads
+void mm16(int isa, const uint16_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y, uint16_t* xb,
+          float* xf) {
+  for (int64_t i = 0; i < M * K; ++i) {
+    xb[i] = f32_to_bf16(x[i]);
+    xf[i] = bf16_to_f32(xb[i]);
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (R4 * K * 2));
+  at::parallel_for(0, N / R4, grain, [&](int64_t g0, int64_t g1) { mm16_groups(isa, W, K, xb, xf, M, g0, g1, y, N); });
 }
 
 // ---- one matmul, in three parts: the activation rows (prep), the output units (blocks of BLK rows; bf16: groups
@@ -895,6 +963,16 @@ int ttsf_bf16_isa() {
   if (avx512 && __builtin_cpu_supports("avx512bf16")) return 3;
   if (avx512) return 2;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+// The bf16 matmul alone (tests and kernel timing): y[M, N] fp32 = bf16(x[M, K] fp32) @ W[N, K]^T on ISA path `isa`;
+// 0, or -1 for shapes it does not take (N a multiple of R4, K of 32) or an ISA path this CPU lacks
+int ttsf_mm16(const uint16_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y, int isa) {
+  if (M < 1 || N < 1 || K < 32 || N % fstep::R4 || K % 32 || isa < 1 || isa > ttsf_bf16_isa()) return -1;
+  std::vector<uint16_t> xb(M * K);
+  std::vector<float> xf(M * K);
+  fstep::mm16(isa, W, N, K, x, M, y, xb.data(), xf.data());
+  return 0;
 }
 
 // x [M, D] (fp32 or bf16, contiguous): the stack's input at each entry -> overwritten by its normed output.

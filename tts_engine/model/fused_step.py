@@ -143,10 +143,26 @@ def library() -> ctypes.CDLL:
             lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
             lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
             lib.ttsf_set_team(int(team_setting()))
+            lib.ttsf_mm16.argtypes = [P, I64, I64, P, I64, P, I]
+            lib.ttsf_mm16.restype = I
             if lib.ttsf_layer_fields() != LAYER_FIELDS:
                 raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
             _lib["lib"] = lib
         return _lib["lib"]
+
+
+def bf16_matmul(w: torch.Tensor, x: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+    """The fused step's bf16 matmul alone (tests, kernel timing): fp32 [M, N] = bf16(x [M, K]) @ w [N, K] (bf16,
+    read in place) transposed, on ISA path `isa` (`ttsf_bf16_isa` numbering; None: the best this CPU runs)."""
+    lib = library()
+    assert w.dtype == torch.bfloat16 and w.is_contiguous() and x.dim() == 2
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    rc = lib.ttsf_mm16(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
+                       lib.ttsf_bf16_isa() if isa is None else int(isa))
+    if rc != 0:
+        raise RuntimeError(f"bf16 matmul refused the shapes {tuple(w.shape)}, {tuple(x.shape)} or ISA path {isa}")
+    return y
 
 
 def tag() -> str:

@@ -11,9 +11,9 @@
 // Rounding as the Python loop over the fused stack: every tensor the loop hands from one aten call to the next (the
 // stack's input and output, the head's logits) is rounded to the engine's activation dtype (bf16 or fp32) here too.
 // What it uses of fused_step.cpp (keep in step when that file changes): fstep::Plan, Cache, Lin, Scratch (its vectors
-// h, acc, facc, and x: Act's xq, amax, xsum, gsum, xb, xf, grown here for the heads and the projection), linear()
-// (profile stage P_IO, now_ns, g_prof), run_stack<C>(),
-// rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's f32_to_bf16, round_up, BLK, G4.
+// h, acc, facc and the activation rows x: xq, amax, xsum, gsum, xb, xf, grown here for the heads and the projection),
+// linear() (with its profile stage), run_stack<C>(), rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's
+// f32_to_bf16, round_up, BLK, G4.
 #include "fused_step.cpp"
 
 namespace pframe {
@@ -170,12 +170,6 @@ void grow(Scratch& s, const Plan& p, int64_t M, int64_t N, int64_t K) {
   else at_least(s.facc, M * Np);
 }
 
-// fused_step.cpp's linear() with its profile arguments: the heads and the projection are outside the stack's stages
-inline void linear_io(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s) {
-  int64_t t0 = fstep::g_prof ? fstep::now_ns() : 0;
-  fstep::linear(p, l, x, M, y, s, fstep::P_IO, t0);
-}
-
 struct Frame {
   const Plan& p;
   const Cache& c;
@@ -196,7 +190,8 @@ void stack_input(const Frame& f, const float* xin, int64_t M, Scratch& s, std::v
   }
   const Lin l{(const uint8_t*)(intptr_t)f.proj[PROJ_W], (const float*)(intptr_t)f.proj[PROJ_S], D, f.Dt};
   tmp.resize(M * D);
-  linear_io(f.p, l, xin, M, tmp.data(), s);
+  int64_t t0 = 0;   // (the profile's clock: the projection counts as fused_step's P_IO)
+  fstep::linear(f.p, l, xin, M, tmp.data(), s, fstep::P_IO, t0);
   const void* bias = (const void*)(intptr_t)f.proj[PROJ_BIAS];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < D; ++i) {
@@ -238,7 +233,8 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
     }
     const int64_t* hf = f.heads + j * HEAD_FIELDS;
     const Lin head{(const uint8_t*)(intptr_t)hf[HEAD_W], (const float*)(intptr_t)hf[HEAD_S], V, D};
-    linear_io(p, head, hid.data(), B, logits.data(), s);
+    int64_t t0 = 0;   // (the heads count as fused_step's P_IO in its profile)
+    fstep::linear(p, head, hid.data(), B, logits.data(), s, fstep::P_IO, t0);
     for (int64_t i = 0; i < B * V; ++i) logits[i] = round_to(logits[i], f.bf16);
     if (logits_out) std::copy(logits.begin(), logits.end(), logits_out + j * B * V);
     for (int64_t b = 0; b < B; ++b) codes[b * f.books + j] = choose_row(&logits[b * V], V, rp, b, j + 1, facts, w);
