@@ -276,3 +276,31 @@ def test_a_wrong_frame_in_the_trial_turns_it_off(frame_lib, own_kernels, ckpts, 
         rp = RowParams.stack([SamplingParams(subtalker_dosample=False)] * 2, "cpu")
         r._predict_residuals(h, c0, frame, rp)
     assert pf.state == "off" and "agrees" in pf.status
+
+
+@torch.inference_mode()
+def test_the_trial_runs_when_the_runner_is_built(frame_lib, own_kernels, ckpts, monkeypatch):
+    """With nothing remembered, building the runner times both paths (random inputs, row 0 of the predictor's
+    cache) and decides: no request's frame is ever a trial frame. The next runner reads the remembered choice."""
+    from tts_engine.engine.model_runner import ModelRunner
+    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    monkeypatch.delenv(predictor_frame.ENV, raising=False)
+    model = Qwen3TTSModel.from_pretrained(str(ckpts["0b6"]), device="cpu", dtype="bf16", quantize="w8a8")
+    t = model.talker
+
+    def build():
+        return ModelRunner(t, model.prompts.tts_pad, rows=4, max_len=64, eos_id=t.cfg.codec_eos_token_id)
+
+    r = build()
+    pf = t.code_predictor.frame
+    assert pf.state in ("on", "off") and r.frame_status == pf.status, r.frame_status
+    assert len(pf.times["frame"]) == len(pf.times["loop"]) == predictor_frame.TRIAL_FRAMES
+    assert list((own_kernels / "predictor_frame").glob("*.json"))
+    h, c0, frame, rp = frame_inputs(r, 2, 40, top_p=False)
+    before = len(pf.times["frame"])
+    r._predict_residuals(h, c0, frame, rp)
+    assert len(pf.times["frame"]) == before     # a request's frame is served, not timed
+    r2 = build()
+    assert "measured before" in r2.frame_status

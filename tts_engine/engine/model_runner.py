@@ -90,8 +90,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             with aten_bf16_gemv(self._gemv(1)):
                 self.fused_status = fused_step.attach(talker)
-        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py)
+        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py), its trial
+        # run now too, so that no request sees it
         self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
+        if self.device.type == "cpu":
+            self._measure_predictor_frame()
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
@@ -355,6 +358,30 @@ class ModelRunner:
             return frame.run(h, c0, frame_idx, rp, self.cp_cache,
                              lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
         return self._predict_residuals_loop(h, c0, frame_idx, rp)
+
+    @torch.inference_mode()
+    def _measure_predictor_frame(self) -> None:
+        """Run the predictor frame's trial (`PredictorFrame`, state "trial": both paths timed on the same input, the
+        choice remembered) at load, on random inputs in row 0 of the predictor's cache (every frame rewrites the
+        positions it reads, so nothing stays behind), as a one-row frame runs. Never raises."""
+        frame = getattr(self.talker.code_predictor, "frame", None)
+        if frame is None or frame.state != "trial" or not frame.takes(1):
+            return
+        g = torch.Generator().manual_seed(0)
+        D, V = self.hidden.shape[1], self.talker.cfg.vocab_size
+        h = torch.randn(1, D, generator=g).to(self.dtype)
+        c0 = torch.randint(0, min(V, 2048), (1,), generator=g)
+        frame_idx = torch.zeros(1, dtype=torch.long)
+        rp = RowParams(**{k: (v[:1] if k != "host" else host_facts([SamplingParams()]))
+                          for k, v in self.rp.__dict__.items()})
+        try:
+            with aten_bf16_gemv(self._gemv(1)):
+                while frame.state == "trial":
+                    frame.run(h, c0, frame_idx, rp, self.cp_cache,
+                              lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
+        except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
+            frame.disable(f"{type(e).__name__}: {e}")
+        self.frame_status = frame.status
 
     def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                                 rp: RowParams) -> torch.Tensor:

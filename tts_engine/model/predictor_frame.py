@@ -16,9 +16,11 @@ heads whose measured kernel is "int8pack_a8" (bf16 scales), and top-p < 1 rows, 
 another of several equal candidates at the cut (tests/test_predictor_frame.py measures how often that changes a draw).
 
 Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
-  auto (default)  once the predictor's fused step serves, the first TRIAL_FRAMES frames run both paths on the same
-                  input (the predictor's cache is scratch, and a frame's draws depend only on its seeds and logits, so
-                  both give the same codes up to the rounding differences above), timed, alternating which goes
+  auto (default)  once the predictor's fused step serves, TRIAL_FRAMES frames run both paths on the same input,
+                  when the model runner is built (`ModelRunner._measure_predictor_frame`: random inputs, so no request
+                  sees the trial; the predictor's cache is scratch, and a frame's draws depend only on its seeds and
+                  logits, so both give the same codes up to the rounding differences above), timed, alternating which
+                  goes
                   first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
                   faster by median serves from then on, remembered per machine and model shape in the cache folder
                   (`$TTS_CACHE_DIR/predictor_frame/`).
