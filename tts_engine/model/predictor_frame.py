@@ -20,8 +20,7 @@ Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
                   when the model runner is built (`ModelRunner._measure_predictor_frame`: random inputs, so no request
                   sees the trial; the predictor's cache is scratch, and a frame's draws depend only on its seeds and
                   logits, so both give the same codes up to the rounding differences above), timed, alternating which
-                  goes
-                  first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
+                  goes first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
                   faster by median serves from then on, remembered per machine and model shape in the cache folder
                   (`$TTS_CACHE_DIR/predictor_frame/`).
   1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests).
