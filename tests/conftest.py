@@ -74,10 +74,10 @@ os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 # Nor the codec decoder's dtype: a bf16 model keeps a bf16 decoder (tests/test_codec_dtype.py measures the choice in a
 # temporary cache folder). Timing a tiny decoder picks either dtype by noise.
 os.environ.setdefault("TTS_CODEC_DTYPE", "model")
-# Nor the fused decode step (model/fused_step.py): its trial (at engine load; no request sees it) would remember
-# choices for the tiny stacks in the user's cache folder, and with it on the code predictor's frame in one call
-# (model/predictor_frame.py) would run its own trial inside the first request. tests/test_fused_step.py sets it per
-# test (trial, on, off) and checks that the trial never changes a request.
+# Nor the fused decode step (model/fused_step.py) and with it the code predictor's frame in one call
+# (model/predictor_frame.py): their trials (at engine load; no request sees them) would remember choices for the tiny
+# stacks in the user's cache folder. tests/test_fused_step.py and tests/test_predictor_frame.py set them per test
+# (trial, on, off) and check that the trials never change a request.
 os.environ.setdefault("TTS_FUSED_STEP", "0")
 
 
