@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import logging
 import os
 import statistics
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import remembered_choice
 from . import cpu_ext
 from .layers import KVCache
 
@@ -284,10 +284,7 @@ class StackPlan:
 
 # --- the choice between the fused and the eager step -----------------------------------------------------------------
 def _choice_path(key: dict) -> Path:
-    from .kernels import cache_root
-
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "fused_step" / f"{key['stack']}-{digest}.json"
+    return remembered_choice.path_for("fused_step", key, prefix=f"{key['stack']}-")
 
 
 class FusedStep:
@@ -310,14 +307,11 @@ class FusedStep:
 
         self.key = {"machine": machine_key(), "fused": tag(), "stack": name, "wbits": plan.wbits,
                     "dims": plan.dims.tolist()}
-        try:
-            got = json.loads(_choice_path(self.key).read_text(encoding="utf-8"))
-            if got.get("key") == self.key and got.get("choice") in ("fused", "eager"):
-                self.state = "on" if got["choice"] == "fused" else "off"
-                self.status = f"{self.state} (measured before: {got.get('why', '')})"
-                return
-        except (OSError, ValueError):
-            pass
+        got = remembered_choice.recall(_choice_path(self.key), self.key, ("fused", "eager"))
+        if got is not None:
+            self.state = "on" if got["choice"] == "fused" else "off"
+            self.status = f"{self.state} (measured before: {got['why']})"
+            return
         self._measure()
 
     def takes(self, B: int, T: int) -> bool:
@@ -410,15 +404,7 @@ class FusedStep:
         self.status = f"{self.state} ({why})"
         log.info("tts_engine: fused %s step %s", self.name, self.status)
         if self.key is not None:
-            path = _choice_path(self.key)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"key": self.key, "choice": "fused" if self.state == "on" else "eager",
-                                           "why": why}, indent=1), encoding="utf-8")
-                tmp.replace(path)
-            except OSError as err:
-                log.info("fused step choice not saved to %s: %s", path, err)
+            remembered_choice.remember(_choice_path(self.key), self.key, "fused" if self.state == "on" else "eager", why)
 
     def disable(self, why: str) -> None:
         self.state = "off"

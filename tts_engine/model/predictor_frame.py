@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import logging
 import os
 import statistics
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .. import remembered_choice
 from . import cpu_ext, fused_step
 
 log = logging.getLogger("tts_engine")
@@ -211,10 +211,7 @@ class FramePlan:
 
 # --- the choice between the frame and the Python loop ----------------------------------------------------------------
 def _choice_path(key: dict) -> Path:
-    from .kernels import cache_root
-
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "predictor_frame" / f"{digest}.json"
+    return remembered_choice.path_for("predictor_frame", key)
 
 
 class PredictorFrame:
@@ -235,13 +232,10 @@ class PredictorFrame:
 
         self.key = {"machine": machine_key(), "frame": tag(), "wbits": plan.stack.wbits,
                     "dims": plan.stack.dims.tolist(), "V": plan.V, "Dt": plan.Dt}
-        try:
-            got = json.loads(_choice_path(self.key).read_text(encoding="utf-8"))
-            if got.get("key") == self.key and got.get("choice") in ("frame", "loop"):
-                self.state = "on" if got["choice"] == "frame" else "off"
-                self.status = f"{self.state} (measured before: {got.get('why', '')})"
-        except (OSError, ValueError):
-            pass
+        got = remembered_choice.recall(_choice_path(self.key), self.key, ("frame", "loop"))
+        if got is not None:
+            self.state = "on" if got["choice"] == "frame" else "off"
+            self.status = f"{self.state} (measured before: {got['why']})"
 
     def takes(self, B: int) -> bool:
         """The frame may serve B rows now: it is not off, B fits, and the predictor's fused step serves."""
@@ -297,15 +291,7 @@ class PredictorFrame:
         self.status = f"{self.state} ({why})"
         log.info("tts_engine: code predictor frame in one call %s", self.status)
         if self.key is not None:
-            path = _choice_path(self.key)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"key": self.key, "choice": "frame" if self.state == "on" else "loop",
-                                           "why": why}, indent=1), encoding="utf-8")
-                tmp.replace(path)
-            except OSError as err:
-                log.info("predictor frame choice not saved to %s: %s", path, err)
+            remembered_choice.remember(_choice_path(self.key), self.key, "frame" if self.state == "on" else "loop", why)
 
     def disable(self, why: str) -> None:
         self.state = "off"
