@@ -148,6 +148,17 @@ class MatmulThreads:
     def set(self, on: bool) -> None:
         self._local.on = on
 
+    def call(self, fn, *args, **kw):
+        """fn(*args, **kw), with `threads` intra-op threads (and one put back after) while `serial` is on in this
+        thread; else as it is. The linear layers' wrappers, the fused step and the predictor frame run through it."""
+        if not self.serial:
+            return fn(*args, **kw)
+        torch.set_num_threads(self.threads)
+        try:
+            return fn(*args, **kw)
+        finally:
+            torch.set_num_threads(1)
+
 
 def serial_between_matmuls(model: nn.Module, threads: int) -> MatmulThreads:
     """Wrap the forward of every linear layer of `model` (torch.nn.Linear and the quantised *Linear modules) so
@@ -169,11 +180,5 @@ def serial_between_matmuls(model: nn.Module, threads: int) -> MatmulThreads:
 
 def _wrapped(forward, switch: MatmulThreads):
     def run(x, *args, **kw):
-        if not switch.serial:
-            return forward(x, *args, **kw)
-        torch.set_num_threads(switch.threads)
-        try:
-            return forward(x, *args, **kw)
-        finally:
-            torch.set_num_threads(1)
+        return switch.call(forward, x, *args, **kw)
     return run

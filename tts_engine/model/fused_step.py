@@ -353,15 +353,10 @@ class FusedStep:
     def _fused(self, x, cache, rows, start):
         B, T, D = x.shape
         rows_e, pos_e, checked = self._entries(rows, start, B, T, cache.k.shape[1])
+        # the governor's "matmul" option (engine/threads.MatmulThreads) gives our call its threads
         switch = self.threads_switch() if self.threads_switch is not None else None
-        if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
-            torch.set_num_threads(switch.threads)
-            try:
-                out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
-            finally:
-                torch.set_num_threads(1)
-        else:
-            out = self.plan.run(x.reshape(B * T, D), cache, rows_e, pos_e, checked)
+        args = (x.reshape(B * T, D), cache, rows_e, pos_e, checked)
+        out = switch.call(self.plan.run, *args) if switch is not None else self.plan.run(*args)
         return out.view(B, T, D)
 
     def _measure(self) -> None:

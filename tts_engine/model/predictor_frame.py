@@ -252,13 +252,10 @@ class PredictorFrame:
             return loop()
 
     def _frame(self, h, c0, frame_idx, rp, cache):
+        # the governor's "matmul" option (engine/threads.MatmulThreads) gives our call its threads
         switch = self.threads_switch() if self.threads_switch is not None else None
-        if switch is not None and switch.serial:   # the governor's "matmul" option: our matmuls take its threads
-            torch.set_num_threads(switch.threads)
-            try:
-                return self.plan.run(h, c0, frame_idx, rp, cache)
-            finally:
-                torch.set_num_threads(1)
+        if switch is not None:
+            return switch.call(self.plan.run, h, c0, frame_idx, rp, cache)
         return self.plan.run(h, c0, frame_idx, rp, cache)
 
     def _trial(self, h, c0, frame_idx, rp, cache, loop):
