@@ -29,3 +29,12 @@ def test_a_damaged_file_or_an_unwritable_folder_is_no_error(tmp_path, monkeypatc
     blocked = tmp_path / "file"
     blocked.write_text("x")
     rc.remember(blocked / "sub" / "c.json", {"k": 1}, "a", "why")   # its folder cannot be made: logged, not raised
+
+
+def test_the_switch_that_forces_a_choice(monkeypatch):
+    for v, want in (("0", "off"), (" OFF ", "off"), ("false", "off"), ("1", "on"), ("yes", "on"), ("auto", "auto"),
+                    ("", "auto"), ("maybe", "auto")):
+        monkeypatch.setenv("TTS_SOME_CHOICE", v)
+        assert rc.setting("TTS_SOME_CHOICE") == want, v
+    monkeypatch.delenv("TTS_SOME_CHOICE")
+    assert rc.setting("TTS_SOME_CHOICE") == "auto"

@@ -15,6 +15,17 @@ from .cache_paths import cache_root
 log = logging.getLogger("tts_engine")
 
 
+def setting(env: str) -> str:
+    """"auto" (measure, or use what was measured before), "on" or "off": the environment variable `env` that forces a
+    measured choice (0/off/no/false, 1/on/yes/true; anything else is auto)."""
+    v = os.environ.get(env, "auto").strip().lower()
+    if v in ("0", "off", "no", "false"):
+        return "off"
+    if v in ("1", "on", "yes", "true"):
+        return "on"
+    return "auto"
+
+
 def path_for(folder: str, key: dict, prefix: str = "") -> Path:
     """The file of `key` (a JSON-able dict): <cache>/<folder>/<prefix><16 hex digits of its sha1>.json."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

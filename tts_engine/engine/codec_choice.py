@@ -25,6 +25,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .threads import RunningAverage
+
 THREAD = "thread"
 HERE = "here"
 
@@ -38,20 +40,10 @@ def bucket(rows: int) -> int:
 
 
 @dataclass
-class _Avg:
-    ema: float | None = None
-    n: int = 0
-
-    def add(self, x: float, alpha: float) -> None:
-        self.ema = x if self.ema is None else (1 - alpha) * self.ema + alpha * x
-        self.n += 1
-
-
-@dataclass
 class _Bucket:
-    f_idle: _Avg = field(default_factory=_Avg)
-    f_busy: _Avg = field(default_factory=_Avg)
-    c: dict = field(default_factory=lambda: {THREAD: _Avg(), HERE: _Avg()})
+    f_idle: RunningAverage = field(default_factory=RunningAverage)
+    f_busy: RunningAverage = field(default_factory=RunningAverage)
+    c: dict = field(default_factory=lambda: {THREAD: RunningAverage(), HERE: RunningAverage()})
     choices: int = 0
     interval: int = 0
     next_explore: int = 0

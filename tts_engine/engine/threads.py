@@ -32,7 +32,9 @@ PROMISING = 0.9     # an explored option whose frame took < 90 % of the best's a
 
 
 @dataclass
-class _Stat:
+class RunningAverage:
+    """An exponential moving average of measured times and how many went in (the governor's per-option figures, the
+    codec choice's per-bucket ones)."""
     ema: float | None = None
     n: int = 0
 
@@ -43,7 +45,7 @@ class _Stat:
 
 @dataclass
 class _Situation:
-    stats: dict = field(default_factory=dict)   # option -> _Stat
+    stats: dict = field(default_factory=dict)   # option -> RunningAverage
     frames: int = 0
     interval: int = 0                           # frames between explorations (backs off)
     next_explore: int = 0
@@ -116,7 +118,7 @@ class ThreadGovernor:
         with self.lock:
             s = self._situation(key)
             before = self.best(key)
-            st = s.stats.setdefault(option, _Stat())
+            st = s.stats.setdefault(option, RunningAverage())
             if option == before or st.ema is None:
                 st.add(seconds, self.alpha)
                 return

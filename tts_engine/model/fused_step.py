@@ -64,12 +64,7 @@ _lock = threading.Lock()
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_FUSED_STEP)."""
-    v = os.environ.get(ENV, "auto").strip().lower()
-    if v in ("0", "off", "no", "false"):
-        return "off"
-    if v in ("1", "on", "yes", "true"):
-        return "on"
-    return "auto"
+    return remembered_choice.setting(ENV)
 
 
 TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -57,12 +56,7 @@ _lock = threading.Lock()
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_PREDICTOR_FRAME)."""
-    v = os.environ.get(ENV, "auto").strip().lower()
-    if v in ("0", "off", "no", "false"):
-        return "off"
-    if v in ("1", "on", "yes", "true"):
-        return "on"
-    return "auto"
+    return remembered_choice.setting(ENV)
 
 
 def library() -> ctypes.CDLL:
