@@ -81,6 +81,21 @@ os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 os.environ.setdefault("TTS_FUSED_STEP", "0")
 
 
+@pytest.fixture
+def own_kernels(monkeypatch, tmp_path):
+    """W8A8 layers hold our kernels' packed layout whatever the kernel table measured (the fused step and the
+    predictor frame read it); the cache folder (remembered choices) is a fresh one. For tests/test_fused_step.py,
+    test_fused_team.py and test_predictor_frame.py."""
+    from tts_engine.model import kernels
+
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels.KernelTable, "choice",
+                        lambda self, fmt, N, K, rows=1: "vnni" if fmt == "w8a8" else kernels.FORMATS[fmt].default)
+    kernels.reset_kernel_table()
+    yield tmp_path
+    kernels.reset_kernel_table()
+
+
 @pytest.fixture(scope="module")
 def drv():
     """A headless chromium (tests/browser.py), one per test module; browser test modules call

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tts_engine.config import DecoderStackConfig
-from tts_engine.model import cpu_ext, fused_step, kernels
+from tts_engine.model import cpu_ext, fused_step
 from tts_engine.model.layers import DecoderStack, KVCache
 from tts_engine.model.quant import quantize_module
 
@@ -41,18 +41,6 @@ def fused_lib():
         if EXPECTED:
             pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the fused step failed: {e}")
         pytest.skip(f"fused step not available here: {e}")
-
-
-@pytest.fixture
-def own_kernels(monkeypatch, tmp_path):
-    """W8A8 layers hold our kernels' packed layout whatever the kernel table measured (the fused step reads it);
-    the cache folder (remembered choices) is a fresh one."""
-    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels.KernelTable, "choice",
-                        lambda self, fmt, N, K, rows=1: "vnni" if fmt == "w8a8" else kernels.FORMATS[fmt].default)
-    kernels.reset_kernel_table()
-    yield tmp_path
-    kernels.reset_kernel_table()
 
 
 def make_stack(mode: str, dtype=torch.float32, seed: int = 0) -> DecoderStack:

@@ -16,7 +16,7 @@ import torch
 
 from tts_engine.model import cpu_ext, fused_step
 
-from test_fused_step import CFG, filled_cache, fused_lib, make_stack, own_kernels  # noqa: F401 (fixtures)
+from test_fused_step import CFG, filled_cache, fused_lib, make_stack  # noqa: F401 (fixtures)
 
 
 @pytest.fixture

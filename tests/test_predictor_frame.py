@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tts_engine.model import cpu_ext, fused_step, kernels, predictor_frame
+from tts_engine.model import cpu_ext, fused_step, predictor_frame
 from tts_engine.model.sampling import RowParams, SamplingParams, choose_residual
 
 from test_cpu_ext_kernels import EXPECTED
@@ -34,17 +34,6 @@ def frame_lib():
         if EXPECTED:
             pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the predictor frame failed: {e}")
         pytest.skip(f"predictor frame not available here: {e}")
-
-
-@pytest.fixture
-def own_kernels(monkeypatch, tmp_path):
-    """W8A8 layers hold our kernels' packed layout (the fused stack reads it); a fresh cache folder."""
-    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels.KernelTable, "choice",
-                        lambda self, fmt, N, K, rows=1: "vnni" if fmt == "w8a8" else kernels.FORMATS[fmt].default)
-    kernels.reset_kernel_table()
-    yield tmp_path
-    kernels.reset_kernel_table()
 
 
 def row_params(B: int, seed: int = 0, top_p: bool = True) -> list[SamplingParams]:
