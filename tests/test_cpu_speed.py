@@ -161,3 +161,73 @@ def test_codec_convs_ignore_the_process_wide_onednn_switch(dtype):
     assert "aten::mkldnn_convolution" in ops
     assert not [o for o in ops if "slow_conv" in o or "thnn" in o or "conv_transpose" in o], ops
     assert torch.equal(got, want)
+
+
+def test_onednn_outside_is_the_process_setting_whatever_another_thread_holds():
+    """`kernels.onednn_outside`: what the switch is outside every thread's region, also while another thread (another
+    engine's worker) holds oneDNN off."""
+    import threading
+
+    from tts_engine.model import kernels
+
+    before = torch._C._get_mkldnn_enabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with kernels.onednn_off():
+            inside.set()
+            leave.wait(10)
+
+    try:
+        torch._C._set_mkldnn_enabled(True)
+        t = threading.Thread(target=other)
+        t.start()
+        assert inside.wait(10)
+        assert torch._C._get_mkldnn_enabled() is False and kernels.onednn_outside() is True
+        leave.set()
+        t.join(10)
+        torch._C._set_mkldnn_enabled(False)
+        assert kernels.onednn_outside() is False
+    finally:
+        leave.set()
+        torch._C._set_mkldnn_enabled(before)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_chunks_between_the_halves_get_onednn_while_another_engine_holds_it_off(tmp_path, dtype):
+    """The chunk decoded between a split frame's halves runs with oneDNN on (the codec's linear layers need it) even
+    while another engine's worker holds oneDNN off for its own small bf16 frame (the runner once read the switch at
+    the start of its frame, and took another engine's region for the process's setting)."""
+    import threading
+
+    from tts_engine import TTSEngine
+    from tts_engine.model import kernels
+    from tts_engine.tiny import make_tiny
+
+    ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
+    eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype, overlap_codec=False)
+    seen, orig = [], eng.worker._between_halves
+
+    def spy(*a):
+        seen.append(torch._C._get_mkldnn_enabled())
+        return orig(*a)
+
+    eng.worker._between_halves = spy
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_engine():
+        with kernels.onednn_off():
+            inside.set()
+            leave.wait(60)
+
+    t = threading.Thread(target=other_engine)
+    t.start()
+    try:
+        assert inside.wait(10)
+        wav = eng.synthesize("Hello there.", voice="ryan", seed=1, max_new_tokens=6)
+    finally:
+        leave.set()
+        t.join(10)
+        eng.close()
+    assert wav.size > 0 and seen and all(seen), seen

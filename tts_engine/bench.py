@@ -5,7 +5,10 @@ fixed output length (end-of-speech disabled), and measures through the public st
 time to first audio chunk (p50/p99, from submit), per-stream real-time factor (x real time, p50 and the
 worst p99), total audio seconds per wall second, at each concurrency, and peak memory. Where the official
 implementation is installed (the oracle venv), it is timed on the same weights and the speed ratio printed.
-A per-frame profile (talker, code predictor, sampling, codec, host overhead) is taken at concurrency 1.
+A per-frame profile (talker, code predictor, sampling, codec, host overhead) is taken at concurrency 1: each part
+timed alone in the caller's thread; with --profile (CPU) also the split of a real stream's wall time per frame as the
+engine's threads serve it (`bench_stream_split`: parts, glue, codec thread) and the same stream with its chunks
+decoded in the worker.
 Results go to stdout and to docs/benchmarks.md, with the device named.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from .cache_paths import cache_root
 from .cpu_info import cpu_info
 from .engine.engine import TTSEngine
+from .bench_stream_split import split_lines
 from .engine.model_runner import aten_bf16_gemv
 from .model.quant import QUANT_MODES
 from .tiny import make_tiny
@@ -267,7 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
                    "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over frames at one stream, "
-                   "print the top ops by self CPU time and write them to docs/benchmarks.md "
+                   "split a stream's wall time per frame in the engine (CPU: bench_stream_split), print the top ops by self CPU time and write them to docs/benchmarks.md "
                    "(section 'CPU profile of one frame')")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--peers", action="store_true", help="instead: ours and the independent CPU engines side by side "
@@ -309,6 +313,7 @@ def main(argv=None) -> int:
     graphs = engine.graph_status
     prof = profile_frame(engine, min(frames, 20))
     top = torch_profile(engine, min(frames, 12)) if a.profile else None
+    stream_lines = split_lines(engine, frames) if a.profile and not gpu else None
     mem = peak_memory(device)
     off = None if a.no_official else official_xrt(ckpt, min(frames, 40 if not gpu else frames), str(device), dtype_name)
     engine.close()
@@ -336,6 +341,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['concurrency']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p99_ms']:.0f} | {r['xrt_p50']:.2f} | "
                      f"{r['xrt_p99_worst']:.2f} | {r['audio_s_per_s']:.2f} |")
     lines += ["", frame_split_line(prof, engine.runner.graphs is not None)]
+    if stream_lines:   # the parts above were timed alone; in a stream the worker's threads serve them
+        lines += ["", f"In a stream of {frames} frames (`bench_stream_split`, ms per frame):", ""]
+        lines += [f"- {ln}" for ln in stream_lines]
     if off is not None:
         ours = rows[0]["xrt_p50"]
         lines.append(f"\nOfficial qwen-tts 0.1.1 on the same weights and device: {off:.3f}x real time "

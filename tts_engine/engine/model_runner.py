@@ -25,7 +25,7 @@ import torch
 
 from ..errors import TTSError
 from ..model import fused_step, predictor_frame
-from ..model.kernels import onednn_off, onednn_on
+from ..model.kernels import onednn_off, onednn_on, onednn_outside
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from ..model.talker import Talker
@@ -82,7 +82,6 @@ class ModelRunner:
         # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
         # talker step (outside the bf16 gemv switch); the worker decodes completed chunks there
         self.on_frame_codes = None
-        self._onednn_outside = torch._C._get_mkldnn_enabled()
         self.graph_status = "off"
         # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py; its
         # trial runs now, timing the eager path as a one-row decode runs it)
@@ -239,7 +238,6 @@ class ModelRunner:
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        self._onednn_outside = torch._C._get_mkldnn_enabled()
         with aten_bf16_gemv(self._gemv(B)):
             codes, done = self._decode(rows, B, read_len)
         for i in rows:
@@ -327,9 +325,10 @@ class ModelRunner:
         return codes, self._advance(r, cache_rows, rp, read_len, codes)
 
     def _hand_over(self, codes: torch.Tensor) -> None:
-        """on_frame_codes(codes) with oneDNN as it was outside the frame's bf16 gemv switch (the codec decodes
-        there: its linear layers need oneDNN)."""
-        if torch._C._get_mkldnn_enabled() or not self._onednn_outside:
+        """on_frame_codes(codes) with oneDNN as it is outside every thread's bf16 gemv switch (the codec decodes
+        there: its linear layers need oneDNN), read from the switch itself: another engine's worker may hold oneDNN
+        off while this frame runs."""
+        if torch._C._get_mkldnn_enabled() or not onednn_outside():
             self.on_frame_codes(codes)
             return
         with onednn_on():

@@ -145,6 +145,14 @@ class _OneDNNSwitch:
             state = True if self._want[True] else False if self._want[False] else self._before
             torch._C._set_mkldnn_enabled(state)
 
+    def outside(self) -> bool:
+        """The switch as it is outside every thread's region: what it was before the first of them came while any
+        is open (another engine's worker may hold it off at this moment), else as it is."""
+        with self._lock:
+            if self._want[False] or self._want[True]:
+                return self._before
+            return torch._C._get_mkldnn_enabled()
+
 
 _ONEDNN = _OneDNNSwitch()
 
@@ -158,6 +166,12 @@ def onednn_off():
 def onednn_on():
     """oneDNN allowed for the calls inside, also within another `onednn_off` (process-wide, as `onednn_off`)."""
     return _ONEDNN.want(True)
+
+
+def onednn_outside() -> bool:
+    """Whether oneDNN is on outside every `onednn_off` / `onednn_on` region of every thread (the process's own
+    setting, whichever engine holds it off meanwhile)."""
+    return _ONEDNN.outside()
 
 
 def _call_with_onednn(fn, *args):
