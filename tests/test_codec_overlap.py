@@ -4,6 +4,7 @@ and Stop still frees the row at once. `overlap_codec="streams"` uses the codec t
 run; the CPU default (`OVERLAP_CODEC_CPU_DEFAULT`) applies in 16-bit and quantised modes with 2+ threads only."""
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -255,3 +256,54 @@ def test_bench_ab_variants_switch_the_overlap_mode(engines):
     finally:
         overlap.worker.overlap_codec(True)
         overlap.worker.split_frames = None
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
+@pytest.mark.parametrize("nice", [0, 5])
+def test_codec_thread_runs_at_the_priority_asked_for(nice):
+    """`CodecThread(nice=n)`: its jobs run at the worker's priority lowered by n (0: unchanged); the process's other
+    threads keep theirs."""
+    import threading
+
+    from tts_engine.engine.codec_thread import CodecThread
+
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+
+    class Seq:
+        decoder_state = None
+        codec_error = None
+
+        def finish(self, item=None):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    ct = CodecThread(lambda: None, threads=1, nice=nice)
+    ct.finish(Seq(), None)
+    assert ct.drain(10)
+    ct.close()
+    assert seen == [min(19, me + nice)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
+
+
+@pytest.mark.parametrize("mode", [True, "streams"])
+def test_the_last_chunks_decode_here_once_the_codec_thread_is_done(engines, monkeypatch, mode):
+    """With the codec thread on, a batch that leaves nothing else to generate decodes its last chunks in the worker
+    with all threads after the codec thread has decoded the chunks handed to it: the same audio, in order."""
+    serial, overlap = engines
+    overlap.worker.overlap_codec(mode)
+    try:
+        calls = []
+        _synchronous_codec_thread(overlap.worker, monkeypatch, calls)
+        overlap.worker.codec_min_rows = 1     # "streams" alone would decode every chunk here
+        drained = []
+        orig = overlap.worker.codec.drain
+        monkeypatch.setattr(overlap.worker.codec, "drain", lambda t=None: drained.append(t) or orig(t))
+        chunks_s, codes_s = _run(serial, 71, frames=20)
+        chunks_o, codes_o = _run(overlap, 71, frames=20)
+        sizes = [len(c) // 1920 for c in chunks_o]
+        assert sizes[0] == 1 and len(sizes) >= 4
+        assert calls == sizes[1:-1] and drained                               # the first and the last here
+        assert torch.equal(codes_s, codes_o)
+        np.testing.assert_allclose(np.concatenate(chunks_o), np.concatenate(chunks_s), atol=1e-5)
+    finally:
+        overlap.worker.overlap_codec(True)

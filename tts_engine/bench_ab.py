@@ -6,7 +6,7 @@ from submit, x real time per stream, audio seconds per wall second) on each, int
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
 adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`,
-`prefix_cache`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`).
+`prefix_cache`, `codec_nice`, `codec_threads`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`).
 """
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ def _value(v: str):
         return v
 
 
-SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache")
+SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_nice", "codec_threads")
 
 
 def _switch(engine, setting: dict) -> None:
-    """Put B's engine in a variant's state (between runs, nothing in flight): overlap_codec, govern_threads,
-    split_frames, prefix_cache (0: none; its entries stay for the runs that use it); what `setting` leaves out is
+    """Put B's engine in a variant's state (between runs, nothing in flight): overlap_codec (with codec_threads, its
+    intra-op threads, and codec_nice, its priority lowered), govern_threads, split_frames, prefix_cache (0: none; its entries stay for the runs that use it); what `setting` leaves out is
     this checkout's default."""
     from .engine.engine import OVERLAP_CODEC_CPU_DEFAULT
 
@@ -55,7 +55,8 @@ def _switch(engine, setting: dict) -> None:
     if unknown:
         raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
     ov = setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)
-    engine.worker.overlap_codec(ov if ov in ("streams", "auto") else bool(ov), 1)
+    engine.worker.overlap_codec(ov if ov in ("streams", "auto") else bool(ov), setting.get("codec_threads", 1),
+                                nice=setting.get("codec_nice", 0))
     kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
     engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
     if engine.worker.governor is not None and kept is not None:

@@ -14,11 +14,13 @@ sequences' chunks are skipped.
 
 `threads`: intra-op threads of this thread's torch ops (each thread that calls torch ops has its own OpenMP team;
 torch.set_num_threads in a thread sets that thread's team and the process default that later threads start
-with, so the default is put back right after).
+with, so the default is put back right after). `nice`: this thread's scheduling priority lowered by that much (Linux:
+per thread), so that where it and the frame's OpenMP threads want the same core the frame gets it first.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,12 +49,13 @@ def decode_group(codec, items: list) -> None:
 
 
 class CodecThread:
-    def __init__(self, decoder_of, threads: int | None = 1, on_error=None):
+    def __init__(self, decoder_of, threads: int | None = 1, on_error=None, nice: int = 0):
         """decoder_of: () -> the CodecDecoder (read on the thread, so a lazily loaded decoder loads there once);
         threads: intra-op threads for this thread's ops (None: the process default); on_error(seq, exc): turns
         an exception into what the request's reader gets (the worker's `_user_error`)."""
         self._decoder_of = decoder_of
         self.threads = threads
+        self.nice = int(nice)
         self._on_error = on_error or (lambda seq, e: e)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -115,11 +118,20 @@ class CodecThread:
         # this thread's team (which is now initialised, so it keeps its own size)
         _restore_default_threads(default)
 
+    def _lower_priority(self) -> None:
+        if self.nice > 0 and hasattr(os, "setpriority"):
+            tid = threading.get_native_id()   # Linux: PRIO_PROCESS with a thread id sets that thread's nice value
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+
     def _loop(self, started: threading.Event) -> None:
         try:
             self._own_threads()
         except Exception:   # never fatal: the thread just runs with the default team
             log.warning("codec thread: could not set its threads:\n%s", traceback.format_exc())
+        try:
+            self._lower_priority()
+        except OSError as e:   # never fatal: the thread keeps the process's priority
+            log.warning("codec thread: could not lower its priority: %s", e)
         started.set()
         while True:
             job = self._jobs.get()

@@ -15,7 +15,9 @@ comes after its last audio. With `overlap_codec("streams")` chunks go to the cod
 sequences run (one stream decodes here, as with it off): the codec's share of a several-stream frame then runs on a
 second core beside the next frame's generation. With `overlap_codec("auto")` a `codec_choice.CodecChoice` decides at
 each emission, per batch size, by the measured cost of a frame each way (the codec thread, or here with all the
-process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads.
+process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads;
+with it on (or "streams") too, once the codec thread has decoded what it was handed (a stream's tail is then one chunk
+at all threads instead of one thread's).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from .scheduler import Scheduler, Sequence, Status
 from .threads import MATMUL, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
+LAST_CHUNK_WAIT_S = 60.0   # the longest the worker waits for the codec thread before decoding the last chunks here
 
 
 class EngineWorker:
@@ -58,13 +61,13 @@ class EngineWorker:
         self._default_threads = torch.get_num_threads()
         self._split_frames: bool | None = None   # None: `split_frames` decides by the device
 
-    def overlap_codec(self, on: bool | str, threads: int | None = 1) -> None:
+    def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
         process default), overlapped with generation; "streams": only while two or more sequences run (a lone
         stream's chunks decode here unless its earlier ones are still on the codec thread); "auto": where
         `CodecChoice` measures it cheaper for the batch size at hand (see the module's doc); off: in this thread,
         between frames. Takes effect between frames (call it while no request runs); not with a caller-driven
-        engine (no threads there)."""
+        engine (no threads there). nice: the codec thread's priority lowered by that much (`CodecThread`)."""
         if on not in (True, False, "streams", "auto"):
             raise ValueError(f"overlap_codec: True, False, 'streams' or 'auto', not {on!r}")
         old, self.codec = self.codec, None
@@ -77,7 +80,7 @@ class EngineWorker:
             self.codec_choice = None
         if on and not self.driven:
             self.codec = CodecThread(lambda: self.speech_tokenizer.decoder, threads,
-                                     on_error=lambda seq, e: _user_error(type(e), e))
+                                     on_error=lambda seq, e: _user_error(type(e), e), nice=nice)
             self.codec.wake = self.wake
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -338,6 +341,11 @@ class EngineWorker:
             if self._nothing_after(ready, flags) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
+        elif self.codec is not None and not local and self._nothing_after(ready, flags) \
+                and self.codec.drain(LAST_CHUNK_WAIT_S):
+            # nothing left to generate beside these chunks: once the codec thread has decoded the chunks handed to
+            # it (order), they decode here with all the process's threads rather than on its one
+            where, local = "last", True
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
         for s in ready:
