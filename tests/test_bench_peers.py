@@ -225,3 +225,12 @@ def test_interleave_mixes_engines_and_profiles_ours_after_every_repeat():
     assert ours.calls == [("bf16", 24, 0), ("bf16", 48, 0), ("bf16", 24, 1), ("bf16", 48, 1)]
     assert [p["talker_ms"] for p in profiles["bf16"]] == [11.0, 12.0]
     assert peer.profiles == 0
+
+
+def test_our_split_shows_the_rest_of_the_frame_beside_the_parts():
+    rows = [_run(OURS, "int8", 0.5, talker_ms=None), _run("C engine", "int8", 0.6, talker_ms=40.0, cp_ms=80.0)]
+    s = summarize(rows, parts={(OURS, "int8"): (100.0, 200.0, 3.5)})
+    assert s[0].other_ms == 3.5 and s[1].other_ms is None
+    md = markdown(s, [], [48])
+    assert "rest of our frame" in md and "| 100 / 200 / 3.5 |" in md
+    assert "| 40 / 80 |" in md

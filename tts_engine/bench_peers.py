@@ -53,7 +53,9 @@ best runs at the longest length. Precision classes go by weight bits: vox q4 kee
 engine's int8/int4 quantise activations too (W8A8 / W4A8) and decode codebooks 1-15 greedily; vox runs greedy; ours
 samples codebooks 1-15 as the official implementation does. GB/s = weight bytes read per frame / time per frame:
 ours measured from the loaded modules and the bench's per-part profile (taken after every repeat; the least per
-part), the C engine's estimated from its formats (bf16; int8 + a scale per row; Q4_0 18 bytes per 32 weights) and its own
+part; each part timed alone in one thread with nothing beside it, so neither the codec thread nor the worker's glue is
+in them: the third figure is the rest of our frame, its sampling and host work; `python -m tts_engine.bench --profile`
+splits a real stream's wall time), the C engine's estimated from its formats (bf16; int8 + a scale per row; Q4_0 18 bytes per 32 weights) and its own
 per-frame split, vox's talker from its plan's stage bytes and its own split, its predictor estimated for q8."""
 
 
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
             continue
         if profiles.get(e.precision):
             ps = profiles[e.precision]
-            parts[(OURS, e.precision)] = (min(x["talker_ms"] for x in ps), min(x["code_predictor_ms"] for x in ps))
+            parts[(OURS, e.precision)] = (min(x["talker_ms"] for x in ps), min(x["code_predictor_ms"] for x in ps),
+                                          min(x.get("sampling_and_host_ms", 0.0) for x in ps))
         wbytes[(OURS, e.precision)] = weight_bytes(e.engine)
         counts = counts or weight_counts(e.engine)
         e.close()

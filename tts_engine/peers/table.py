@@ -71,6 +71,7 @@ class Summary:
     first_audio_s: float | None    # median over every good run
     talker_ms: float | None = None  # least over the runs
     cp_ms: float | None = None
+    other_ms: float | None = None   # ours: the rest of the frame (sampling, host work), from the profile
     talker_gbs: float | None = None
     cp_gbs: float | None = None
     errors: list = field(default_factory=list)
@@ -89,7 +90,8 @@ def _least(xs):
 def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | None = None) -> list[Summary]:
     """One Summary per (engine, precision), in the order first seen. Talker / code predictor ms per frame: the
     least over the runs (like x real time, the best the machine allowed); parts: {(engine, precision): (talker_ms,
-    cp_ms)} from a separate profile, used where the runs carry no split; weight_bytes: {(engine, precision):
+    cp_ms[, other_ms])} from a separate profile (ours: `bench.profile_frame`, each part timed alone with nothing beside
+    it; other_ms: the rest of that frame, sampling and host work), used where the runs carry no split; weight_bytes: {(engine, precision):
     (talker bytes, code predictor bytes) read per frame} -> effective GB/s = bytes / time."""
     parts, weight_bytes = parts or {}, weight_bytes or {}
     keys: list[tuple[str, str]] = []
@@ -110,11 +112,13 @@ def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | N
             if fewest < f - 0.5:
                 short[f] = fewest
         talker, cp = _least(r.talker_ms for r in good), _least(r.cp_ms for r in good)
+        other = None
         if talker is None and cp is None and key in parts:
             talker, cp = parts[key][:2]
+            other = parts[key][2] if len(parts[key]) > 2 else None
         s = Summary(engine=key[0], precision=key[1], cls=precision_class(key[1]), best=best, median=med, n=n,
                     short=short, failed=len(rs) - len(good), first_audio_s=_median(r.first_audio_s for r in good),
-                    talker_ms=talker, cp_ms=cp, errors=sorted({r.error for r in rs if r.error}))
+                    talker_ms=talker, cp_ms=cp, other_ms=other, errors=sorted({r.error for r in rs if r.error}))
         if key in weight_bytes:
             tb, cb = weight_bytes[key]
             s.talker_gbs = tb / (talker * 1e6) if talker else None      # bytes / (ms * 1e-3) / 1e9
@@ -177,7 +181,8 @@ def markdown(summaries: list[Summary], skipped: list[str], lengths: list[int]) -
     """The results table, the ratio table and one line per skipped peer."""
     head = ["engine", "precision", "class"]
     head += [f"x real time, {f} frames: best (median, runs)" for f in lengths]
-    head += ["first audio s (median)", "talker / code predictor ms per frame", "weights read GB/s talker / code predictor"]
+    head += ["first audio s (median)", "talker / code predictor (/ rest of our frame) ms per frame",
+             "weights read GB/s talker / code predictor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         cells = [s.engine, s.precision, s.cls]
@@ -190,7 +195,8 @@ def markdown(summaries: list[Summary], skipped: list[str], lengths: list[int]) -
                 c += f", only {s.short[f]:g} frames"
             cells.append(c)
         cells.append(_f(s.first_audio_s))
-        cells.append(f"{_f(s.talker_ms, 0)} / {_f(s.cp_ms, 0)}" if (s.talker_ms or s.cp_ms) else "–")
+        cells.append((f"{_f(s.talker_ms, 0)} / {_f(s.cp_ms, 0)}" + (f" / {_f(s.other_ms, 1)}" if s.other_ms is not None
+                                                                     else "")) if (s.talker_ms or s.cp_ms) else "–")
         cells.append(f"{_f(s.talker_gbs, 1)} / {_f(s.cp_gbs, 1)}" if (s.talker_gbs or s.cp_gbs) else "–")
         lines.append("| " + " | ".join(cells) + " |")
     rs = ratios(summaries)
