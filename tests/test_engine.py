@@ -405,3 +405,33 @@ def test_reference_voice_is_cloned_when_used(official, tmp_path):
     b = eng.stream("Same voice?", voice=icl, greedy=True, max_new_tokens=6)
     list(a), list(b)
     assert torch.equal(a.codes, b.codes)
+
+
+def test_frame_sampling_settings_are_built_once_per_batch_and_follow_a_new_request(tiny_cv_folder):
+    """The runner keeps rows 0..b-1's RowParams between frames (no rebuild per frame) and forgets them when a row's
+    settings change: a greedy request after a sampling one in the same row gets greedy host facts."""
+    from tts_engine.model.sampling import SamplingParams
+
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=2)
+    try:
+        r = eng.runner
+        r._write_params(0, SamplingParams(do_sample=True, subtalker_dosample=True))
+        first = r._rows_view([0])[2]
+        assert r._rows_view([0])[2] is first and first.host["c0"]["any_sample"] is True
+        r.release(0)
+        r._write_params(0, SamplingParams(do_sample=False, subtalker_dosample=False))
+        again = r._rows_view([0])[2]
+        assert again is not first and again.host["c0"]["any_sample"] is False
+        assert bool(again.do_sample[0]) is False
+        r._write_params(1, SamplingParams(do_sample=True, top_k=70))
+        two = r._rows_view([0, 1])[2]
+        assert two.host["c0"]["any_sample"] is True and two.host["c0"]["k_max"] == 70
+        r.move_row(1, 0)
+        assert r._rows_view([0])[2].host["c0"]["k_max"] == 70
+        # whole synthesis still the same with the kept views: two requests in turn, different settings
+        a = eng.synthesize("Hello there.", voice="ryan", seed=3, max_new_tokens=6)
+        b = eng.synthesize("Hello there.", voice="ryan", seed=3, max_new_tokens=6, sampling={"do_sample": False})
+        a2 = eng.synthesize("Hello there.", voice="ryan", seed=3, max_new_tokens=6)
+        assert a.size and b.size and (a == a2).all()
+    finally:
+        eng.close()

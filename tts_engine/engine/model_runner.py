@@ -76,6 +76,7 @@ class ModelRunner:
         self.host_len = [0] * rows
         self.params: list[SamplingParams | None] = [None] * rows
         self.rp = RowParams.stack([SamplingParams()] * rows, self.device)   # all rows, written at prefill
+        self._dense_views: dict = {}   # (b, general) -> RowParams of rows 0..b-1 (`_dense_params`)
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
@@ -138,6 +139,7 @@ class ModelRunner:
             if k != "host":
                 getattr(self.rp, k)[row] = v[0]
         self.params[row] = p
+        self._dense_views.clear()
 
     def _set_trailing(self, row: int, trailing: torch.Tensor) -> None:
         n = trailing.shape[0]
@@ -162,10 +164,12 @@ class ModelRunner:
             if k != "host":
                 v[dst] = v[src]
         self.host_len[dst], self.params[dst] = self.host_len[src], self.params[src]
+        self._dense_views.clear()
         self.release(src)
 
     def release(self, row: int) -> None:
         self.params[row] = None
+        self._dense_views.clear()
         self.host_len[row] = 0
         self.pos[row] = 0
 
@@ -277,10 +281,7 @@ class ModelRunner:
         `_frame_rows` build them."""
         B = len(rows)
         if rows == list(range(B)):
-            r = self.row_index[:B]
-            rp = RowParams(**{k: (v[:B] if k != "host" else self._host_facts(B, general=False))
-                              for k, v in self.rp.__dict__.items()})
-            return r, slice(0, B), rp
+            return self.row_index[:B], slice(0, B), self._dense_params(B, general=False)
         r = torch.tensor(rows, device=self.device)
         rp = RowParams(**{k: (v[r] if k != "host" else host_facts([self.params[i] for i in rows]))
                           for k, v in self.rp.__dict__.items()})
@@ -304,10 +305,17 @@ class ModelRunner:
     def frame(self, b: int, read_len: int, general: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for rows 0..b-1 (static shapes: capturable). `general` fixes the sampler's host facts to
         the captured superset (any sampling, top-k <= GRAPH_TOP_K_CAP, top-p on)."""
-        r = self.row_index[:b]
-        rp = RowParams(**{k: (v[:b] if k != "host" else self._host_facts(b, general))
-                          for k, v in self.rp.__dict__.items()})
-        return self._frame_core(r, slice(0, b), rp, read_len)
+        return self._frame_core(self.row_index[:b], slice(0, b), self._dense_params(b, general), read_len)
+
+    def _dense_params(self, b: int, general: bool) -> RowParams:
+        """RowParams of rows 0..b-1 (views of `rp`, and the rows' host facts), built once per batch composition
+        rather than every frame: the rows' settings change only in `_write_params`, `move_row` and `release`, which
+        forget the views."""
+        rp = self._dense_views.get((b, general))
+        if rp is None:
+            rp = self._dense_views[(b, general)] = RowParams(
+                **{k: (v[:b] if k != "host" else self._host_facts(b, general)) for k, v in self.rp.__dict__.items()})
+        return rp
 
     def _frame_rows(self, rows: list[int], read_len: int):
         r = torch.tensor(rows, device=self.device)
