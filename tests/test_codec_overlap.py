@@ -283,27 +283,3 @@ def test_codec_thread_runs_at_the_priority_asked_for(nice):
     ct.close()
     assert seen == [min(19, me + nice)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
-
-
-@pytest.mark.parametrize("mode", [True, "streams"])
-def test_the_last_chunks_decode_here_once_the_codec_thread_is_done(engines, monkeypatch, mode):
-    """With the codec thread on, a batch that leaves nothing else to generate decodes its last chunks in the worker
-    with all threads after the codec thread has decoded the chunks handed to it: the same audio, in order."""
-    serial, overlap = engines
-    overlap.worker.overlap_codec(mode)
-    try:
-        calls = []
-        _synchronous_codec_thread(overlap.worker, monkeypatch, calls)
-        overlap.worker.codec_min_rows = 1     # "streams" alone would decode every chunk here
-        drained = []
-        orig = overlap.worker.codec.drain
-        monkeypatch.setattr(overlap.worker.codec, "drain", lambda t=None: drained.append(t) or orig(t))
-        chunks_s, codes_s = _run(serial, 71, frames=20)
-        chunks_o, codes_o = _run(overlap, 71, frames=20)
-        sizes = [len(c) // 1920 for c in chunks_o]
-        assert sizes[0] == 1 and len(sizes) >= 4
-        assert calls == sizes[1:-1] and drained                               # the first and the last here
-        assert torch.equal(codes_s, codes_o)
-        np.testing.assert_allclose(np.concatenate(chunks_o), np.concatenate(chunks_s), atol=1e-5)
-    finally:
-        overlap.worker.overlap_codec(True)

@@ -15,9 +15,7 @@ comes after its last audio. With `overlap_codec("streams")` chunks go to the cod
 sequences run (one stream decodes here, as with it off): the codec's share of a several-stream frame then runs on a
 second core beside the next frame's generation. With `overlap_codec("auto")` a `codec_choice.CodecChoice` decides at
 each emission, per batch size, by the measured cost of a frame each way (the codec thread, or here with all the
-process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads;
-with it on (or "streams") too, once the codec thread has decoded what it was handed (a stream's tail is then one chunk
-at all threads instead of one thread's).
+process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads.
 """
 from __future__ import annotations
 
@@ -38,7 +36,6 @@ from .scheduler import Scheduler, Sequence, Status
 from .threads import MATMUL, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
-LAST_CHUNK_WAIT_S = 60.0   # the longest the worker waits for the codec thread before decoding the last chunks here
 
 
 class EngineWorker:
@@ -341,11 +338,6 @@ class EngineWorker:
             if self._nothing_after(ready, flags) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
-        elif self.codec is not None and not local and self._nothing_after(ready, flags) \
-                and self.codec.drain(LAST_CHUNK_WAIT_S):
-            # nothing left to generate beside these chunks: once the codec thread has decoded the chunks handed to
-            # it (order), they decode here with all the process's threads rather than on its one
-            where, local = "last", True
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         o = 0
         for s in ready:
