@@ -160,10 +160,17 @@ def asked_level() -> int | None:
 
 
 def sync_level(lib: ctypes.CDLL) -> None:
-    """Give another library built from this source (fused_step, predictor_frame) the level the kernels run at here,
-    so one process never mixes paths (they read TTS_CPU_ISA themselves too; this also covers set_level)."""
+    """Give another library built from this source (fused_step, predictor_frame, any file that includes
+    cpu_ext.cpp) the level the kernels run at here, now and after every `set_level`, so one process never mixes
+    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA).
+    A loader calls it once, right after loading the library."""
     lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [ctypes.c_int], ctypes.c_int
     lib.ttsx_set_level(int(_state.get("level", 99)))
+    if all(other is not lib for other in _synced):
+        _synced.append(lib)
+
+
+_synced: list = []   # the libraries sync_level has seen (loaded once per process, never unloaded)
 
 
 def _load() -> ctypes.CDLL:
@@ -217,11 +224,8 @@ def set_level(new: int) -> int:
 
 
 def _sync_loaded() -> None:
-    for mod in ("fused_step", "predictor_frame"):   # the libraries that include this source, where loaded
-        other = sys.modules.get(f"{__package__}.{mod}")
-        got = getattr(other, "_lib", {}).get("lib") if other is not None else None
-        if got is not None:
-            sync_level(got)
+    for lib in list(_synced):
+        sync_level(lib)
 
 
 def enabled() -> bool:
