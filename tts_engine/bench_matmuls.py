@@ -13,9 +13,10 @@ and our own fused kernel (`kernels.w8a8_vnni`). `--base DIR`: also another check
 built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
 sets the threads (default 2).
 
-`python -m tts_engine.bench_matmuls levels [ROUNDS] [ROWS]`: our kernels (plain read, W8A8, W4A8, the fused step's
+`python -m tts_engine.bench_matmuls levels [ROUNDS] [ROWS] [LAYERS]`: our kernels (plain read, W8A8, W4A8, the fused step's
 bf16 matmul) at every CPU level this CPU runs (TTS_CPU_ISA's levels: avx2, avx512, avx512vnni, avx512bf16), levels
-interleaved, GB/s over weights rotated over > 300 MB (`levels`)."""
+interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB of weights, served from the L3:
+each path's compute ceiling, which a busy machine's memory contention does not hide)."""
 from __future__ import annotations
 
 import os
@@ -199,7 +200,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "levels":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
-        levels(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1)
+        levels(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1,
+               int(argv[3]) if len(argv) > 3 else 28)
         return 0
     if argv and argv[0] == "gbps":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
