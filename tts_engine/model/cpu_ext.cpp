@@ -437,20 +437,81 @@ inline void block4_rows_avx2(const uint8_t* w, const int8_t* const* xq, const in
   }
 }
 
-// blocks4's AVX2 twin (same arguments, same results): rows in pairs, the block from cache after the first pair
+// 3-4 rows (several streams): one half-block (8 rows of weights) at a time, the fp32 sums `out` kept in L1 between
+// groups, and both nibbles' products summed in one 16-bit lane over 4 steps (|4 * 2 * 3810| = 30480 < 32767: exact)
+// before vpmaddwd: 2 R + 6 of the 16 registers. The same integer sums and fp32 operations as block4_rows (same bits).
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block4_rows_avx2_many(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                                  float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < BLK; ++i) out[r * BLK + i] = 0.f;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i one16 = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i s32[R];
+      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      for (int tb = 0; tb < 8; tb += 4) {
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = tb; t < tb + 4; ++t) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + t * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, lo4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0, x1;
+            memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+            memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          }
+        }
+        for (int r = 0; r < R; ++r) s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], one16));
+      }
+      const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 512 + h * 16))), 16));
+      const __m256 ze = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 544 + h * 16))), 16));
+      for (int r = 0; r < R; ++r) {
+        const int32_t gs = gsum[r][g];
+        const __m256i d = _mm256_sub_epi32(s32[r], _mm256_set1_epi32(8 * gs));
+        float* o = out + r * BLK + h * 8;
+        __m256 f = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(d), _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(ze, _mm256_set1_ps((float)gs), f));
+      }
+    }
+  }
+}
+
+// blocks4's AVX2 twin (same arguments, same results): passes of up to 4 rows over a block (1-2 rows: registers
+// only, block4_rows_avx2; 3-4: block4_rows_avx2_many), the block from cache after the first pass
 __attribute__((target("avx2,fma")))
 void blocks4_avx2(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
                   int64_t b1, float* acc_all, int64_t Np) {
   const int64_t ng = Kp / G4;
-  float acc[2 * BLK];
+  float acc[4 * BLK];
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * ng * GBYTES;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-      const int8_t* rows[2] = {xq + m0 * Kp, xq + std::min(m0 + 1, M - 1) * Kp};
-      const int32_t* gs[2] = {gsum + m0 * ng, gsum + std::min(m0 + 1, M - 1) * ng};
-      const int64_t R = std::min<int64_t>(2, M - m0);
-      if (R == 2) block4_rows_avx2<2>(w, rows, gs, ng, acc);
-      else block4_rows_avx2<1>(w, rows, gs, ng, acc);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      const int8_t* rows[4];
+      const int32_t* gs[4];
+      for (int64_t r = 0; r < 4; ++r) {
+        const int64_t m = std::min(m0 + r, M - 1);
+        rows[r] = xq + m * Kp;
+        gs[r] = gsum + m * ng;
+      }
+      switch (R) {
+        case 1: block4_rows_avx2<1>(w, rows, gs, ng, acc); break;
+        case 2: block4_rows_avx2<2>(w, rows, gs, ng, acc); break;
+        case 3: block4_rows_avx2_many<3>(w, rows, gs, ng, acc); break;
+        default: block4_rows_avx2_many<4>(w, rows, gs, ng, acc); break;
+      }
       for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
   }
