@@ -60,11 +60,16 @@ struct Facts {               // sampling.host_facts(...)["sub"]
   int any_top_p;
 };
 
+int g_team = 0;                // ttsp_set_team: the stack of each pass as fused_step.cpp TeamMode (0: run_stack)
+int g_select = 1;              // ttsp_set_select: choose_row may take choose_row_select (0: the sorted path always)
+std::atomic<int64_t> g_fallbacks{0};   // draws that choose_row_select left to the sorted path (ttsp_fallbacks)
+
 struct Work {
   std::vector<std::pair<float, int64_t>> queue;   // torch.topk's (value, index) pairs
   std::vector<float> vals;
   std::vector<std::pair<float, int64_t>> asc;     // top-p's ascending sort
   std::vector<float> prob;
+  bool select = g_select != 0;  // choose_row may take choose_row_select
 };
 
 inline bool nan_f(float x) { return x != x; }
@@ -96,10 +101,53 @@ void top_p_row(float* vals, int64_t k, float top_p, Work& w) {
   }
 }
 
+// The Gumbel-max draw without sorting (choose_row's fast path), or -1 where it cannot tell torch's answer for sure.
+// Only the row's n = min(top_k, k) best candidates can win (the others are -inf after the row's own top-k), so
+// the draw needs the SET of the n best, not their order: the n-th largest value T (nth_element over the values
+// alone) and every id with logit >= T, scored in id order. That set is torch.topk's exactly when no value equal to
+// T is left out (count(logit >= T) == n); the order only decides between equal scores (argmax takes the first in
+// torch's order): an exact tie of the best score, a NaN or an infinite logit anywhere, or top-p (which sorts the
+// candidates) -> -1, and choose_row takes the sorted path.
+int64_t choose_row_select(const float* logits, int64_t V, const RowParams& rp, int64_t b, int64_t book,
+                          const Facts& f, Work& w) {
+  if (f.any_top_p && rp.top_p[b] < 1.0f) return -1;
+  const int64_t k = f.k_max > 0 ? std::min(f.k_max, V) : V;
+  const int64_t tk = rp.top_k[b];
+  const int64_t n = (tk > 0 && tk < k) ? tk : k;
+  auto& v = w.vals;
+  v.resize(V);
+  for (int64_t i = 0; i < V; ++i) {
+    if (!std::isfinite(logits[i])) return -1;
+    v[i] = logits[i];
+  }
+  std::nth_element(v.begin(), v.begin() + (n - 1), v.end(), std::greater<float>());
+  const float T = v[n - 1];
+  const float temp = rp.temperature[b];
+  const uint64_t key = row_key(rp.seed[b], rp.frame[b], book);
+  int64_t count = 0, pick = -1;
+  double top = 0.0;
+  bool tie = false;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(logits[i] >= T)) continue;
+    ++count;
+    const double g = (double)(logits[i] / temp) - std::log(-std::log(uniform(key, i)));
+    if (pick < 0 || g > top) {
+      top = g;
+      pick = i;
+      tie = false;
+    } else if (g == top) {
+      tie = true;
+    }
+  }
+  if (count != n || tie || !std::isfinite(top)) return -1;
+  return pick;
+}
+
 // logits [V] (fp32) -> the chosen id of codebook `book` for row b: the argmax for greedy rows (first maximum, as
 // torch.argmax), else the Gumbel-max draw of sampling.choose: torch.topk(logits, k_max) (the same partial sort as
 // torch's CPU topk_impl_loop, so equal values come out in the same order), the row's own top-k by rank, temperature,
-// top-p, then argmax over candidates of (double) value - log(-log(u(seed, frame, book, id))).
+// top-p, then argmax over candidates of (double) value - log(-log(u(seed, frame, book, id))). The draw takes
+// choose_row_select where that gives torch's answer for sure, else the sorted path below.
 int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t b, int64_t book, const Facts& f,
                    Work& w) {
   int64_t greedy = 0;
@@ -110,6 +158,11 @@ int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t 
       greedy = i;
     }
   if (!f.any_sample || !rp.do_sample[b]) return greedy;
+  if (w.select) {
+    const int64_t got = choose_row_select(logits, V, rp, b, book, f, w);
+    if (got >= 0) return got;
+    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  }
   const int64_t k = f.k_max > 0 ? std::min(f.k_max, V) : V;
   auto& q = w.queue;
   q.resize(V);
@@ -139,6 +192,21 @@ int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t 
     }
   }
   return q[pick].second;
+}
+
+// ---- the frame's profile (on with fused_step.cpp's switch, ttsf_profile_set; ttsp_profile_read) ------------------
+// Per stage of a frame, nanoseconds summed over calls (the stack's own stages go to fused_step.cpp's profile as
+// ever): F_SETUP scratch and the first pass's input rows, F_PROJ small_to_mtp_projection, F_STACK the decoder stack
+// calls, F_NORM the final norms (rounded), F_HEAD the lm_heads' matmuls, F_ROUND the logits' rounding (and copy
+// out), F_SAMPLE the choice of each codebook, F_EMBED the next pass's embedding rows, F_CALL the whole call.
+enum FStage { F_SETUP, F_PROJ, F_STACK, F_NORM, F_HEAD, F_ROUND, F_SAMPLE, F_EMBED, F_CALL, F_CALLS, NFSTAGES };
+int64_t g_facc[NFSTAGES];
+
+inline void flap(int st, int64_t& t0) {
+  if (!fstep::g_prof) return;
+  const int64_t t = fstep::now_ns();
+  g_facc[st] += t - t0;
+  t0 = t;
 }
 
 // ---- the frame ----------------------------------------------------------------------------------------------------
@@ -190,7 +258,7 @@ void stack_input(const Frame& f, const float* xin, int64_t M, Scratch& s, std::v
   }
   const Lin l{(const uint8_t*)(intptr_t)f.proj[PROJ_W], (const float*)(intptr_t)f.proj[PROJ_S], D, f.Dt};
   tmp.resize(M * D);
-  int64_t t0 = 0;   // (the profile's clock: the projection counts as fused_step's P_IO)
+  int64_t t0 = fstep::g_prof ? fstep::now_ns() : 0;   // (the projection counts as fused_step's P_IO)
   fstep::linear(f.p, l, xin, M, tmp.data(), s, fstep::P_IO, t0);
   const void* bias = (const void*)(intptr_t)f.proj[PROJ_BIAS];
   for (int64_t m = 0; m < M; ++m)
@@ -206,6 +274,10 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
               const Facts& facts, int64_t* codes, float* logits_out) {
   const Plan& p = f.p;
   const int64_t B = f.B, D = p.D, V = f.V, Dt = f.Dt, M0 = 2 * B;
+  const int64_t call0 = fstep::g_prof ? fstep::now_ns() : 0;
+  int64_t ft = call0;
+  const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
+  const int team = nt > 1 && !omp_in_parallel() ? g_team : 0;   // each pass's stack in one parallel region
   Scratch s(p, M0);
   grow(s, p, B, V, D);                 // the heads
   if (f.proj[PROJ_W]) grow(s, p, M0, D, Dt);
@@ -221,23 +293,31 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
     pos[2 * b] = 0;
     pos[2 * b + 1] = 1;
   }
+  flap(F_SETUP, ft);
   int64_t M = M0;
   for (int64_t j = 0; j < f.books; ++j) {
     stack_input(f, xin.data(), M, s, tmp);
-    fstep::run_stack<C>(p, f.c, row.data(), pos.data(), M, s);
+    flap(F_PROJ, ft);
+    if (team) fstep::run_team<C>(p, f.c, row.data(), pos.data(), M, s.h.data(), nt, team);
+    else fstep::run_stack<C>(p, f.c, row.data(), pos.data(), M, s);
+    flap(F_STACK, ft);
     const int64_t per = M / B;         // entries per row: the last one's hidden feeds the head
     for (int64_t b = 0; b < B; ++b) {
       float* out = &hid[b * D];
       fstep::rms_norm_row(&s.h[(b * per + per - 1) * D], p.final_norm, D, p.eps, out);
       for (int64_t i = 0; i < D; ++i) out[i] = round_to(out[i], f.bf16);
     }
+    flap(F_NORM, ft);
     const int64_t* hf = f.heads + j * HEAD_FIELDS;
     const Lin head{(const uint8_t*)(intptr_t)hf[HEAD_W], (const float*)(intptr_t)hf[HEAD_S], V, D};
-    int64_t t0 = 0;   // (the heads count as fused_step's P_IO in its profile)
+    int64_t t0 = fstep::g_prof ? fstep::now_ns() : 0;   // (the heads count as fused_step's P_IO in its profile)
     fstep::linear(p, head, hid.data(), B, logits.data(), s, fstep::P_IO, t0);
+    flap(F_HEAD, ft);
     for (int64_t i = 0; i < B * V; ++i) logits[i] = round_to(logits[i], f.bf16);
     if (logits_out) std::copy(logits.begin(), logits.end(), logits_out + j * B * V);
+    flap(F_ROUND, ft);
     for (int64_t b = 0; b < B; ++b) codes[b * f.books + j] = choose_row(&logits[b * V], V, rp, b, j + 1, facts, w);
+    flap(F_SAMPLE, ft);
     if (j + 1 == f.books) break;
     const void* e = (const void*)(intptr_t)f.embeds[j];
     M = B;
@@ -247,6 +327,11 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
       row[b] = b;
       pos[b] = j + 2;
     }
+    flap(F_EMBED, ft);
+  }
+  if (fstep::g_prof) {
+    g_facc[F_CALL] += fstep::now_ns() - call0;
+    g_facc[F_CALLS] += 1;
   }
   return 0;
 }
@@ -256,6 +341,35 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
 extern "C" {
 
 int ttsp_version() { return 1; }
+
+// The frame's profile sums (pframe::FStage, ns; the last a count) -> out, zeroed; returns NFSTAGES. On and off with
+// this library's ttsf_profile_set (the stack's stages: its ttsf_profile_read).
+int ttsp_profile_read(int64_t* out) {
+  for (int i = 0; i < pframe::NFSTAGES; ++i) {
+    out[i] = pframe::g_facc[i];
+    pframe::g_facc[i] = 0;
+  }
+  return pframe::NFSTAGES;
+}
+
+// How each pass runs its stack: fstep::TeamMode (0 split: run_stack; 1 barrier / 2 claim: run_team, one parallel
+// region per pass). predictor_frame.py sets it from TTS_FUSED_TEAM as fused_step.py sets ttsf_set_team; the same
+// numbers either way. Returns the setting before.
+int ttsp_set_team(int mode) {
+  const int was = pframe::g_team;
+  pframe::g_team = mode;
+  return was;
+}
+
+// choose_row_select on (1) or off (0: every draw sorts, as before it existed; tests compare); returns the setting before
+int ttsp_set_select(int on) {
+  const int was = pframe::g_select;
+  pframe::g_select = on;
+  return was;
+}
+
+// The draws that choose_row_select left to the sorted path since the last read (tests)
+int64_t ttsp_fallbacks() { return pframe::g_fallbacks.exchange(0); }
 
 // The sampler alone (tests): logits [B, V] fp32 -> codes [B] of codebook `book`, as sampling.choose.
 void ttsp_choose(const float* logits, int64_t B, int64_t V, int64_t book, const uint8_t* do_sample,

@@ -72,8 +72,59 @@ def library() -> ctypes.CDLL:
             lib.ttsp_frame.restype = I
             lib.ttsp_choose.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, I, I64, I, P]
             lib.ttsp_choose.restype = None
+            lib.ttsp_set_team.argtypes, lib.ttsp_set_team.restype = [I], I
+            lib.ttsp_set_team(int(fused_step.team_setting()))
+            lib.ttsp_set_select.argtypes, lib.ttsp_set_select.restype = [I], I
+            lib.ttsp_fallbacks.argtypes, lib.ttsp_fallbacks.restype = [], I64
+            lib.ttsp_profile_read.argtypes, lib.ttsp_profile_read.restype = [P], I
+            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
+            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
             _lib["lib"] = lib
         return _lib["lib"]
+
+
+# predictor_frame.cpp FStage: the frame's stages (the last a count)
+FRAME_STAGES = ("setup", "proj", "stack", "norm", "head", "round", "sample", "embed", "call", "calls")
+
+
+class profile:
+    """`with predictor_frame.profile() as prof: ...` times the stages of the frames run inside (predictor_frame.cpp's
+    profile) -> prof.frame {FRAME_STAGES: ns summed}, prof.stack {fused_step.STAGES: ns summed over the stack calls
+    inside the frames}."""
+
+    def __enter__(self):
+        self.lib = library()
+        self._buf = (ctypes.c_int64 * 64)()
+        self.lib.ttsp_profile_read(self._buf)   # zero the sums
+        self.lib.ttsf_profile_read(self._buf)
+        self._was = self.lib.ttsf_profile_set(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.ttsf_profile_set(self._was)
+        n = self.lib.ttsp_profile_read(self._buf)
+        self.frame = dict(zip(FRAME_STAGES, list(self._buf)[:n]))
+        n = self.lib.ttsf_profile_read(self._buf)
+        self.stack = dict(zip(fused_step.STAGES, list(self._buf)[:n]))
+        return False
+
+
+def set_team(mode) -> int:
+    """How the frame runs each pass's stack (benchmarks' A/B, tests): a name of fused_step.TEAM_MODES or its number
+    -> the mode before. The default follows TTS_FUSED_TEAM (fused_step.team_setting)."""
+    if isinstance(mode, str):
+        mode = fused_step.TEAM_MODES[mode]
+    return int(library().ttsp_set_team(int(mode)))
+
+
+def set_select(on: bool) -> bool:
+    """The sampler's selection without sorting (predictor_frame.cpp choose_row_select) on or off (tests) -> before."""
+    return bool(library().ttsp_set_select(int(bool(on))))
+
+
+def fallbacks() -> int:
+    """Sampled draws that the selection left to the sorted path since the last call (tests)."""
+    return int(library().ttsp_fallbacks())
 
 
 def tag() -> str:
@@ -83,13 +134,16 @@ def tag() -> str:
 
 
 def _sampler_args(rp, frame_idx: torch.Tensor, keep: list) -> list[int]:
-    """Pointers of the sub-talker sampling rows (sampling.RowParams) and the frame indices, as ttsp_* read them."""
-    def c(t, dtype):
-        t = t.to(dtype).contiguous()
-        keep.append(t)
+    """Pointers of the sub-talker sampling rows (sampling.RowParams) and the frame indices, as ttsp_* read them (a
+    converted copy only where a tensor is not already contiguous in the dtype read; a bool is read as uint8)."""
+    def c(t, dtypes):
+        if t.dtype not in dtypes or not t.is_contiguous():
+            t = t.to(dtypes[0]).contiguous()
+            keep.append(t)
         return t.data_ptr()
-    return [c(rp.sub_do_sample, torch.uint8), c(rp.sub_top_k, torch.int64), c(rp.sub_top_p, torch.float32),
-            c(rp.sub_temperature, torch.float32), c(rp.seed, torch.int64), c(frame_idx, torch.int64)]
+    u8, i64, f32 = (torch.uint8, torch.bool), (torch.int64,), (torch.float32,)
+    return [c(rp.sub_do_sample, u8), c(rp.sub_top_k, i64), c(rp.sub_top_p, f32), c(rp.sub_temperature, f32),
+            c(rp.seed, i64), c(frame_idx, i64)]
 
 
 def _facts(host: dict) -> list[int]:
@@ -183,11 +237,13 @@ class FramePlan:
                 or k.shape[0] != sp.layers.shape[0] or B > k.shape[1] or B < 1 or h.shape[1] != self.Dt:
             raise ValueError("the cache or the input is not in a layout the predictor frame reads")
         h = h.contiguous()
-        c0 = c0.to(torch.int64).contiguous()
-        if int(c0.min()) < 0 or int(c0.max()) >= self.emb0.shape[0]:
+        if c0.dtype != torch.int64 or not c0.is_contiguous():
+            c0 = c0.to(torch.int64).contiguous()
+        lo, hi = torch.aminmax(c0)
+        if int(lo) < 0 or int(hi) >= self.emb0.shape[0]:
             raise ValueError("codebook-0 id out of range")
         keep: list = []
-        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        strides = sp.cache_strides(k)
         codes = torch.empty(B, self.books, dtype=torch.int64)
         logits = torch.empty(self.books, B, self.V) if with_logits else None
         bf16 = int(k.dtype == torch.bfloat16)
