@@ -80,8 +80,8 @@ def one(variant, B: int, frames: int) -> dict:
     """Medians over `frames` frames of one variant: call (profile), plan.run, runner, runner CPU; and the profile
     sums per frame."""
     pkg, t, r, sp, pf, team = variant
-    if team is not None:
-        pf.set_team(team)
+    if team is not None:   # "claim-pass": a team mode, one region per pass
+        pf.set_team(team.split("-")[0], not team.endswith("-pass"))
     h, c0, fi, rp = inputs(r, sp, B)
     h = (torch.randn(h.shape, generator=torch.Generator().manual_seed(B)) * 0.5).to(h.dtype)
     frame = t.code_predictor.frame
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=5, help="frames per variant per round")
     ap.add_argument("--base", help="another checkout (A) timed interleaved with this one (B)")
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--teams", default="", help="comma list of split / barrier / claim: this checkout's frame once "
-                    "per team mode (predictor_frame.set_team), interleaved; default: as TTS_FUSED_TEAM says")
+    ap.add_argument("--teams", default="", help="comma list of split / barrier / claim (the whole frame in one "
+                    "parallel region) / barrier-pass / claim-pass (one per pass): this checkout's frame once per team "
+                    "mode (predictor_frame.set_team), interleaved; default: as TTS_FUSED_TEAM says")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     _env()
