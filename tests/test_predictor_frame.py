@@ -74,68 +74,6 @@ def test_sampler_greedy_rows_and_top_k_1_take_the_first_maximum(frame_lib):
     assert got.tolist() == choose_residual(logits, frame, 4, rp).tolist() == [5, 5, 5]
 
 
-def _draws(logits, frame, rp, book):
-    """(C++ ids with the selection, C++ ids sorted always, sampling.choose_residual's ids, selection fallbacks)"""
-    predictor_frame.fallbacks()
-    fast = predictor_frame.choose(logits, frame, book, rp)
-    fell = predictor_frame.fallbacks()
-    was = predictor_frame.set_select(False)
-    try:
-        sorted_ = predictor_frame.choose(logits, frame, book, rp)
-    finally:
-        predictor_frame.set_select(was)
-    return fast, sorted_, choose_residual(logits, frame, book, rp), fell
-
-
-def test_sampler_selection_without_sorting_gives_torchs_ids(frame_lib):
-    """choose_row_select (the n best as a set, no sort) against the sorted path and sampling.choose_residual, on
-    fp32 logits (few ties) and bf16-valued ones (many ties, some straddling the top-k cut: those go to the sorted
-    path), top_p 1 rows of every top-k kind: the same ids; the selection serves most draws."""
-    g = torch.Generator().manual_seed(3)
-    n = fell = 0
-    for trial in range(40):
-        B = 8
-        logits = torch.randn(B, 2048, generator=g) * (1 + trial % 3)
-        if trial % 2:
-            logits = logits.to(torch.bfloat16).float()
-        rp = RowParams.stack(row_params(B, trial, top_p=False), "cpu")
-        frame = torch.randint(0, 500, (B,), generator=g)
-        for book in (1, 9, 15):
-            fast, sorted_, want, f = _draws(logits, frame, rp, book)
-            assert torch.equal(fast, want) and torch.equal(sorted_, want), (trial, book, fast, sorted_, want)
-            n += int(rp.sub_do_sample.sum())
-            fell += f
-    assert 0 < fell < n / 2, (fell, n)   # bf16 ties at the cut do happen; most draws still take the selection
-
-
-def test_sampler_selection_hands_ties_at_the_cut_and_odd_values_to_the_sorted_path(frame_lib):
-    """A tie straddling the row's top-k cut, -inf and NaN logits, a tie of the best score: the sorted path (counted)
-    and torch's ids."""
-    base = torch.linspace(-3, 3, 2048)[torch.randperm(2048, generator=torch.Generator().manual_seed(0))]
-    cases = []
-    tie = base.clone()
-    kth = tie.topk(50).values[-1]
-    tie[(tie < kth).nonzero()[:3, 0]] = kth          # 4 values equal to the 50th largest: the cut splits them
-    cases.append((tie, 50, 1))
-    minus_inf = base.clone()
-    minus_inf[::7] = float("-inf")
-    cases.append((minus_inf, 0, 1))                  # the whole vocabulary, -inf among it
-    nan = base.clone()
-    nan[11] = float("nan")
-    cases.append((nan, 50, 1))
-    for logits, k, want_fell in cases:
-        rp = RowParams.stack([SamplingParams(subtalker_top_k=k, seed=5)], "cpu")
-        frame = torch.tensor([3])
-        fast, sorted_, want, fell = _draws(logits[None], frame, rp, 2)
-        assert fell == want_fell, (k, fell)
-        assert torch.equal(fast, sorted_), (fast, sorted_)
-        if not torch.isnan(logits).any():   # (torch's own order of NaN: the sorted path's port, tested apart)
-            assert torch.equal(fast, want), (fast, want)
-    clean = base.clone()
-    rp = RowParams.stack([SamplingParams(subtalker_top_k=50, seed=5)], "cpu")
-    assert _draws(clean[None], torch.tensor([3]), rp, 2)[3] == 0   # no tie: the selection serves
-
-
 # --- frames against the Python loop ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):

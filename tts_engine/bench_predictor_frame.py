@@ -76,6 +76,17 @@ def inputs(r, sp, B: int):
     return r.hidden[rr].clone(), r.c0[rr].clone(), (r.step[rr] - 1).clone(), rp
 
 
+class _NoProfile:
+    frame: dict = {}
+    stack: dict = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def one(variant, B: int, frames: int) -> dict:
     """Medians over `frames` frames of one variant: call (profile), plan.run, runner, runner CPU; and the profile
     sums per frame."""
@@ -89,11 +100,11 @@ def one(variant, B: int, frames: int) -> dict:
     stages, stack = {}, {}
     with torch.inference_mode():
         for _ in range(frames):
-            with pf.profile() as prof:
+            with (pf.profile() if hasattr(pf, "profile") else _NoProfile()) as prof:   # (older checkouts: none)
                 a = time.perf_counter()
                 frame.plan.run(h, c0, fi, rp, r.cp_cache)
                 wall_run.append(time.perf_counter() - a)
-            call.append(prof.frame["call"] / 1e9)
+            call.append(prof.frame["call"] / 1e9 if prof.frame else wall_run[-1])
             for k, v in prof.frame.items():
                 stages[k] = stages.get(k, 0) + v / frames
             for k, v in prof.stack.items():

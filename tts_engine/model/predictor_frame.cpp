@@ -62,15 +62,12 @@ struct Facts {               // sampling.host_facts(...)["sub"]
 
 int g_team = 0;                // ttsp_set_team: the stack of each pass as fused_step.cpp TeamMode (0: run_stack)
 int g_frame_team = 1;          // ttsp_set_team's second half: a team mode runs the whole frame in one region
-int g_select = 1;              // ttsp_set_select: choose_row may take choose_row_select (0: the sorted path always)
-std::atomic<int64_t> g_fallbacks{0};   // draws that choose_row_select left to the sorted path (ttsp_fallbacks)
 
 struct Work {
   std::vector<std::pair<float, int64_t>> queue;   // torch.topk's (value, index) pairs
   std::vector<float> vals;
   std::vector<std::pair<float, int64_t>> asc;     // top-p's ascending sort
   std::vector<float> prob;
-  bool select = g_select != 0;  // choose_row may take choose_row_select
 };
 
 inline bool nan_f(float x) { return x != x; }
@@ -102,67 +99,23 @@ void top_p_row(float* vals, int64_t k, float top_p, Work& w) {
   }
 }
 
-// The Gumbel-max draw without sorting (choose_row's fast path), or -1 where it cannot tell torch's answer for sure.
-// Only the row's n = min(top_k, k) best candidates can win (the others are -inf after the row's own top-k), so
-// the draw needs the SET of the n best, not their order: the n-th largest value T (nth_element over the values
-// alone) and every id with logit >= T, scored in id order. That set is torch.topk's exactly when no value equal to
-// T is left out (count(logit >= T) == n); the order only decides between equal scores (argmax takes the first in
-// torch's order): an exact tie of the best score, a NaN or an infinite logit anywhere, or top-p (which sorts the
-// candidates) -> -1, and choose_row takes the sorted path.
-int64_t choose_row_select(const float* logits, int64_t V, const RowParams& rp, int64_t b, int64_t book,
-                          const Facts& f, Work& w) {
-  if (f.any_top_p && rp.top_p[b] < 1.0f) return -1;
-  const int64_t k = f.k_max > 0 ? std::min(f.k_max, V) : V;
-  const int64_t tk = rp.top_k[b];
-  const int64_t n = (tk > 0 && tk < k) ? tk : k;
-  auto& v = w.vals;
-  v.resize(V);
-  for (int64_t i = 0; i < V; ++i) {
-    if (!std::isfinite(logits[i])) return -1;
-    v[i] = logits[i];
-  }
-  std::nth_element(v.begin(), v.begin() + (n - 1), v.end(), std::greater<float>());
-  const float T = v[n - 1];
-  const float temp = rp.temperature[b];
-  const uint64_t key = row_key(rp.seed[b], rp.frame[b], book);
-  int64_t count = 0, pick = -1;
-  double top = 0.0;
-  bool tie = false;
-  for (int64_t i = 0; i < V; ++i) {
-    if (!(logits[i] >= T)) continue;
-    ++count;
-    const double g = (double)(logits[i] / temp) - std::log(-std::log(uniform(key, i)));
-    if (pick < 0 || g > top) {
-      top = g;
-      pick = i;
-      tie = false;
-    } else if (g == top) {
-      tie = true;
-    }
-  }
-  if (count != n || tie || !std::isfinite(top)) return -1;
-  return pick;
-}
-
 // logits [V] (fp32) -> the chosen id of codebook `book` for row b: the argmax for greedy rows (first maximum, as
 // torch.argmax), else the Gumbel-max draw of sampling.choose: torch.topk(logits, k_max) (the same partial sort as
 // torch's CPU topk_impl_loop, so equal values come out in the same order), the row's own top-k by rank, temperature,
-// top-p, then argmax over candidates of (double) value - log(-log(u(seed, frame, book, id))). The draw takes
-// choose_row_select where that gives torch's answer for sure, else the sorted path below.
+// top-p, then argmax over candidates of (double) value - log(-log(u(seed, frame, book, id))).
+// (A selection of the n best as a set, without the sort, was tried: it cannot tell which of several logits equal
+// to the n-th largest torch keeps, and bf16-rounded logits tie at the cut in most draws; at k 50 it saved nothing.)
 int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t b, int64_t book, const Facts& f,
                    Work& w) {
-  int64_t greedy = 0;
-  float best = logits[0];
-  for (int64_t i = 1; i < V; ++i)
-    if (logits[i] > best || (nan_f(logits[i]) && !nan_f(best))) {
-      best = logits[i];
-      greedy = i;
-    }
-  if (!f.any_sample || !rp.do_sample[b]) return greedy;
-  if (w.select) {
-    const int64_t got = choose_row_select(logits, V, rp, b, book, f, w);
-    if (got >= 0) return got;
-    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  if (!f.any_sample || !rp.do_sample[b]) {   // (a sampled row needs no argmax)
+    int64_t greedy = 0;
+    float best = logits[0];
+    for (int64_t i = 1; i < V; ++i)
+      if (logits[i] > best || (nan_f(logits[i]) && !nan_f(best))) {
+        best = logits[i];
+        greedy = i;
+      }
+    return greedy;
   }
   const int64_t k = f.k_max > 0 ? std::min(f.k_max, V) : V;
   auto& q = w.queue;
@@ -484,16 +437,6 @@ int ttsp_set_team(int mode, int frame_region) {
   pframe::g_frame_team = frame_region;
   return was;
 }
-
-// choose_row_select on (1) or off (0: every draw sorts, as before it existed; tests compare); returns the setting before
-int ttsp_set_select(int on) {
-  const int was = pframe::g_select;
-  pframe::g_select = on;
-  return was;
-}
-
-// The draws that choose_row_select left to the sorted path since the last read (tests)
-int64_t ttsp_fallbacks() { return pframe::g_fallbacks.exchange(0); }
 
 // The sampler alone (tests): logits [B, V] fp32 -> codes [B] of codebook `book`, as sampling.choose.
 void ttsp_choose(const float* logits, int64_t B, int64_t V, int64_t book, const uint8_t* do_sample,

@@ -30,8 +30,7 @@ Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
 Threads (predictor_frame.cpp): "split" runs each matmul (and the heads) as one at::parallel_for; a team mode
 (fused_step.TEAM_MODES) runs the whole frame in one OpenMP region (run_frame_team; with small_to_mtp_projection, one
 region per pass): the threads claim chunks of every matmul, head and attention, and each computes the small ops,
-the sampling and the next embedding itself; the same numbers bit for bit. Sampling draws take the n best logits as
-a set (nth_element, no sort) where that gives torch's ids for sure, else the sorted port of torch.topk.
+the sampling and the next embedding itself; the same numbers bit for bit.
   0 / off         never.
 Any failure (no library, a refused input, an exception) logs one line and leaves the Python loop serving for good.
 """
@@ -84,8 +83,6 @@ def library() -> ctypes.CDLL:
             lib.ttsp_choose.restype = None
             lib.ttsp_set_team.argtypes, lib.ttsp_set_team.restype = [I, I], I
             lib.ttsp_set_team(int(fused_step.team_setting()), 1)
-            lib.ttsp_set_select.argtypes, lib.ttsp_set_select.restype = [I], I
-            lib.ttsp_fallbacks.argtypes, lib.ttsp_fallbacks.restype = [], I64
             lib.ttsp_profile_read.argtypes, lib.ttsp_profile_read.restype = [P], I
             lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
             lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
@@ -127,16 +124,6 @@ def set_team(mode, frame_region: bool = True) -> int:
     if isinstance(mode, str):
         mode = fused_step.TEAM_MODES[mode]
     return int(library().ttsp_set_team(int(mode), int(bool(frame_region))))
-
-
-def set_select(on: bool) -> bool:
-    """The sampler's selection without sorting (predictor_frame.cpp choose_row_select) on or off (tests) -> before."""
-    return bool(library().ttsp_set_select(int(bool(on))))
-
-
-def fallbacks() -> int:
-    """Sampled draws that the selection left to the sorted path since the last call (tests)."""
-    return int(library().ttsp_fallbacks())
 
 
 def tag() -> str:
