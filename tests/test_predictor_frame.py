@@ -167,6 +167,33 @@ def test_frame_in_one_parallel_region_equals_the_python_loop(frame_lib, own_kern
         predictor_frame.set_team(was)
 
 
+@pytest.mark.parametrize("team", ["split", "claim"])
+@torch.inference_mode()
+def test_the_frame_profile_splits_a_call_into_its_stages(frame_lib, own_kernels, ckpts, monkeypatch, team):
+    """predictor_frame.profile: one call counted, its stages (stack, heads, sampling, ...) inside the call's time,
+    the stack's own stages (fused_step's profile) filled; nothing counted once the block is left."""
+    r = runner_for(ckpts["0b6"], "w8a8", "bf16", monkeypatch=monkeypatch)
+    plan = r.talker.code_predictor.frame.plan
+    h, c0, frame, rp = frame_inputs(r, 2, 3, top_p=False)
+    threads = torch.get_num_threads()
+    was = predictor_frame.set_team(team)
+    torch.set_num_threads(2)
+    try:
+        with predictor_frame.profile() as prof:
+            plan.run(h, c0, frame, rp, r.cp_cache)
+        plan.run(h, c0, frame, rp, r.cp_cache)   # outside: not counted
+        with predictor_frame.profile() as empty:
+            pass
+    finally:
+        torch.set_num_threads(threads)
+        predictor_frame.set_team(was)
+    f = prof.frame
+    assert f["calls"] == 1 and all(f[k] > 0 for k in ("stack", "head", "sample", "norm", "call")), f
+    assert sum(v for k, v in f.items() if k not in ("call", "calls")) <= f["call"], f
+    assert prof.stack["qkv"] > 0 and prof.stack["down"] > 0 and prof.stack["qkv"] < f["stack"], prof.stack
+    assert empty.frame["calls"] == 0 and empty.frame["call"] == 0 and empty.stack["qkv"] == 0
+
+
 @pytest.mark.parametrize("mode,dtype", [("w8a8", "bf16"), ("w8a8", "fp32")])
 @torch.inference_mode()
 def test_frame_with_top_p_rows_mostly_equals_the_python_loop(frame_lib, own_kernels, ckpts, monkeypatch, mode, dtype):
