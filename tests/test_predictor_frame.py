@@ -162,6 +162,10 @@ def test_frame_in_one_parallel_region_equals_the_python_loop(frame_lib, own_kern
             want = r._predict_residuals_loop(h, c0, frame, rp)
             got = r.talker.code_predictor.frame.plan.run(h, c0, frame, rp, r.cp_cache)
             assert torch.equal(got, want), f"B={B}: {(got != want).sum()} codes differ"
+        codes, logits = plan.run(h, c0, frame, rp, r.cp_cache, with_logits=True)   # the logits too, bit for bit
+        split_codes, split_logits = plan.run(h, c0, frame, rp, r.cp_cache, with_logits=True,
+                                             team=fused_step.TEAM_MODES["split"])
+        assert torch.equal(codes, split_codes) and torch.equal(logits, split_logits)
     finally:
         torch.set_num_threads(threads)
         predictor_frame.set_team(was)
