@@ -16,7 +16,10 @@ sets the threads (default 2).
 `python -m tts_engine.bench_matmuls levels [ROUNDS] [ROWS] [LAYERS]`: our kernels (plain read, W8A8, W4A8, the fused step's
 bf16 matmul) at every CPU level this CPU runs (TTS_CPU_ISA's levels: avx2, avx512, avx512vnni, avx512bf16), levels
 interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB of weights, served from the L3:
-each path's compute ceiling, which a busy machine's memory contention does not hide)."""
+each path's compute ceiling, which a busy machine's memory contention does not hide).
+
+`python -m tts_engine.bench_matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
+1 and 4 rows, one thread (`ceilings`)."""
 from __future__ import annotations
 
 import os
@@ -196,8 +199,79 @@ def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
     return lines
 
 
+def ceilings(rounds: int = 5, calls: int = 200) -> list[str]:
+    """Each kernel's compute ceiling at every CPU level this CPU runs: weights resident in L2 (int8 768 x 1024,
+    int4 1024 x 1024, bf16 384 x 1024; a core's private cache, so neither memory nor another process's L3 traffic
+    hides the compute), 1 and 4 rows, best of `rounds` x `calls` calls; GB/s raw and net of a tiny call's fixed
+    cost (wrapper, ctypes, parallel_for; the fused step calls the kernels from C++ without it). Run it with
+    TTS_THREADS=1 (one core's ceiling). -> the table's lines (also printed)."""
+    from .model import cpu_ext, fused_step
+    from .model.quant import int4_quantize
+
+    if not cpu_ext.available():
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+        return []
+    g = torch.Generator().manual_seed(0)
+    K = 1024
+    lib = fused_step.library()
+
+    def weights(n8, n4, n16):
+        q4, sz = int4_quantize(torch.randn(n4, K, generator=g), 64)
+        return {"w8a8": (n8, cpu_ext.pack(torch.randint(-127, 128, (n8, K), dtype=torch.int8, generator=g)),
+                         torch.rand(n8, generator=g) * 1e-4),
+                "w4a8": (n4, cpu_ext.pack4(q4, sz)), "bf16": (n16, torch.randn(n16, K, generator=g).bfloat16())}
+    big, tiny = weights(768, 1024, 384), weights(16, 16, 8)
+
+    def call(name, w, x, xf):
+        if name == "w8a8":
+            return lambda: cpu_ext.w8a8(x, w[1], w[2], w[0])
+        if name == "w4a8":
+            return lambda: cpu_ext.w4a8(x, w[1], w[0])
+        return lambda: fused_step.bf16_matmul(w[1], xf, lib.ttsf_bf16_isa())
+    nbytes = {n: w[1].numel() * w[1].element_size() for n, w in big.items()}
+    lvls = list(range(1, cpu_ext.cpu_level() + 1))
+    best: dict = {}
+    was = cpu_ext.level()
+    try:
+        with torch.inference_mode():
+            for rows in (1, 4):
+                x = torch.randn(rows, K, generator=g).bfloat16()
+                xf = x.float()
+                for _ in range(rounds):
+                    for lv in lvls:
+                        cpu_ext.set_level(lv)
+                        for n in big:
+                            for which, ws in (("big", big), ("tiny", tiny)):
+                                f = call(n, ws[n], x, xf)
+                                for _ in range(calls):
+                                    t0 = time.perf_counter()
+                                    f()
+                                    t = time.perf_counter() - t0
+                                    k = (rows, lv, n, which)
+                                    best[k] = min(best.get(k, 1e9), t)
+    finally:
+        cpu_ext.set_level(was)
+    lines = [f"{bench.device_name(torch.device('cpu'))}; load average {os.getloadavg()[0]:.1f}; weights in L2; GB/s "
+             f"raw (net of a tiny call's cost), best of {rounds} x {calls} calls",
+             "| level | W8A8 1 row | W4A8 1 row | bf16 1 row | W8A8 4 rows | W4A8 4 rows | bf16 4 rows |",
+             "|---|---|---|---|---|---|---|"]
+    for lv in lvls:
+        cells = []
+        for rows in (1, 4):
+            for n in big:
+                b, t = best[(rows, lv, n, "big")], best[(rows, lv, n, "tiny")]
+                cells.append(f"{nbytes[n] / b / 1e9:.1f} ({nbytes[n] / max(b - t, 1e-9) / 1e9:.1f})")
+        lines.append(f"| {cpu_ext.LEVEL_NAMES[lv]} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    return lines
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "ceilings":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "1")))
+        ceilings(int(argv[1]) if len(argv) > 1 else 5)
+        return 0
     if argv and argv[0] == "levels":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
         levels(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1,
