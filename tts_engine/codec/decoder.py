@@ -130,12 +130,13 @@ class _Packable:
     up = 1
 
     def _packer(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, ctx: int):
-        key = (weight.data_ptr(), _version(weight), weight.dtype, None if bias is None else _version(bias), self.int8)
-        pk = getattr(self, "_pk", None)
+        key = (weight.data_ptr(), _version(weight), weight.dtype, None if bias is None else _version(bias))
+        slot = "_pk8" if self.int8 else "_pk"   # (both kept: switching modes while timing them must not repack)
+        pk = getattr(self, slot, None)
         if pk is None or pk[0] != key:
             conv = Int8Conv if self.int8 else PackedConv
             pk = (key, conv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
-            self._pk = pk
+            setattr(self, slot, pk)
         return pk[1]
 
 
@@ -675,8 +676,21 @@ class CodecDecoder(nn.Module):
     def release_packed(self) -> None:
         """Drop the convs' reordered weights (they are made again on the next packed decode)."""
         for m in self.modules():
-            if getattr(m, "_pk", None) is not None:
-                m._pk = None
+            for slot in ("_pk", "_pk8"):
+                if getattr(m, slot, None) is not None:
+                    setattr(m, slot, None)
+
+    def release_unused(self) -> None:
+        """Drop the reordered weights the current conv mode does not use (all of them on the aten path; the int8
+        copies in "packed" mode; the bf16/fp32 copies of the int8 convs in "int8" mode)."""
+        if self.conv_mode == "aten":
+            self.release_packed()
+            return
+        for m in self.modules():
+            if isinstance(m, _Packable):
+                slot = "_pk" if m.int8 else "_pk8"
+                if getattr(m, slot, None) is not None:
+                    setattr(m, slot, None)
 
     def refresh_codebooks(self) -> None:
         """Recompute the cached codebook vectors (automatic after load / .to() / in-place edits)."""
