@@ -59,18 +59,21 @@ def test_int8_conv_is_within_tolerance_of_fp32(c_in, c_out, k, dil, dtype):
     assert _snr(ref + add, y.float()) > 30                                   # 8 bits of each side: ~35-40 dB
     assert _snr(ref + add, y.float()) < 80                                   # (and it really is int8, not exact)
     assert conv(torch.zeros(1, c_in, 20_000, dtype=dtype)) is None          # longer than max_len: the caller's path
+    small = x[..., :(k - 1) * dil + 8].to(dtype)                             # a small call: the packed conv's result
+    assert torch.equal(conv(small), conv.fallback(small))
 
 
 @needs_int8
 def test_int8_decoder_streams_close_to_fp32_and_the_check_sees_a_wrong_one(monkeypatch):
+    monkeypatch.setattr(int8_conv, "MIN_POSITIONS", 0)        # (the tiny decoder's calls are small)
     dec = _dec()
-    got = quality.measure(dec, [("int8", torch.float32, "int8"), ("packed", torch.float32, "packed")], frames=24)
+    got = quality.measure(dec, [("int8", torch.float32, "int8"), ("packed", torch.float32, "packed")], frames=16)
     assert quality.acceptable(got["int8"]), got
     assert got["packed"]["snr_db"] > got["int8"]["snr_db"] + 10              # int8 is the lossy one
     # a broken int8 path (weight scales 2x too large) is measured as not acceptable
     real = int8_conv.quantize_weight
     monkeypatch.setattr(int8_conv, "quantize_weight", lambda w: (lambda q, s: (q, 2 * s))(*real(w)))
-    bad = quality.measure(_dec(), [("int8", torch.float32, "int8")], frames=24)["int8"]
+    bad = quality.measure(_dec(), [("int8", torch.float32, "int8")], frames=16)["int8"]
     assert not quality.acceptable(bad) and bad["snr_db"] < quality.MIN_SNR_DB
 
 
@@ -85,6 +88,7 @@ def test_a_failing_int8_call_falls_back_to_the_dtypes_convolutions(monkeypatch, 
         raise RuntimeError("no int8 here")
 
     monkeypatch.setattr(int8_conv, "quantize_input", boom)
+    monkeypatch.setattr(int8_conv, "MIN_POSITIONS", 0)        # (every call of this tiny decoder tries int8)
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         a, b = dec(codes), ref(codes)

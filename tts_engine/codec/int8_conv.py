@@ -5,11 +5,12 @@ of bf16's peak, so no bf16 layout can make them much cheaper; int8 dot products 
 bf16's rate. An `Int8Conv` holds the weight quantised once (int8, symmetric, one scale per output channel) and
 prepacked by oneDNN; each call quantises its input to uint8 (one scale and zero point for the whole tensor, from
 its min/max: `cpu_ext.quant_u8`, or aten's ops where our kernels do not build) and runs `onednn.qconv_pointwise`,
-which gives the output in the input's dtype (int32 accumulation, scaled, + the bias in fp32).
+which gives the output in the input's dtype (int32 accumulation, scaled, + the bias in fp32). Small calls (fewer than
+MIN_POSITIONS output positions) take the packed conv of the model's dtype instead.
 
 Lossy: its error against the fp32 decoder is measured (`codec.quality`) before it may be chosen automatically
 (`dtype_choice`). Any failure of the oneDNN calls (a torch without these ops) turns the conv's int8 path off for good
-and returns None (the caller then uses its bf16/fp32 path).
+and takes the packed conv of the model's dtype from then on.
 """
 from __future__ import annotations
 
@@ -51,11 +52,23 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+# Output positions (rows x samples) of one call below which the int8 convolution is not used (the call takes the
+# packed bf16/fp32 conv instead): on a 2-core Zen 4 (1 thread, torch 2.13) oneDNN's u8 x s8 conv took 2x the packed
+# bf16 conv's time at 32 positions (a one-stream first chunk in the first decoder block) and 0.75x at 160, 0.5x at
+# 1700 and more (the weight-read-bound small calls gain nothing from int8 here; the compute-bound large ones do).
+MIN_POSITIONS = 128
+
+
 class Int8Conv:
     """One conv1d (weight [C_out, C_in/groups, k], stride 1, no padding) in int8. `__call__(x [B, C_in, L])` ->
-    [B, C_out, L - (k-1)*dilation] in x's dtype (channels-last strides), or None. `bias` may be replaced (fp32 kept)."""
+    [B, C_out, L - (k-1)*dilation] in x's dtype (channels-last strides), or None. `bias` may be replaced (fp32 kept).
+    Calls of fewer than MIN_POSITIONS output positions, and every call after an int8 failure, go to `fallback` (a
+    `packed_conv.PackedConv` of the same weight in its own dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, max_len: int):
+        from .packed_conv import PackedConv
+
+        self.fallback = PackedConv(weight, bias, dilation, groups, max_len)
         qw, self.w_scales = quantize_weight(weight)
         self.qw4 = qw.unsqueeze(2)                          # [C_out, C_in/g, 1, k]
         self.c_out = int(weight.shape[0])
@@ -76,6 +89,8 @@ class Int8Conv:
             return                                   # (the transposed convs set the same tensor on every call)
         self._bias_src = b
         self._bias = None if b is None else b.detach().float().contiguous()
+        if getattr(self, "fallback", None) is not None:
+            self.fallback.bias = None if b is None else b.detach()
 
     def _weight(self) -> torch.Tensor:
         if self._packed is None:
@@ -87,8 +102,11 @@ class Int8Conv:
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor | None:
         """conv(x) (+ `add`, [B, C_out, L_out] in x's dtype)."""
-        if self.broken or x.shape[-1] > self.max_len or x.dtype not in (torch.float32, torch.bfloat16):
+        if x.shape[-1] > self.max_len or x.dtype not in (torch.float32, torch.bfloat16):
             return None
+        k = self.qw4.shape[-1]
+        if self.broken or x.shape[0] * (x.shape[-1] - (k - 1) * self.dilation) < MIN_POSITIONS:
+            return self.fallback(x, add)
         try:
             x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)   # [B, C, 1, L], time-major
             q, scale, zp = quantize_input(x4)
@@ -98,7 +116,7 @@ class Int8Conv:
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
             log.warning("codec: int8 oneDNN convolution unavailable (%s); using the %s path", e, x.dtype)
             self.broken = True
-            return None
+            return self.fallback(x, add)
         y = y.squeeze(2)
         return y if add is None else y + add
 
