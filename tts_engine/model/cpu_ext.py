@@ -331,9 +331,11 @@ def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
         return None
     if "quant_u8" not in _state:
         P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P], None
-        _state["quant_u8"] = True
+        lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
+        lib.ttsx_snake_isa.restype = I
+        _state["quant_u8"] = lib.ttsx_snake_isa()   # 2: AVX-512 F/BW/VL loops, else the scalar ones
     q = torch.empty_like(x, dtype=torch.uint8)   # same (dense) strides as x
     out = torch.empty(2, dtype=torch.float32)
-    lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr())
+    lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
+                      _state["quant_u8"])
     return q, float(out[0]), int(out[1])
