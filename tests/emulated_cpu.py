@@ -522,7 +522,8 @@ def run_pytest(cpu: str, files, cache: Path, timeout: float) -> tuple[int, str]:
 
 
 PYTEST_FILES = ("tests/test_cpu_ext_kernels.py", "tests/test_codec_snake.py", "tests/test_codec_packed.py",
-                "tests/test_fused_step.py", "tests/test_codec_dtype.py", "tests/test_cpu_isa_levels.py")
+                "tests/test_fused_step.py", "tests/test_codec_dtype.py", "tests/test_cpu_isa_levels.py",
+                "tests/test_codec_int8.py")
 
 
 def check(cpus, work: Path, modes=MODES, rows: int = ROWS, frames: int = FRAMES, timeout: float = 1800,

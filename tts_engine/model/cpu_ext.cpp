@@ -840,6 +840,104 @@ void ttsx_snake(const void* x, void* y, int is_bf16, int64_t B, int64_t C, int64
   });
 }
 
+namespace {
+// AVX-512 halves of ttsx_quant_u8 on [i0, i1): min/max, then quantise (same arithmetic as the scalar loops)
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void minmax512(const void* x, int is_bf16, int64_t i0, int64_t i1, float* lo, float* hi) {
+  __m512 mn = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
+    const __m512 v = load16(x, is_bf16, i, m);   // masked lanes read 0 (inside [min(x, 0), max(x, 0)])
+    mn = _mm512_min_ps(mn, v);
+    mx = _mm512_max_ps(mx, v);
+  }
+  *lo = _mm512_reduce_min_ps(mn);
+  *hi = _mm512_reduce_max_ps(mx);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quant512(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, float zp, uint8_t* q) {
+  const __m512 iv = _mm512_set1_ps(inv), off = _mm512_set1_ps(zp + 0.5f);
+  const __m512 z = _mm512_setzero_ps(), top = _mm512_set1_ps(255.f);
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
+    __m512 v = _mm512_fmadd_ps(load16(x, is_bf16, i, m), iv, off);
+    v = _mm512_min_ps(_mm512_max_ps(v, z), top);
+    const __m512i n = _mm512_cvttps_epi32(v);   // truncation of v >= 0: floor
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(n));
+  }
+}
+}  // namespace
+
+// Dynamic per-tensor asymmetric uint8 quantisation of n dense values (bf16 or fp32) for the codec's int8
+// convolutions (tts_engine/codec/int8_conv.py): lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) / 255 (1 when
+// hi == lo), zp = round(-lo / scale); q = clamp(round(x / scale) + zp, 0, 255). Two passes (min/max, then
+// quantise), split over threads with at::parallel_for. out[0] = scale, out[1] = zp (as float).
+void ttsx_quant_u8(const void* x, int is_bf16, int64_t n, uint8_t* q, float* out, int isa) {
+  const bool avx512 = isa >= 2;
+  const int64_t grain = 1 << 16;
+  const int64_t nchunks = std::max<int64_t>(1, (n + grain - 1) / grain);
+  std::vector<float> mins(nchunks, 0.f), maxs(nchunks, 0.f);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
+      float lo = 0.f, hi = 0.f;
+      if (avx512) {
+        minmax512(x, is_bf16, i0, i1, &lo, &hi);
+      } else if (is_bf16) {
+        const uint16_t* xs = (const uint16_t*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float v = bf16_to_f32(xs[i]);
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+      } else {
+        const float* xs = (const float*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float v = xs[i];
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+      }
+      mins[c] = lo;
+      maxs[c] = hi;
+    }
+  });
+  float lo = 0.f, hi = 0.f;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    lo = std::min(lo, mins[c]);
+    hi = std::max(hi, maxs[c]);
+  }
+  float scale = (hi - lo) / 255.f;
+  if (!(scale > 0.f) || !std::isfinite(scale)) scale = 1.f;
+  const float zp = std::nearbyint(-lo / scale);
+  const float inv = 1.f / scale;
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
+      if (avx512) {
+        quant512(x, is_bf16, i0, i1, inv, zp, q);
+      } else if (is_bf16) {
+        const uint16_t* xs = (const uint16_t*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          float v = bf16_to_f32(xs[i]) * inv + zp + 0.5f;   // >= 0 up to rounding: floor(v) rounds half up
+          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
+          q[i] = (uint8_t)(int)v;
+        }
+      } else {
+        const float* xs = (const float*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          float v = xs[i] * inv + zp + 0.5f;
+          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
+          q[i] = (uint8_t)(int)v;
+        }
+      }
+    }
+  });
+  out[0] = scale;
+  out[1] = zp;
+}
+
 int ttsx_snake_isa() { return level() >= 2 ? 2 : level(); }   // 2 AVX-512F, 1 AVX2 + FMA, 0 scalar
 
 }  // extern "C"

@@ -218,6 +218,7 @@ def set_level(new: int) -> int:
     _state["level"] = lib.ttsx_level()
     _state["isa"] = lib.ttsx_isa()
     _state.pop("snake_isa", None)
+    _state.pop("quant_u8", None)
     _state.pop("tag", None)
     _sync_loaded()
     return was
@@ -405,3 +406,26 @@ def snake(x: torch.Tensor, a: torch.Tensor, ib: torch.Tensor) -> torch.Tensor | 
     lib.ttsx_snake(x.data_ptr(), y.data_ptr(), int(x.dtype == torch.bfloat16), B, C, L, time_major,
                    a.data_ptr(), ib.data_ptr(), _state["snake_isa"])
     return y
+
+
+def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
+    """Dynamic per-tensor asymmetric uint8 quantisation of a dense fp32 or bf16 CPU tensor in one call (two passes:
+    min/max, then quantise): -> (q uint8 with x's shape and strides, scale, zero point), so that
+    x ~ (q - zp) * scale; the range always includes 0. None where the kernel cannot run here (the caller quantises
+    with aten's ops). Used by the codec's int8 convolutions (tts_engine/codec/int8_conv.py)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+            or (x.dim() == 3 and x.transpose(1, 2).is_contiguous())):
+        return None
+    if "quant_u8" not in _state:
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
+        lib.ttsx_snake_isa.restype = I
+        _state["quant_u8"] = lib.ttsx_snake_isa()   # 2: AVX-512 F/BW/VL loops, else the scalar ones
+    q = torch.empty_like(x, dtype=torch.uint8)   # same (dense) strides as x
+    out = torch.empty(2, dtype=torch.float32)
+    lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
+                      _state["quant_u8"])
+    return q, float(out[0]), int(out[1])
