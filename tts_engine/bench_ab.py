@@ -6,7 +6,8 @@ from submit, x real time per stream, audio seconds per wall second) on each, int
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
 adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`,
-`prefix_cache`, `codec_nice`, `codec_threads`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`).
+`prefix_cache`, `codec_conv`, `codec_nice`, `codec_threads`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`,
+`--variant int8=codec_conv=int8`: the codec decoder's convolution path, `CodecDecoder.set_conv_mode`).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _value(v: str):
         return v
 
 
-SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_nice", "codec_threads")
+SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_conv", "codec_nice",
+            "codec_threads")
 
 
 def _switch(engine, setting: dict) -> None:
@@ -66,6 +68,10 @@ def _switch(engine, setting: dict) -> None:
     if not hasattr(engine, "_kept_prefix_cache"):
         engine._kept_prefix_cache = getattr(engine.runner, "prefix_cache", None)
     engine.runner.prefix_cache = engine._kept_prefix_cache if setting.get("prefix_cache", True) else None
+    dec = engine.model.speech_tokenizer.decoder
+    if not hasattr(engine, "_kept_codec_conv"):
+        engine._kept_codec_conv = dec.conv_mode   # (the path chosen at load)
+    dec.set_conv_mode(setting.get("codec_conv", engine._kept_codec_conv))
 
 
 def main(argv=None) -> int:
