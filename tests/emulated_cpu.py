@@ -324,6 +324,7 @@ def engine_check(mode: str, ckpt: Path, ref: dict | None, rows: int, frames: int
         model = engine.model
         summary = {"precision": engine.precision if hasattr(engine, "precision") else "",
                    "fused": dict(engine.runner.fused_status), "frame": engine.runner.frame_status,
+                   "talker_step": engine.runner.talker_step_status,
                    "synth_samples": int(wav.size),
                    "synth_finite": bool(np.isfinite(wav).all()),
                    "codec": {"dtype": str(model.speech_tokenizer.decoder.pre_conv.conv.weight.dtype)[6:],

@@ -2,10 +2,11 @@
 [--frames 24] [--out /tmp/x.md]`.
 
 Builds the 0.6b architecture's talker with random weights (as bench_step does) in each mode and a one-row model runner,
-then, frame after frame (the code predictor's codes of each frame from `ModelRunner.complete`), times in turn:
-  - "advance": `ModelRunner.advance` end to end as the engine calls it (the talker step in one C++ call where
-    `talker_step` serves, else the Python path);
-  - "python": the Python path split into its parts: embeddings (frame_embed + trailing vector), the stack call
+then, frame after frame (the code predictor's codes of each frame from `ModelRunner.complete`), times in turn
+(interleaved, the order rotating):
+  - "step": `ModelRunner.advance` end to end with the talker step in one C++ call (`talker_step`, forced on: --step);
+  - "python": `ModelRunner.advance` end to end on the Python path;
+  - "split": the Python path split into its parts: embeddings (frame_embed + trailing vector), the stack call
     (`DecoderStack.run`, the fused step), codec head (+ .float()), sampling (`C0Processor`), state updates (pos, seen,
     step, hidden, c0) and the rest (the caller's bookkeeping, aten_bf16_gemv);
   - "plain read" (`cpu_ext.read_bytes` of 512 MB) for the memory floor, and the talker weights' bytes per frame.
@@ -89,34 +90,39 @@ def run_mode(mode: str, frames: int) -> dict:
     t, _ = build_talker("tts_engine", cfg, dtype, quant)
     r, mr, sp = make_runner("tts_engine", t, cfg, dtype, 1, 4 * frames + 120)
     rows = [0]
-    out = {"mode": mode, "fused": r.fused_status.get("talker"), "talker_step": getattr(r, "talker_step_status", "-")}
+    out = {"mode": mode, "fused": r.fused_status.get("talker"), "talker_step": r.talker_step_status}
+    step = r.talker_step
     buf = torch.ones(512 << 20, dtype=torch.uint8)
     cpu_ext.read_bytes(buf)
-    res: dict[str, list] = {"advance": [], "python": [], "read": []}
+    variants = ["python", "split"] + (["step"] if step is not None else [])
+    res: dict[str, list] = {v: [] for v in variants + ["read"]}
     for k in range(frames):
-        for which in (("advance", "python") if k % 2 else ("python", "advance")):
+        for which in variants[k % len(variants):] + variants[:k % len(variants)]:
             codes = r.complete(rows)
-            if which == "advance":
-                t0 = time.perf_counter()
-                r.advance(rows, codes)
-                res["advance"].append(time.perf_counter() - t0)
-            else:
+            if which == "split":
                 parts, _ = split_python(r, rows, codes)
-                res["python"].append(parts)
+                res["split"].append(parts)
+                continue
+            r.talker_step = step if which == "step" else None
+            t0 = time.perf_counter()
+            r.advance(rows, codes)
+            res[which].append(time.perf_counter() - t0)
+            r.talker_step = step
         t0 = time.perf_counter()
         cpu_ext.read_bytes(buf)
         res["read"].append(time.perf_counter() - t0)
     del buf
     med = statistics.median
     wb = talker_weight_bytes(t)
-    out["advance_ms"] = round(1e3 * med(res["advance"]), 2)
-    for p in ("total", "embed", "stack", "head", "sampling", "state", "rest"):
-        out[f"py_{p}_ms"] = round(1e3 * med(x[p] for x in res["python"]), 2)
-    out["read_GBps"] = round((512 << 20) / med(res["read"]) / 1e9, 1)
     out["weights_MB"] = round(wb / 1e6, 1)
-    out["advance_GBps"] = round(wb / med(res["advance"]) / 1e9, 1)
-    out["py_GBps"] = round(wb / med(x["total"] for x in res["python"]) / 1e9, 1)
-    out["stack_GBps"] = round(wb / med(x["stack"] for x in res["python"]) / 1e9, 1)
+    out["read_GBps"] = round((512 << 20) / med(res["read"]) / 1e9, 1)
+    for v in ("python", "step"):
+        if res.get(v):
+            out[f"{v}_ms"] = round(1e3 * med(res[v]), 2)
+            out[f"{v}_GBps"] = round(wb / med(res[v]) / 1e9, 1)
+    for p in ("total", "embed", "stack", "head", "sampling", "state", "rest"):
+        out[f"split_{p}_ms"] = round(1e3 * med(x[p] for x in res["split"]), 2)
+    out["stack_GBps"] = round(wb / med(x["stack"] for x in res["split"]) / 1e9, 1)
     return out
 
 
@@ -126,7 +132,10 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=24)
     p.add_argument("--threads", type=int)
     p.add_argument("--out")
+    p.add_argument("--step", default="1", help="TTS_TALKER_STEP for the runner (default 1: forced on, timed beside the "
+                   "Python path)")
     a = p.parse_args(argv)
+    os.environ["TTS_TALKER_STEP"] = a.step
     if a.threads:
         torch.set_num_threads(a.threads)
     from .bench_step import _device
@@ -135,9 +144,9 @@ def main(argv=None) -> int:
     for mode in a.modes.split(","):
         rows.append(run_mode(mode, a.frames))
         print(json.dumps(rows[-1]), flush=True)
-    head = ["mode", "advance_ms", "py_total_ms", "py_embed_ms", "py_stack_ms", "py_head_ms", "py_sampling_ms",
-            "py_state_ms", "py_rest_ms", "weights_MB", "advance_GBps", "py_GBps", "stack_GBps", "read_GBps",
-            "talker_step"]
+    head = ["mode", "python_ms", "step_ms", "split_total_ms", "split_embed_ms", "split_stack_ms", "split_head_ms",
+            "split_sampling_ms", "split_state_ms", "split_rest_ms", "weights_MB", "python_GBps", "step_GBps",
+            "stack_GBps", "read_GBps", "talker_step"]
     lines = [f"Talker step at one row, {_device()}, {torch.get_num_threads()} threads, load average "
              f"{os.getloadavg()[0]:.2f} (medians of {a.frames} frames per path)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -111,6 +111,8 @@ class StepPlan:
         if self.table.dtype != runner.dtype or not self.table.is_contiguous() or self.table.shape[1] != D:
             raise ValueError("the frame table is not a dense table in the activation dtype")
         self.books = self.offsets.numel()
+        ends = torch.cat([self.offsets[1:], torch.tensor([self.table.shape[0]])])
+        self.min_book_size = int((ends - self.offsets).min())   # ids every codebook's table holds (the trial's codes)
         head = t.codec_head
         self.V = head.out_features
         self.head = self._head_in_call(head, stack_plan.wbits, D)
@@ -271,7 +273,7 @@ class TalkerStep:
             runner.pos[0], runner.step[0], runner.max_new[0], runner.trailing_len[0] = TRIAL_POS, 3, 1 << 20, 0
             runner.seen[0] = torch.rand(V, generator=g) < 0.02
             for i in range(TRIAL_PAIRS):
-                codes = torch.randint(0, 1024, (1, self.plan.books), generator=g)
+                codes = torch.randint(0, self.plan.min_book_size, (1, self.plan.books), generator=g)
                 start = {n: getattr(runner, n)[0].clone() for n in names}
                 got = {}
                 for which in (("step", "python") if i % 2 else ("python", "step")):
