@@ -6,7 +6,8 @@ from submit, x real time per stream, audio seconds per wall second) on each, int
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
 adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`,
-`prefix_cache`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`).
+`prefix_cache`, `talker_step`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`,
+`--variant pytalker=talker_step=0` with TTS_TALKER_STEP=1).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _value(v: str):
         return v
 
 
-SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache")
+SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "talker_step")
 
 
 def _switch(engine, setting: dict) -> None:
@@ -65,6 +66,9 @@ def _switch(engine, setting: dict) -> None:
     if not hasattr(engine, "_kept_prefix_cache"):
         engine._kept_prefix_cache = getattr(engine.runner, "prefix_cache", None)
     engine.runner.prefix_cache = engine._kept_prefix_cache if setting.get("prefix_cache", True) else None
+    if not hasattr(engine, "_kept_talker_step"):   # the talker's step in one call (model/talker_step.py), where attached
+        engine._kept_talker_step = getattr(engine.runner, "talker_step", None)
+    engine.runner.talker_step = engine._kept_talker_step if setting.get("talker_step", True) else None
 
 
 def main(argv=None) -> int:
