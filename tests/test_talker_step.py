@@ -178,3 +178,34 @@ def test_fp32_and_unfused_engines_never_get_it(step_lib, own_kernels, ckpts, mon
     monkeypatch.setenv(fused_step.ENV, "0")
     r = runner(model, 1, monkeypatch, "1")
     assert r.talker_step is None
+
+
+def test_engine_synthesis_through_the_step_equals_the_python_path(step_lib, own_kernels, ckpts, monkeypatch):
+    """A whole engine (worker thread, chunked streaming, the codec) with the step on gives the same audio as with it
+    off, and its frames go through the step (counted); with TTS_TALKER_STEP unset the trial runs at load."""
+    from tts_engine.engine.engine import TTSEngine
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    monkeypatch.setenv(predictor_frame.ENV, "1")
+    calls = {"step": 0}
+    real = talker_step.StepPlan.run
+    monkeypatch.setattr(talker_step.StepPlan, "run",
+                        lambda self, *a, **k: (calls.__setitem__("step", calls["step"] + 1), real(self, *a, **k))[1])
+    wavs = {}
+    for mode in ("0", "1", "auto"):
+        monkeypatch.setenv(talker_step.ENV, mode)
+        engine = TTSEngine.from_pretrained(str(ckpts["0b6"]), device="cpu", dtype="bf16", quantize="w8a8",
+                                           max_batch=2, max_seq_len=128)
+        try:
+            status = engine.runner.talker_step_status
+            assert status.startswith({"0": "off", "1": "on", "auto": ""}[mode]), status
+            before = calls["step"]
+            wavs[mode] = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=8)
+            if mode == "1":
+                assert calls["step"] - before >= 6, calls
+            if mode == "0":
+                assert calls["step"] == before
+        finally:
+            engine.close()
+    assert wavs["0"].size > 0
+    assert (wavs["1"] == wavs["0"]).all() and (wavs["auto"] == wavs["0"]).all()
