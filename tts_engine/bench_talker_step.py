@@ -1,7 +1,7 @@
 """Where the talker's per-frame step goes at one stream: `python -m tts_engine.bench_talker_step [--modes w8a8,w4a8,bf16]
 [--frames 24] [--out /tmp/x.md]`.
 
-Builds the 0.6b architecture's talker with random weights (as bench_step does) in each mode and a one-row model runner,
+Builds the 0.6b architecture's (--arch) talker with random weights (as bench_step does) in each mode and a one-row model runner,
 then, frame after frame (the code predictor's codes of each frame from `ModelRunner.complete`), times in turn
 (interleaved, the order rotating):
   - "step": `ModelRunner.advance` end to end with the talker step in one C++ call (`talker_step`, forced on: --step);
@@ -76,14 +76,14 @@ def split_python(r, rows, codes):
     return parts, done
 
 
-def run_mode(mode: str, frames: int) -> dict:
+def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     from .bench import checkpoint_for
     from .bench_step import build_talker, make_runner
     from .checkpoint import read_json
     from .config import ModelConfig
     from .model import cpu_ext
 
-    cfg = ModelConfig.from_dict(read_json(checkpoint_for("0.6b", torch.bfloat16) / "config.json"))
+    cfg = ModelConfig.from_dict(read_json(checkpoint_for(arch, torch.bfloat16) / "config.json"))
     dtype = torch.bfloat16
     quant = mode if mode in ("int8", "int4", "w8a8", "w4a8") else None
     torch.manual_seed(0)
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tts_engine.bench_talker_step", description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="w8a8,w4a8,bf16")
     p.add_argument("--frames", type=int, default=24)
+    p.add_argument("--arch", default="0.6b", choices=["tiny", "0.6b"],
+                   help="tiny: a stack so small that the work around it shows")
     p.add_argument("--threads", type=int)
     p.add_argument("--out")
     p.add_argument("--step", default="1", help="TTS_TALKER_STEP for the runner (default 1: forced on, timed beside the "
@@ -142,12 +144,12 @@ def main(argv=None) -> int:
 
     rows = []
     for mode in a.modes.split(","):
-        rows.append(run_mode(mode, a.frames))
+        rows.append(run_mode(mode, a.frames, a.arch))
         print(json.dumps(rows[-1]), flush=True)
     head = ["mode", "python_ms", "step_ms", "split_total_ms", "split_embed_ms", "split_stack_ms", "split_head_ms",
             "split_sampling_ms", "split_state_ms", "split_rest_ms", "weights_MB", "python_GBps", "step_GBps",
             "stack_GBps", "read_GBps", "talker_step"]
-    lines = [f"Talker step at one row, {_device()}, {torch.get_num_threads()} threads, load average "
+    lines = [f"Talker step at one row, {a.arch}, {_device()}, {torch.get_num_threads()} threads, load average "
              f"{os.getloadavg()[0]:.2f} (medians of {a.frames} frames per path)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r.get(h, "")) for h in head) + " |" for r in rows]
