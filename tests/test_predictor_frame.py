@@ -136,6 +136,68 @@ def test_frame_codes_equal_the_python_loop(frame_lib, own_kernels, ckpts, monkey
     assert same == n
 
 
+@pytest.mark.parametrize("team,whole,mode,size", [("claim", True, "w8a8", "0b6"), ("barrier", True, "w8a8", "0b6"),
+                                                  ("claim", False, "w8a8", "0b6"), ("claim", True, "w4a8", "small"),
+                                                  ("claim", True, "bf16", "0b6"), ("claim", True, "w8a8", "1b7")])
+@torch.inference_mode()
+def test_frame_in_one_parallel_region_equals_the_python_loop(frame_lib, own_kernels, ckpts, monkeypatch, team, whole,
+                                                             mode, size):
+    """At 2 threads, the whole frame in one parallel region (run_frame_team; with a projection, 1b7: one region per
+    pass) or each pass's stack in one (fused_step.cpp run_team): the same codes as the Python loop (bf16: as the
+    split path's frame, whose heads sum in another order than aten's)."""
+    if mode == "w4a8" and not cpu_ext.has_w4a8():
+        pytest.skip("no W4A8 kernel here")
+    r = runner_for(ckpts[size], mode, "bf16", monkeypatch=monkeypatch)
+    threads = torch.get_num_threads()
+    plan = r.talker.code_predictor.frame.plan
+    if mode == "bf16":   # the reference: the split path's frame
+        r._predict_residuals_loop = lambda h, c0, frame, rp: (predictor_frame.set_team("split"),
+                                                              plan.run(h, c0, frame, rp, r.cp_cache),
+                                                              predictor_frame.set_team(team, whole))[1]
+    was = predictor_frame.set_team(team, whole)
+    torch.set_num_threads(2)
+    try:
+        for B, seed in ((1, 0), (4, 1)):
+            h, c0, frame, rp = frame_inputs(r, B, seed, top_p=False)
+            want = r._predict_residuals_loop(h, c0, frame, rp)
+            got = r.talker.code_predictor.frame.plan.run(h, c0, frame, rp, r.cp_cache)
+            assert torch.equal(got, want), f"B={B}: {(got != want).sum()} codes differ"
+        codes, logits = plan.run(h, c0, frame, rp, r.cp_cache, with_logits=True)   # the logits too, bit for bit
+        split_codes, split_logits = plan.run(h, c0, frame, rp, r.cp_cache, with_logits=True,
+                                             team=fused_step.TEAM_MODES["split"])
+        assert torch.equal(codes, split_codes) and torch.equal(logits, split_logits)
+    finally:
+        torch.set_num_threads(threads)
+        predictor_frame.set_team(was)
+
+
+@pytest.mark.parametrize("team", ["split", "claim"])
+@torch.inference_mode()
+def test_the_frame_profile_splits_a_call_into_its_stages(frame_lib, own_kernels, ckpts, monkeypatch, team):
+    """predictor_frame.profile: one call counted, its stages (stack, heads, sampling, ...) inside the call's time,
+    the stack's own stages (fused_step's profile) filled; nothing counted once the block is left."""
+    r = runner_for(ckpts["0b6"], "w8a8", "bf16", monkeypatch=monkeypatch)
+    plan = r.talker.code_predictor.frame.plan
+    h, c0, frame, rp = frame_inputs(r, 2, 3, top_p=False)
+    threads = torch.get_num_threads()
+    was = predictor_frame.set_team(team)
+    torch.set_num_threads(2)
+    try:
+        with predictor_frame.profile() as prof:
+            plan.run(h, c0, frame, rp, r.cp_cache)
+        plan.run(h, c0, frame, rp, r.cp_cache)   # outside: not counted
+        with predictor_frame.profile() as empty:
+            pass
+    finally:
+        torch.set_num_threads(threads)
+        predictor_frame.set_team(was)
+    f = prof.frame
+    assert f["calls"] == 1 and all(f[k] > 0 for k in ("stack", "head", "sample", "norm", "call")), f
+    assert sum(v for k, v in f.items() if k not in ("call", "calls")) <= f["call"], f
+    assert prof.stack["qkv"] > 0 and prof.stack["down"] > 0 and prof.stack["qkv"] < f["stack"], prof.stack
+    assert empty.frame["calls"] == 0 and empty.frame["call"] == 0 and empty.stack["qkv"] == 0
+
+
 @pytest.mark.parametrize("mode,dtype", [("w8a8", "bf16"), ("w8a8", "fp32")])
 @torch.inference_mode()
 def test_frame_with_top_p_rows_mostly_equals_the_python_loop(frame_lib, own_kernels, ckpts, monkeypatch, mode, dtype):
@@ -247,10 +309,15 @@ def test_first_frames_time_both_paths_and_the_choice_is_remembered(frame_lib, ow
     for i in range(predictor_frame.TRIAL_FRAMES):
         h, c0, frame, rp = frame_inputs(r, 2, 20 + i, top_p=False)
         assert torch.equal(r._predict_residuals(h, c0, frame, rp), r._predict_residuals_loop(h, c0, frame, rp))
-    assert len(pf.times["frame"]) == len(pf.times["loop"]) == predictor_frame.TRIAL_FRAMES
+    assert len(pf.times["frame"]) == len(pf.times["loop"]) == len(pf.times["frame-team"]) == predictor_frame.TRIAL_FRAMES
     assert pf.state in ("on", "off") and pf.agree[0] == pf.agree[1] == 2 * predictor_frame.TRIAL_FRAMES, pf.status
     assert list((own_kernels / "predictor_frame").glob("*.json"))
+    chosen = pf.status.split(" by median")[0].split("(")[-1]
+    assert chosen in ("loop", "frame", "frame-team"), pf.status
     assert "measured before" in predictor_frame.attach(r.talker)
+    again = r.talker.code_predictor.frame   # the remembered choice: state and threads as decided
+    assert (again.state, again.team) == (pf.state, pf.team)
+    assert again.team == {"loop": None, "frame": 0, "frame-team": predictor_frame.PredictorFrame.TEAM}[chosen]
 
 
 @torch.inference_mode()

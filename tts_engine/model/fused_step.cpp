@@ -747,9 +747,11 @@ inline int64_t chunk_of(const Plan& p, const Lin& l, int64_t U, int nt) {
   return std::max<int64_t>({1, (U + 8 * nt - 1) / (8 * nt), (64 * 1024 + unit_bytes - 1) / unit_bytes});
 }
 
+// k0, cp0: the call's first stage and consume point in `sy` (predictor_frame.cpp runs 15 stacks and their heads
+// in one Sync); false if this thread was dropped (it must leave the region then)
 template <class C>
-void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Shared& sh,
-                 Sync& sy, float* h, int tid) {
+bool team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_t* pos, int64_t M, Shared& sh,
+                 Sync& sy, float* h, int tid, int64_t k0 = 0, int64_t cp0 = 0) {
   const int64_t D = p.D, I = p.I, Hhd = p.H * p.hd, qkvN = (p.H + 2 * p.Hkv) * p.hd;
   const int nt = sy.nt;
   Act x(p, M);
@@ -757,7 +759,7 @@ void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_
   const bool prof = g_prof && tid == 0;   // thread 0 times the stages; every thread its share of each
   int64_t t0 = prof ? now_ns() : 0;
   auto tlap = [&](int st) { if (prof) lap(st, t0); };
-  int64_t k = 0;   // the stage
+  int64_t k = k0;   // the stage
   // one matmul: guard (the last consume point of what y overwrites, or -1), activation rows (read_cp: the consume
   // point of reading a shared `in`, or -1); false if this thread was dropped
   auto mm = [&](const Lin& l, const float* in, float* y, int st, int64_t read_cp, int64_t guard_cp) -> bool {
@@ -782,7 +784,7 @@ void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_
   };
   const int64_t g = p.H / p.Hkv;
   for (int64_t l = 0; l < p.L; ++l) {
-    const int64_t cp = 4 * l;   // this layer's consume points: cp ao -> o_proj, cp + 1 o_proj -> h,
+    const int64_t cp = cp0 + 4 * l;   // this layer's consume points: cp ao -> o_proj, cp + 1 o_proj -> h,
                                 // cp + 2 gate_up -> silu, cp + 3 down -> h
     for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, IN_NORM), D, p.eps, &a[e * D]);
     tlap(P_NORM_IN);
@@ -794,20 +796,21 @@ void team_member(const Plan& p, const Cache& c, const int64_t* row, const int64_
         attend<C>(p, l, c, row, pos, sh.qkv.data(), e * p.H + j0 * g, e * p.H + j1 * g, scores.data(), sh.ao.data());
     });
     tlap(P_ATTN);
-    if (!mm(p.lin(l, O_W, O_S, D, Hhd), sh.ao.data(), sh.t.data(), P_O, cp, cp - 1)) return;
-    if (!add(sh.t.data(), cp + 1)) return;
+    if (!mm(p.lin(l, O_W, O_S, D, Hhd), sh.ao.data(), sh.t.data(), P_O, cp, cp - 1)) return false;
+    if (!add(sh.t.data(), cp + 1)) return false;
     tlap(P_RESID);
     for (int64_t e = 0; e < M; ++e) rms_norm_row(h + e * D, p.ptr<float>(l, POST_NORM), D, p.eps, &a[e * D]);
     tlap(P_NORM_POST);
     mm(p.lin(l, GU_W, GU_S, 2 * I, D), a.data(), sh.gu.data(), P_GU, -1, cp - 2);
-    if (!sy.consume_begin(tid, cp + 2)) return;
+    if (!sy.consume_begin(tid, cp + 2)) return false;
     silu_mul(sh.gu.data(), M, I, act.data());
     sy.consume_end(tid, cp + 2);
     tlap(P_SILU);
     mm(p.lin(l, DOWN_W, DOWN_S, D, I), act.data(), sh.t.data(), P_DOWN, -1, cp + 1);
-    if (!add(sh.t.data(), cp + 3)) return;
+    if (!add(sh.t.data(), cp + 3)) return false;
     tlap(P_RESID);
   }
+  return true;
 }
 
 template <class C>

@@ -60,6 +60,9 @@ struct Facts {               // sampling.host_facts(...)["sub"]
   int any_top_p;
 };
 
+int g_team = 0;                // ttsp_set_team: the stack of each pass as fused_step.cpp TeamMode (0: run_stack)
+int g_frame_team = 1;          // ttsp_set_team's second half: a team mode runs the whole frame in one region
+
 struct Work {
   std::vector<std::pair<float, int64_t>> queue;   // torch.topk's (value, index) pairs
   std::vector<float> vals;
@@ -100,16 +103,20 @@ void top_p_row(float* vals, int64_t k, float top_p, Work& w) {
 // torch.argmax), else the Gumbel-max draw of sampling.choose: torch.topk(logits, k_max) (the same partial sort as
 // torch's CPU topk_impl_loop, so equal values come out in the same order), the row's own top-k by rank, temperature,
 // top-p, then argmax over candidates of (double) value - log(-log(u(seed, frame, book, id))).
+// (A selection of the n best as a set, without the sort, was tried: it cannot tell which of several logits equal
+// to the n-th largest torch keeps, and bf16-rounded logits tie at the cut in most draws; at k 50 it saved nothing.)
 int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t b, int64_t book, const Facts& f,
                    Work& w) {
-  int64_t greedy = 0;
-  float best = logits[0];
-  for (int64_t i = 1; i < V; ++i)
-    if (logits[i] > best || (nan_f(logits[i]) && !nan_f(best))) {
-      best = logits[i];
-      greedy = i;
-    }
-  if (!f.any_sample || !rp.do_sample[b]) return greedy;
+  if (!f.any_sample || !rp.do_sample[b]) {   // (a sampled row needs no argmax)
+    int64_t greedy = 0;
+    float best = logits[0];
+    for (int64_t i = 1; i < V; ++i)
+      if (logits[i] > best || (nan_f(logits[i]) && !nan_f(best))) {
+        best = logits[i];
+        greedy = i;
+      }
+    return greedy;
+  }
   const int64_t k = f.k_max > 0 ? std::min(f.k_max, V) : V;
   auto& q = w.queue;
   q.resize(V);
@@ -139,6 +146,21 @@ int64_t choose_row(const float* logits, int64_t V, const RowParams& rp, int64_t 
     }
   }
   return q[pick].second;
+}
+
+// ---- the frame's profile (on with fused_step.cpp's switch, ttsf_profile_set; ttsp_profile_read) ------------------
+// Per stage of a frame, nanoseconds summed over calls (the stack's own stages go to fused_step.cpp's profile as
+// ever): F_SETUP scratch and the first pass's input rows, F_PROJ small_to_mtp_projection, F_STACK the decoder stack
+// calls, F_NORM the final norms (rounded), F_HEAD the lm_heads' matmuls, F_ROUND the logits' rounding (and copy
+// out), F_SAMPLE the choice of each codebook, F_EMBED the next pass's embedding rows, F_CALL the whole call.
+enum FStage { F_SETUP, F_PROJ, F_STACK, F_NORM, F_HEAD, F_ROUND, F_SAMPLE, F_EMBED, F_CALL, F_CALLS, NFSTAGES };
+int64_t g_facc[NFSTAGES];
+
+inline void flap(int st, int64_t& t0) {
+  if (!fstep::g_prof) return;
+  const int64_t t = fstep::now_ns();
+  g_facc[st] += t - t0;
+  t0 = t;
 }
 
 // ---- the frame ----------------------------------------------------------------------------------------------------
@@ -190,7 +212,7 @@ void stack_input(const Frame& f, const float* xin, int64_t M, Scratch& s, std::v
   }
   const Lin l{(const uint8_t*)(intptr_t)f.proj[PROJ_W], (const float*)(intptr_t)f.proj[PROJ_S], D, f.Dt};
   tmp.resize(M * D);
-  int64_t t0 = 0;   // (the profile's clock: the projection counts as fused_step's P_IO)
+  int64_t t0 = fstep::g_prof ? fstep::now_ns() : 0;   // (the projection counts as fused_step's P_IO)
   fstep::linear(f.p, l, xin, M, tmp.data(), s, fstep::P_IO, t0);
   const void* bias = (const void*)(intptr_t)f.proj[PROJ_BIAS];
   for (int64_t m = 0; m < M; ++m)
@@ -201,11 +223,136 @@ void stack_input(const Frame& f, const float* xin, int64_t M, Scratch& s, std::v
     }
 }
 
+// ---- the whole frame in one parallel region (team modes, no projection) -------------------------------------------
+// Every thread of the team runs every pass: the stack as fused_step.cpp's team_member (its shared stages claimed or
+// split), then the final norm, the lm_head as one more shared stage (its output units claimed like a matmul's of the
+// stack), and - each thread on its own copy of the shared logits - the rounding, the choice of the codebook (the
+// same deterministic draw on every thread) and the next pass's embedding rows. So the frame forks once, not once
+// per matmul (split) or per pass; thread 0 writes the codes and the profile. A pass takes 5 L + 1 stages and
+// 4 L + 1 consume points of one Sync (the last: the logits read, which the next pass's head guards); the stack's
+// guards of its first layer then wait for the previous pass's later consume points, which is only stricter.
+struct Team {
+  fstep::Shared& sh;
+  fstep::Sync& sy;
+  std::vector<float>& logits;   // [B, V] the head's output, shared
+};
+
+template <class C>
+bool frame_member(const Frame& f, const void* h, const void* emb0, const int64_t* c0, const RowParams& rp,
+                  const Facts& facts, int64_t* codes, float* logits_out, Team& tm, int tid) {
+  const Plan& p = f.p;
+  const int64_t B = f.B, D = p.D, V = f.V, M0 = 2 * B, L = p.L;
+  const int nt = tm.sy.nt;
+  const bool prof = fstep::g_prof && tid == 0;
+  int64_t ft = prof ? fstep::now_ns() : 0;
+  auto tlap = [&](int st) { if (prof) flap(st, ft); };
+  std::vector<float> x(M0 * D), hid(B * D), lg(B * V);
+  std::vector<int64_t> row(M0), pos(M0), mine(B);
+  fstep::Act act(p, B);
+  Work w;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < D; ++i) {
+      x[(2 * b) * D + i] = load_act(h, f.bf16, b * D + i);
+      x[(2 * b + 1) * D + i] = load_act(emb0, f.bf16, c0[b] * D + i);
+    }
+    row[2 * b] = row[2 * b + 1] = b;
+    pos[2 * b] = 0;
+    pos[2 * b + 1] = 1;
+  }
+  tlap(F_SETUP);
+  int64_t M = M0;
+  for (int64_t j = 0; j < f.books; ++j) {
+    const int64_t k0 = j * (5 * L + 1), cp0 = j * (4 * L + 1), cp_logits = cp0 + 4 * L;
+    if (!fstep::team_member<C>(p, f.c, row.data(), pos.data(), M, tm.sh, tm.sy, x.data(), tid, k0, cp0)) return false;
+    tlap(F_STACK);
+    const int64_t per = M / B;
+    for (int64_t b = 0; b < B; ++b) {
+      float* out = &hid[b * D];
+      fstep::rms_norm_row(&x[(b * per + per - 1) * D], p.final_norm, D, p.eps, out);
+      for (int64_t i = 0; i < D; ++i) out[i] = round_to(out[i], f.bf16);
+    }
+    tlap(F_NORM);
+    const int64_t* hf = f.heads + j * HEAD_FIELDS;
+    const Lin head{(const uint8_t*)(intptr_t)hf[HEAD_W], (const float*)(intptr_t)hf[HEAD_S], V, D};
+    fstep::prep(p, D, hid.data(), B, act);
+    const int64_t U = fstep::units(p, head);
+    tm.sy.guard(tid, cp_logits - (4 * L + 1));   // the previous pass's logits read by every thread
+    tm.sy.run(k0 + 5 * L, tid, U, fstep::chunk_of(p, head, U, nt), [&](int64_t b0, int64_t b1) {
+      fstep::mm_range(p, head, act, B, b0, b1, tm.logits.data(), tm.sh.acc.data(), tm.sh.facc.data());
+    });
+    tlap(F_HEAD);
+    if (!tm.sy.consume_begin(tid, cp_logits)) return false;
+    for (int64_t i = 0; i < B * V; ++i) lg[i] = round_to(tm.logits[i], f.bf16);
+    tm.sy.consume_end(tid, cp_logits);
+    if (tid == 0 && logits_out) std::copy(lg.begin(), lg.end(), logits_out + j * B * V);
+    tlap(F_ROUND);
+    for (int64_t b = 0; b < B; ++b) {
+      mine[b] = choose_row(&lg[b * V], V, rp, b, j + 1, facts, w);
+      if (tid == 0) codes[b * f.books + j] = mine[b];
+    }
+    tlap(F_SAMPLE);
+    if (j + 1 == f.books) break;
+    const void* e = (const void*)(intptr_t)f.embeds[j];
+    M = B;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < D; ++i) x[b * D + i] = load_act(e, f.bf16, mine[b] * D + i);
+      row[b] = b;
+      pos[b] = j + 2;
+    }
+    tlap(F_EMBED);
+  }
+  return true;
+}
+
+template <class C>
+void run_frame_team(const Frame& f, const void* h, const void* emb0, const int64_t* c0, const RowParams& rp,
+                    const Facts& facts, int64_t* codes, float* logits_out, int nt, int mode) {
+  const Plan& p = f.p;
+  const int64_t B = f.B, V = f.V, L = p.L, Np = round_up(V, BLK);
+  fstep::Shared sh(p, 2 * B);
+  if (p.wbits == 8 && (int64_t)sh.acc.size() < B * Np) sh.acc.resize(B * Np);      // the heads' sums too
+  if (p.wbits == 4 && (int64_t)sh.facc.size() < B * Np) sh.facc.resize(B * Np);
+  std::vector<float> logits(B * V);
+  const int64_t stages = f.books * (5 * L + 1);
+  fstep::Sync sy(mode, nt, stages);
+  Team tm{sh, sy, logits};
+  bool short_team = false;
+#pragma omp parallel num_threads(nt)
+  {
+    if (omp_get_num_threads() != nt) {
+#pragma omp atomic write
+      short_team = true;
+    } else {
+      frame_member<C>(f, h, emb0, c0, rp, facts, codes, logits_out, tm, omp_get_thread_num());
+    }
+  }
+  if (short_team) {   // fewer threads than asked: the caller alone
+    fstep::Sync one(mode, 1, stages);
+    Team t1{sh, one, logits};
+    frame_member<C>(f, h, emb0, c0, rp, facts, codes, logits_out, t1, 0);
+    one.profile_done();
+    return;
+  }
+  sy.profile_done();
+}
+
 template <class C>
 int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0, const RowParams& rp,
-              const Facts& facts, int64_t* codes, float* logits_out) {
+              const Facts& facts, int64_t* codes, float* logits_out, int team_mode) {
   const Plan& p = f.p;
   const int64_t B = f.B, D = p.D, V = f.V, Dt = f.Dt, M0 = 2 * B;
+  const int64_t call0 = fstep::g_prof ? fstep::now_ns() : 0;
+  int64_t ft = call0;
+  const int nt = std::min(at::get_num_threads(), fstep::MAX_THREADS);
+  const int team = nt > 1 && !omp_in_parallel() ? team_mode : 0;   // each pass's stack in one parallel region ...
+  if (team && g_frame_team && !f.proj[PROJ_W]) {                  // ... or the whole frame in one
+    run_frame_team<C>(f, h, emb0, c0, rp, facts, codes, logits_out, nt, team);
+    if (fstep::g_prof) {
+      g_facc[F_CALL] += fstep::now_ns() - call0;
+      g_facc[F_CALLS] += 1;
+    }
+    return 0;
+  }
   Scratch s(p, M0);
   grow(s, p, B, V, D);                 // the heads
   if (f.proj[PROJ_W]) grow(s, p, M0, D, Dt);
@@ -221,23 +368,31 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
     pos[2 * b] = 0;
     pos[2 * b + 1] = 1;
   }
+  flap(F_SETUP, ft);
   int64_t M = M0;
   for (int64_t j = 0; j < f.books; ++j) {
     stack_input(f, xin.data(), M, s, tmp);
-    fstep::run_stack<C>(p, f.c, row.data(), pos.data(), M, s);
+    flap(F_PROJ, ft);
+    if (team) fstep::run_team<C>(p, f.c, row.data(), pos.data(), M, s.h.data(), nt, team);
+    else fstep::run_stack<C>(p, f.c, row.data(), pos.data(), M, s);
+    flap(F_STACK, ft);
     const int64_t per = M / B;         // entries per row: the last one's hidden feeds the head
     for (int64_t b = 0; b < B; ++b) {
       float* out = &hid[b * D];
       fstep::rms_norm_row(&s.h[(b * per + per - 1) * D], p.final_norm, D, p.eps, out);
       for (int64_t i = 0; i < D; ++i) out[i] = round_to(out[i], f.bf16);
     }
+    flap(F_NORM, ft);
     const int64_t* hf = f.heads + j * HEAD_FIELDS;
     const Lin head{(const uint8_t*)(intptr_t)hf[HEAD_W], (const float*)(intptr_t)hf[HEAD_S], V, D};
-    int64_t t0 = 0;   // (the heads count as fused_step's P_IO in its profile)
+    int64_t t0 = fstep::g_prof ? fstep::now_ns() : 0;   // (the heads count as fused_step's P_IO in its profile)
     fstep::linear(p, head, hid.data(), B, logits.data(), s, fstep::P_IO, t0);
+    flap(F_HEAD, ft);
     for (int64_t i = 0; i < B * V; ++i) logits[i] = round_to(logits[i], f.bf16);
     if (logits_out) std::copy(logits.begin(), logits.end(), logits_out + j * B * V);
+    flap(F_ROUND, ft);
     for (int64_t b = 0; b < B; ++b) codes[b * f.books + j] = choose_row(&logits[b * V], V, rp, b, j + 1, facts, w);
+    flap(F_SAMPLE, ft);
     if (j + 1 == f.books) break;
     const void* e = (const void*)(intptr_t)f.embeds[j];
     M = B;
@@ -247,6 +402,11 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
       row[b] = b;
       pos[b] = j + 2;
     }
+    flap(F_EMBED, ft);
+  }
+  if (fstep::g_prof) {
+    g_facc[F_CALL] += fstep::now_ns() - call0;
+    g_facc[F_CALLS] += 1;
   }
   return 0;
 }
@@ -256,6 +416,27 @@ int run_frame(const Frame& f, const void* h, const void* emb0, const int64_t* c0
 extern "C" {
 
 int ttsp_version() { return 1; }
+
+// The frame's profile sums (pframe::FStage, ns; the last a count) -> out, zeroed; returns NFSTAGES. On and off with
+// this library's ttsf_profile_set (the stack's stages: its ttsf_profile_read).
+int ttsp_profile_read(int64_t* out) {
+  for (int i = 0; i < pframe::NFSTAGES; ++i) {
+    out[i] = pframe::g_facc[i];
+    pframe::g_facc[i] = 0;
+  }
+  return pframe::NFSTAGES;
+}
+
+// How each pass runs its stack: fstep::TeamMode (0 split: run_stack; 1 barrier / 2 claim: run_team, one parallel
+// region per pass, or with frame_region the whole frame in one). predictor_frame.py sets it from TTS_FUSED_TEAM as fused_step.py sets ttsf_set_team; the same
+// numbers either way. Returns the setting before.
+// frame_region: 1 the whole frame in one parallel region (run_frame_team; not with a projection), 0 one per pass.
+int ttsp_set_team(int mode, int frame_region) {
+  const int was = pframe::g_team;
+  pframe::g_team = mode;
+  pframe::g_frame_team = frame_region;
+  return was;
+}
 
 // The sampler alone (tests): logits [B, V] fp32 -> codes [B] of codebook `book`, as sampling.choose.
 void ttsp_choose(const float* logits, int64_t B, int64_t V, int64_t book, const uint8_t* do_sample,
@@ -272,12 +453,13 @@ void ttsp_choose(const float* logits, int64_t B, int64_t V, int64_t book, const 
 // talker's codec embedding [*, Dt]) in the cache's dtype; c0 [B]; sampling rows and facts as sampling.choose's ->
 // codes [B, books] (codebooks 1..books); logits_out [books, B, V] fp32 or NULL. Returns 0, or a negative code for an
 // input it refuses (nothing written then).
-int ttsp_frame(const int64_t* dims, float eps, const int64_t* layers, const float* inv_freq, const float* final_norm,
+// ttsp_frame with the way it uses torch's threads given (fstep::TeamMode; -1: ttsp_set_team's setting)
+int ttsp_frame_team(const int64_t* dims, float eps, const int64_t* layers, const float* inv_freq, const float* final_norm,
                void* kc, void* vc, const int64_t* cache_strides, int cache_is_bf16, int64_t B, int64_t V,
                int64_t books, const int64_t* heads, const int64_t* embeds, const int64_t* proj, const void* h,
                const void* emb0, const int64_t* c0, const uint8_t* do_sample, const int64_t* top_k,
                const float* top_p, const float* temperature, const int64_t* seed, const int64_t* frame,
-               int any_sample, int64_t k_max, int any_top_p, int64_t* codes, float* logits_out) {
+               int any_sample, int64_t k_max, int any_top_p, int64_t* codes, float* logits_out, int team) {
   fstep::Plan p{dims[fstep::L_], dims[fstep::D_], dims[fstep::H_], dims[fstep::HKV_], dims[fstep::HD_],
                 dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
   fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
@@ -295,8 +477,20 @@ int ttsp_frame(const int64_t* dims, float eps, const int64_t* layers, const floa
   const pframe::Frame f{p, c, cache_is_bf16, B, V, books, Dt, heads, embeds, proj};
   const pframe::RowParams rp{do_sample, top_k, top_p, temperature, seed, frame};
   const pframe::Facts facts{any_sample, k_max, any_top_p};
-  if (cache_is_bf16) return pframe::run_frame<uint16_t>(f, h, emb0, c0, rp, facts, codes, logits_out);
-  return pframe::run_frame<float>(f, h, emb0, c0, rp, facts, codes, logits_out);
+  if (team < 0) team = pframe::g_team;
+  if (cache_is_bf16) return pframe::run_frame<uint16_t>(f, h, emb0, c0, rp, facts, codes, logits_out, team);
+  return pframe::run_frame<float>(f, h, emb0, c0, rp, facts, codes, logits_out, team);
+}
+
+int ttsp_frame(const int64_t* dims, float eps, const int64_t* layers, const float* inv_freq, const float* final_norm,
+               void* kc, void* vc, const int64_t* cache_strides, int cache_is_bf16, int64_t B, int64_t V,
+               int64_t books, const int64_t* heads, const int64_t* embeds, const int64_t* proj, const void* h,
+               const void* emb0, const int64_t* c0, const uint8_t* do_sample, const int64_t* top_k,
+               const float* top_p, const float* temperature, const int64_t* seed, const int64_t* frame,
+               int any_sample, int64_t k_max, int any_top_p, int64_t* codes, float* logits_out) {
+  return ttsp_frame_team(dims, eps, layers, inv_freq, final_norm, kc, vc, cache_strides, cache_is_bf16, B, V, books,
+                         heads, embeds, proj, h, emb0, c0, do_sample, top_k, top_p, temperature, seed, frame,
+                         any_sample, k_max, any_top_p, codes, logits_out, -1);
 }
 
 }  // extern "C"

@@ -16,14 +16,21 @@ heads whose measured kernel is "int8pack_a8" (bf16 scales), and top-p < 1 rows, 
 another of several equal candidates at the cut (tests/test_predictor_frame.py measures how often that changes a draw).
 
 Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
-  auto (default)  once the predictor's fused step serves, TRIAL_FRAMES frames run both paths on the same input,
-                  when the model runner is built (`ModelRunner._measure_predictor_frame`: random inputs, so no request
+  auto (default)  once the predictor's fused step serves, TRIAL_FRAMES frames run three paths on the same input
+                  (the Python loop; the frame with one parallel region per matmul, "frame"; the whole frame in one
+                  parallel region, "frame-team", whose codes must equal "frame"'s), when the model runner is built (`ModelRunner._measure_predictor_frame`: random inputs, so no request
                   sees the trial; the predictor's cache is scratch, and a frame's draws depend only on its seeds and
                   logits, so both give the same codes up to the rounding differences above), timed, alternating which
                   goes first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
                   faster by median serves from then on, remembered per machine and model shape in the cache folder
                   (`$TTS_CACHE_DIR/predictor_frame/`).
-  1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests).
+  1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests), its threads as
+                  TTS_FUSED_TEAM says (`set_team`).
+
+Threads (predictor_frame.cpp): "split" runs each matmul (and the heads) as one at::parallel_for; a team mode
+(fused_step.TEAM_MODES) runs the whole frame in one OpenMP region (run_frame_team; with small_to_mtp_projection, one
+region per pass): the threads claim chunks of every matmul, head and attention, and each computes the small ops,
+the sampling and the next embedding itself; the same numbers bit for bit.
   0 / off         never.
 Any failure (no library, a refused input, an exception) logs one line and leaves the Python loop serving for good.
 """
@@ -70,10 +77,53 @@ def library() -> ctypes.CDLL:
             lib.ttsp_frame.argtypes = [P, F, P, P, P, P, P, P, I, I64, I64, I64, P, P, P, P, P, P,
                                        P, P, P, P, P, P, I, I64, I, P, P]
             lib.ttsp_frame.restype = I
+            lib.ttsp_frame_team.argtypes = lib.ttsp_frame.argtypes + [I]
+            lib.ttsp_frame_team.restype = I
             lib.ttsp_choose.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, I, I64, I, P]
             lib.ttsp_choose.restype = None
+            lib.ttsp_set_team.argtypes, lib.ttsp_set_team.restype = [I, I], I
+            lib.ttsp_set_team(int(fused_step.team_setting()), 1)
+            lib.ttsp_profile_read.argtypes, lib.ttsp_profile_read.restype = [P], I
+            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
+            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
             _lib["lib"] = lib
         return _lib["lib"]
+
+
+# predictor_frame.cpp FStage: the frame's stages (the last a count)
+FRAME_STAGES = ("setup", "proj", "stack", "norm", "head", "round", "sample", "embed", "call", "calls")
+
+
+class profile:
+    """`with predictor_frame.profile() as prof: ...` times the stages of the frames run inside (predictor_frame.cpp's
+    profile) -> prof.frame {FRAME_STAGES: ns summed}, prof.stack {fused_step.STAGES: ns summed over the stack calls
+    inside the frames}."""
+
+    def __enter__(self):
+        self.lib = library()
+        self._buf = (ctypes.c_int64 * 64)()
+        self.lib.ttsp_profile_read(self._buf)   # zero the sums
+        self.lib.ttsf_profile_read(self._buf)
+        self._was = self.lib.ttsf_profile_set(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.ttsf_profile_set(self._was)
+        n = self.lib.ttsp_profile_read(self._buf)
+        self.frame = dict(zip(FRAME_STAGES, list(self._buf)[:n]))
+        n = self.lib.ttsf_profile_read(self._buf)
+        self.stack = dict(zip(fused_step.STAGES, list(self._buf)[:n]))
+        return False
+
+
+def set_team(mode, frame_region: bool = True) -> int:
+    """How the frame uses torch's threads (benchmarks' A/B, tests): a name of fused_step.TEAM_MODES or its number;
+    "split": one at::parallel_for per matmul; a team mode: each pass's stack in one parallel region, or (frame_region,
+    and no projection) the whole frame in one -> the mode before. The default follows TTS_FUSED_TEAM
+    (fused_step.team_setting), the whole frame in one region in a team mode."""
+    if isinstance(mode, str):
+        mode = fused_step.TEAM_MODES[mode]
+    return int(library().ttsp_set_team(int(mode), int(bool(frame_region))))
 
 
 def tag() -> str:
@@ -83,13 +133,16 @@ def tag() -> str:
 
 
 def _sampler_args(rp, frame_idx: torch.Tensor, keep: list) -> list[int]:
-    """Pointers of the sub-talker sampling rows (sampling.RowParams) and the frame indices, as ttsp_* read them."""
-    def c(t, dtype):
-        t = t.to(dtype).contiguous()
-        keep.append(t)
+    """Pointers of the sub-talker sampling rows (sampling.RowParams) and the frame indices, as ttsp_* read them (a
+    converted copy only where a tensor is not already contiguous in the dtype read; a bool is read as uint8)."""
+    def c(t, dtypes):
+        if t.dtype not in dtypes or not t.is_contiguous():
+            t = t.to(dtypes[0]).contiguous()
+            keep.append(t)
         return t.data_ptr()
-    return [c(rp.sub_do_sample, torch.uint8), c(rp.sub_top_k, torch.int64), c(rp.sub_top_p, torch.float32),
-            c(rp.sub_temperature, torch.float32), c(rp.seed, torch.int64), c(frame_idx, torch.int64)]
+    u8, i64, f32 = (torch.uint8, torch.bool), (torch.int64,), (torch.float32,)
+    return [c(rp.sub_do_sample, u8), c(rp.sub_top_k, i64), c(rp.sub_top_p, f32), c(rp.sub_temperature, f32),
+            c(rp.seed, i64), c(frame_idx, i64)]
 
 
 def _facts(host: dict) -> list[int]:
@@ -172,9 +225,10 @@ class FramePlan:
         self.dtype = dtype
 
     def run(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor, rp, cache,
-            with_logits: bool = False):
+            with_logits: bool = False, team: int | None = None):
         """h [B, Dt] talker hidden, c0 [B] -> codes [B, 1 + books] (c0 first; as _predict_residuals), and the
-        logits [books, B, V] fp32 when asked. Writes cache rows 0..B-1 (the predictor's scratch)."""
+        logits [books, B, V] fp32 when asked. Writes cache rows 0..B-1 (the predictor's scratch). team: how the
+        call uses torch's threads (fused_step.TEAM_MODES value; None: `set_team`'s setting)."""
         lib = library()
         sp = self.stack
         k, v = cache.k, cache.v
@@ -183,20 +237,22 @@ class FramePlan:
                 or k.shape[0] != sp.layers.shape[0] or B > k.shape[1] or B < 1 or h.shape[1] != self.Dt:
             raise ValueError("the cache or the input is not in a layout the predictor frame reads")
         h = h.contiguous()
-        c0 = c0.to(torch.int64).contiguous()
-        if int(c0.min()) < 0 or int(c0.max()) >= self.emb0.shape[0]:
+        if c0.dtype != torch.int64 or not c0.is_contiguous():
+            c0 = c0.to(torch.int64).contiguous()
+        lo, hi = torch.aminmax(c0)
+        if int(lo) < 0 or int(hi) >= self.emb0.shape[0]:
             raise ValueError("codebook-0 id out of range")
         keep: list = []
-        strides = torch.tensor([k.stride(0), k.stride(1), k.stride(2), k.shape[3]], dtype=torch.int64)
+        strides = sp.cache_strides(k)
         codes = torch.empty(B, self.books, dtype=torch.int64)
         logits = torch.empty(self.books, B, self.V) if with_logits else None
         bf16 = int(k.dtype == torch.bfloat16)
-        rc = lib.ttsp_frame(sp.dims.data_ptr(), sp.eps, sp.layers.data_ptr(), sp.inv_freq.data_ptr(),
+        rc = lib.ttsp_frame_team(sp.dims.data_ptr(), sp.eps, sp.layers.data_ptr(), sp.inv_freq.data_ptr(),
                             sp.final_norm.data_ptr(), k.data_ptr(), v.data_ptr(), strides.data_ptr(), bf16, B,
                             self.V, self.books, self.heads.data_ptr(), self.embeds.data_ptr(), self.proj.data_ptr(),
                             h.data_ptr(), self.emb0.data_ptr(), c0.data_ptr(),
                             *_sampler_args(rp, frame_idx, keep), *_facts(rp.host), codes.data_ptr(),
-                            None if logits is None else logits.data_ptr())
+                            None if logits is None else logits.data_ptr(), -1 if team is None else int(team))
         if rc != 0:
             raise RuntimeError(f"the predictor frame refused its input (code {rc})")
         out = torch.cat([c0[:, None], codes], dim=1)
@@ -210,14 +266,18 @@ def _choice_path(key: dict) -> Path:
 
 class PredictorFrame:
     """Serves `ModelRunner._predict_residuals` through a `FramePlan` where that was measured faster (module doc).
-    state: "trial", "on", "off"; status: one line for logs and benchmarks."""
+    state: "trial", "on", "off"; team: the frame's way with torch's threads once on (fused_step.TEAM_MODES value;
+    None: `set_team`'s setting, as TTS_FUSED_TEAM says); status: one line for logs and benchmarks."""
+
+    TEAM = fused_step.TEAM_MODES["claim"]   # the trial's "frame-team": the whole frame in one parallel region
 
     def __init__(self, plan: FramePlan, fused: fused_step.FusedStep, threads_switch=None, force: bool = False):
         self.plan, self.fused = plan, fused
         self.threads_switch = threads_switch
-        self.times: dict[str, list[float]] = {"frame": [], "loop": []}
+        self.times: dict[str, list[float]] = {"frame": [], "loop": [], "frame-team": []}
         self.agree = [0, 0]
         self.key = None
+        self.team = None
         self.state, self.status = "trial", "measuring"
         if force:
             self.state, self.status = "on", f"on ({ENV}=1)"
@@ -226,9 +286,10 @@ class PredictorFrame:
 
         self.key = {"machine": machine_key(), "frame": tag(), "wbits": plan.stack.wbits,
                     "dims": plan.stack.dims.tolist(), "V": plan.V, "Dt": plan.Dt}
-        got = remembered_choice.recall(_choice_path(self.key), self.key, ("frame", "loop"))
+        got = remembered_choice.recall(_choice_path(self.key), self.key, ("frame", "frame-team", "loop"))
         if got is not None:
-            self.state = "on" if got["choice"] == "frame" else "off"
+            self.state = "off" if got["choice"] == "loop" else "on"
+            self.team = self.TEAM if got["choice"] == "frame-team" else 0 if got["choice"] == "frame" else None
             self.status = f"{self.state} (measured before: {got['why']})"
 
     def takes(self, B: int) -> bool:
@@ -240,49 +301,63 @@ class PredictorFrame:
         if self.state == "trial":
             return self._trial(h, c0, frame_idx, rp, cache, loop)
         try:
-            return self._frame(h, c0, frame_idx, rp, cache)
+            return self._frame(h, c0, frame_idx, rp, cache, self.team)
         except Exception as e:   # one line, then the Python loop for good
             self.disable(f"{type(e).__name__}: {e}")
             return loop()
 
-    def _frame(self, h, c0, frame_idx, rp, cache):
+    def _frame(self, h, c0, frame_idx, rp, cache, team=None):
         # the governor's "matmul" option (engine/threads.MatmulThreads) gives our call its threads
         switch = self.threads_switch() if self.threads_switch is not None else None
         if switch is not None:
-            return switch.call(self.plan.run, h, c0, frame_idx, rp, cache)
-        return self.plan.run(h, c0, frame_idx, rp, cache)
+            return switch.call(self.plan.run, h, c0, frame_idx, rp, cache, team=team)
+        return self.plan.run(h, c0, frame_idx, rp, cache, team=team)
 
     def _trial(self, h, c0, frame_idx, rp, cache, loop):
-        frame_first = len(self.times["frame"]) % 2 == 1
+        """Each path once on this frame's input, the order rotating: the Python loop, the frame with one parallel
+        region per matmul ("frame", split) and the whole frame in one ("frame-team", claim; the same as split where
+        the call gets one thread); the two frames must give the same codes (they compute the same numbers), else
+        the team one is dropped."""
+        n = len(self.times["loop"])
+        paths = ["loop", "frame"] + (["frame-team"] if "frame-team" in self.times else [])
+        paths = paths[n % len(paths):] + paths[:n % len(paths)]
         clock = time.perf_counter
         try:
             res = {}
-            for which in (("frame", "loop") if frame_first else ("loop", "frame")):
+            for which in paths:
                 t0 = clock()
-                res[which] = self._frame(h, c0, frame_idx, rp, cache) if which == "frame" else loop()
+                res[which] = (loop() if which == "loop" else
+                              self._frame(h, c0, frame_idx, rp, cache, self.TEAM if which == "frame-team" else 0))
                 self.times[which].append(clock() - t0)
         except Exception as e:
             self.disable(f"{type(e).__name__}: {e}")
             return loop()
+        if "frame-team" in res and not torch.equal(res["frame-team"], res["frame"]):
+            log.warning("tts_engine: the predictor frame in one parallel region gave other codes than the split "
+                        "frame; not used")
+            del self.times["frame-team"]
         same = res["frame"][:, 1] == res["loop"][:, 1]
         self.agree[0] += int(same.sum())
         self.agree[1] += same.numel()
         if len(self.times["frame"]) >= TRIAL_FRAMES:
             self._decide()
-        return res["loop" if frame_first else "frame"]
+        return res[paths[-1]] if paths[-1] != "frame-team" or "frame-team" in self.times else res["loop"]
 
     def _decide(self) -> None:
         rate = self.agree[0] / max(1, self.agree[1])
         if rate < MIN_AGREE:
             self.disable(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
             return
-        f, p = statistics.median(self.times["frame"]), statistics.median(self.times["loop"])
-        self.state = "on" if f < p else "off"
-        why = f"frame {1e3 * f:.2f} ms vs Python loop {1e3 * p:.2f} ms, first codebook agreeing {rate:.0%}"
+        med = {k: statistics.median(v) for k, v in self.times.items() if len(v) >= TRIAL_FRAMES // 2 and v}
+        best = min(med, key=med.get)
+        self.state = "off" if best == "loop" else "on"
+        self.team = self.TEAM if best == "frame-team" else 0 if best == "frame" else None
+        why = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
+        why = f"{best} by median: {why.replace('loop', 'Python loop')}, first codebook agreeing {rate:.0%}"
         self.status = f"{self.state} ({why})"
         log.info("tts_engine: code predictor frame in one call %s", self.status)
         if self.key is not None:
-            remembered_choice.remember(_choice_path(self.key), self.key, "frame" if self.state == "on" else "loop", why)
+            remembered_choice.remember(_choice_path(self.key), self.key, best, why)
 
     def disable(self, why: str) -> None:
         self.state = "off"
