@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine
-from tts_engine.codec import decoder, dtype_choice, packed_conv, speech_tokenizer
+from tts_engine.codec import decoder, dtype_choice, int8_conv, packed_conv, speech_tokenizer
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
 
@@ -44,7 +44,9 @@ def test_auto_keeps_the_faster_dtype_and_remembers_it(cache, monkeypatch, t16, t
     got = dtype_choice.choose(dec)
     assert got.pre_conv.conv.weight.dtype == want and (got is dec) == (want == torch.bfloat16)
     n_conv = 2 if packed_conv.available() else 1                                 # aten and packed convs
-    assert calls.count(torch.bfloat16) == calls.count(torch.float32) == 3 * n_conv   # warm-up + 2 interleaved
+    n_int8 = int(packed_conv.available() and int8_conv.available())              # + int8, in the first dtype only
+    assert calls.count(torch.bfloat16) == 3 * (n_conv + n_int8)                   # warm-up + 2 interleaved
+    assert calls.count(torch.float32) == 3 * n_conv
     saved = json.loads(cache.read_text())[dtype_choice.machine_key(dec)]
     assert saved["dtype"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
     # the next load reads the choice instead of measuring
@@ -134,7 +136,8 @@ def test_auto_keeps_the_faster_conv_path_and_remembers_it(cache, monkeypatch, fa
     assert bool(held) == (want_conv == "packed")               # the losing path's packed weights are released
     saved = json.loads(cache.read_text())[dtype_choice.machine_key(got)]
     assert saved["conv"] == want_conv and set(saved["ms_per_frame"]) == {"bf16 aten", "bf16 packed", "fp32 aten",
-                                                                          "fp32 packed"}
+                                                                          "fp32 packed"} | (
+        {"bf16 int8"} if int8_conv.available() else set())   # (int8 as slow as the rest here: not chosen)
     monkeypatch.setattr(dtype_choice, "time_decoder", lambda *a, **k: pytest.fail("measured again"))
     again = dtype_choice.choose(_dec(torch.bfloat16))
     assert again.conv_mode == want_conv and again.pre_conv.conv.weight.dtype == want_dtype

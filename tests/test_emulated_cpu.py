@@ -2,9 +2,9 @@
 the same run on this machine (tests/emulated_cpu.py does the work; its module doc says how and why).
 
 On the emulated CPU: cpu_info sees that CPU; our kernels, the fused SnakeBeta and the fused step's bf16 matmul
-pick their AVX2 paths (cpuid), W4A8 is neither offered nor picked (a clear refusal); every kernel candidate offered
-runs; the W8A8 kernel gives exact int32 sums and the same bytes as the native AVX-512 VNNI path; a whole tiny
-synthesis in w8a8 and bf16 (fused step and predictor frame on) gives finite audio; teacher-forced on the native run's codes, hidden
+pick their AVX2 paths (cpuid); every kernel candidate offered runs; the W8A8 kernel gives exact int32 sums and the
+same bytes as the native AVX-512 VNNI path, the W4A8 kernel (its AVX2 path, vpmaddubsw) the same bytes as the native
+VNNI one; a whole tiny synthesis in w8a8, w4a8 and bf16 (fused step and predictor frame on) gives finite audio; teacher-forced on the native run's codes, hidden
 states and logits stay within test_fused_step's bounds of native; the codec (fp32 aten and packed, bf16) decodes
 those codes as natively. A SIGILL anywhere fails it (the emulated process dies).
 

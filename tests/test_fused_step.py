@@ -3,7 +3,8 @@ W8A8 / W4A8 / bf16 decoder stack.
 
 - Against the eager path on the same quantised weights: hidden states and the KV cache entries it writes agree
   (fp32 activations: to float rounding; bf16: to bf16 rounding), for rows at different positions, rows given as an
-  index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code path; bf16 stacks
+  index tensor, two positions of one row (the code predictor's first pass), and the AVX2 code paths (W8A8 and W4A8:
+  the same bits); bf16 stacks
   (nn.Linear bf16 weights read in place) on each of the bf16 matmul's ISA paths (AVX-512 BF16, AVX-512F, AVX2).
 - In an engine: greedy codes with the fused step match the eager engine's on most frames; the step is really used.
 - Choosing and falling back: the trial times both paths when the step is built, before any request (a lossy
@@ -116,22 +117,24 @@ def test_fused_step_matches_eager(fused_lib, own_kernels, mode, dtype, layout):
     assert torch.equal(cf.k[untouched], ce.k[untouched]) and torch.equal(cf.v[untouched], ce.v[untouched])
 
 
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
 @torch.inference_mode()
-def test_avx2_path_gives_the_same_numbers(fused_lib, own_kernels):
-    """The AVX2 matmul path (TTS_CPU_EXT_ISA=avx2 picks it; forced here through the plan) computes the same exact
-    int32 sums as the VNNI one."""
+def test_avx2_path_gives_the_same_numbers(fused_lib, own_kernels, mode):
+    """The AVX2 matmul paths (what a CPU without VNNI runs; TTS_CPU_ISA=avx2 picks them, forced here through the plan)
+    compute the same exact int32 sums (W8A8) and per-group sums (W4A8) with the same fp32 epilogue as the VNNI ones:
+    the stack's output is the same bits (everything else in the step is the same code at the same CPU level)."""
     if cpu_ext.isa() != "avx512-vnni":
         pytest.skip("compares the AVX-512 VNNI path with the AVX2 one")
-    stack = make_stack("w8a8")
+    stack = make_stack(mode)
     plan = fused_step.StackPlan(stack)
     c1 = filled_cache(stack, torch.float32)
     c2 = copy.deepcopy(c1)
-    x = torch.randn(2, CFG.hidden_size, generator=torch.Generator().manual_seed(3))
-    rows, pos = torch.tensor([0, 1]), torch.tensor([12, 12])
+    x = torch.randn(3, CFG.hidden_size, generator=torch.Generator().manual_seed(3))
+    rows, pos = torch.tensor([0, 1, 2]), torch.tensor([12, 12, 5])
     y1 = plan.run(x, c1, rows, pos)
     plan.dims[7] = 1   # fused_step.cpp Dim ISA_: 1 = AVX2
     y2 = plan.run(x, c2, rows, pos)
-    torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y2, y1) and torch.equal(c2.k, c1.k) and torch.equal(c2.v, c1.v)
 
 
 @torch.inference_mode()
@@ -183,13 +186,15 @@ def test_bf16_matmul_tiles_match_a_plain_matmul_at_every_row_count(fused_lib, M)
         fused_step.bf16_matmul(w[:44], x, 1)   # N not a multiple of 8
 
 
-def test_w4a8_plan_declines_the_avx2_path(fused_lib, own_kernels, monkeypatch):
-    if not cpu_ext.has_w4a8():
-        pytest.skip("no W4A8 kernel here")
-    stack = make_stack("w4a8")
-    monkeypatch.setitem(cpu_ext._state, "isa", 1)
-    with pytest.raises(ValueError, match="AVX-512"):
-        fused_step.StackPlan(stack)
+def test_plan_refuses_a_path_above_the_cpu_level(fused_lib, own_kernels):
+    """A plan whose matmul path is above what the kernels run at (a forced level, or a bad plan) is refused by the
+    C++ (-1: nothing run, no illegal instruction), never executed."""
+    stack = make_stack("w8a8")
+    plan = fused_step.StackPlan(stack)
+    cache = filled_cache(stack, torch.float32)
+    plan.dims[7] = 3   # no such W8A8 path (2 is the highest)
+    with pytest.raises(Exception):
+        plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([0]), torch.tensor([12]))
 
 
 def test_plan_declines_dense_and_unfused_stacks():

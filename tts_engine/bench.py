@@ -37,7 +37,15 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpu = cpu_info().name
-    return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    forced = ""
+    if os.environ.get("TTS_CPU_ISA", "native").strip().lower() not in ("", "native", "auto") \
+            or os.environ.get("TTS_CPU_EXT_ISA"):   # a forced CPU level of our kernels: say so beside every figure
+        from .model import cpu_ext
+
+        if cpu_ext.available() and cpu_ext.level() < cpu_ext.cpu_level():
+            forced = f", our kernels forced to {cpu_ext.level_name()} (TTS_CPU_ISA; this CPU: " \
+                     f"{cpu_ext.LEVEL_NAMES[cpu_ext.cpu_level()]})"
+    return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{forced}"
 
 
 def checkpoint_for(arch: str, dtype: torch.dtype, kind: str = "custom_voice") -> Path:

@@ -11,7 +11,15 @@ candidates interleaved round by round: a plain read of the same bytes (the floor
 `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
 and our own fused kernel (`kernels.w8a8_vnni`). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
 built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
-sets the threads (default 2)."""
+sets the threads (default 2).
+
+`python -m tts_engine.bench_matmuls levels [ROUNDS] [ROWS] [LAYERS]`: our kernels (plain read, W8A8, W4A8, the fused step's
+bf16 matmul) at every CPU level this CPU runs (TTS_CPU_ISA's levels: avx2, avx512, avx512vnni, avx512bf16), levels
+interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB of weights, served from the L3:
+each path's compute ceiling, which a busy machine's memory contention does not hide).
+
+`python -m tts_engine.bench_matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
+1 and 4 rows, one thread (`ceilings`)."""
 from __future__ import annotations
 
 import os
@@ -125,8 +133,150 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
               f"best {1e3 * v[0]:.1f} ms")
 
 
+def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
+    """Our kernels at every CPU level this CPU runs (`cpu_ext.set_level`, as TTS_CPU_ISA forces it), interleaved
+    level by level within each round: per level the plain read, W8A8, W4A8 and the fused step's bf16 matmul on the
+    0.6B talker's shapes x `layers` layers (int8 ~430 MB, int4 ~250 MB, bf16 (half the layers) ~440 MB: each more
+    than any L3), `rows` input rows, one call per weight. GB/s of the bytes each kernel reads (best and median of
+    `rounds`). A forced level runs that level's code on THIS CPU (its memory system, its core): the AVX2 row on a Zen 4
+    is our AVX2 code on a Zen 4, not a Haswell's figure. -> the table's lines (also printed)."""
+    from .model import cpu_ext, fused_step, kernels
+    from .model.quant import INT4_GROUP
+
+    if not cpu_ext.available():
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+        return []
+    lib16 = fused_step.library()
+    D, Dq, Dkv, inter = 1024, 2048, 1024, 3072        # the 0.6B talker
+    shapes = [(Dq + 2 * Dkv, D), (D, Dq), (2 * inter, D), (D, inter)] * layers
+    g = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
+    xf = {k: v.float() for k, v in xs.items()}
+    P8, S8, P4, W16 = [], [], [], []
+    for i, (n, k) in enumerate(shapes):
+        P8.append(cpu_ext.pack(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)))
+        S8.append(torch.rand(n, generator=g) * 1e-4)
+        q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        P4.append(cpu_ext.pack4(q4, torch.rand(k // INT4_GROUP, n, 2, generator=g).to(torch.bfloat16)))
+        if i < len(shapes) // 2:
+            W16.append(torch.randn(n, k, generator=g).to(torch.bfloat16))
+    big = torch.full((512 << 20,), 7, dtype=torch.uint8)
+    nbytes = {"plain read": big.numel(), "w8a8": sum(p.numel() for p in P8), "w4a8": sum(p.numel() for p in P4),
+              "bf16": sum(w.numel() * 2 for w in W16)}
+    calls = {"plain read": lambda: cpu_ext.read_bytes(big),
+             "w8a8": lambda: [kernels.w8a8_vnni(xs[p_k], p, s) for p, s, p_k in zip(P8, S8, (k for _, k in shapes))],
+             "w4a8": lambda: [cpu_ext.w4a8(xs[k], p, n) for (n, k), p in zip(shapes, P4)],
+             "bf16": lambda: [fused_step.bf16_matmul(w, xf[w.shape[1]], lib16.ttsf_bf16_isa()) for w in W16]}
+    was = cpu_ext.level()
+    lvls = list(range(1, cpu_ext.cpu_level() + 1))
+    times = {(lv, n): [] for lv in lvls for n in calls}
+    paths = {}
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for lv in lvls:
+                    cpu_ext.set_level(lv)
+                    paths[lv] = (cpu_ext.isa(), lib16.ttsf_bf16_isa())
+                    for n, f in calls.items():
+                        t0 = time.perf_counter()
+                        f()
+                        times[(lv, n)].append(time.perf_counter() - t0)
+    finally:
+        cpu_ext.set_level(was)
+    bf16_names = {3: "avx512-bf16", 2: "avx512f", 1: "avx2"}
+    lines = [f"{bench.device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
+             f"{os.getloadavg()[0]:.1f}; {rounds} rounds, {rows} row(s), levels interleaved; GB/s best (median)",
+             "| level (TTS_CPU_ISA) | W8A8/W4A8 path | bf16 path | plain read | W8A8 | W4A8 | bf16 |", "|---|---|---|---|---|---|---|"]
+    for lv in lvls:
+        cells = []
+        for n in calls:
+            v = sorted(times[(lv, n)])
+            cells.append(f"{nbytes[n] / v[0] / 1e9:.1f} ({nbytes[n] / v[len(v) // 2] / 1e9:.1f})")
+        lines.append(f"| {cpu_ext.LEVEL_NAMES[lv]}{' (native)' if lv == lvls[-1] else ''} | {paths[lv][0]} | "
+                     f"{bf16_names.get(paths[lv][1], paths[lv][1])} | " + " | ".join(cells) + " |")
+    lines.append(f"bytes per sweep: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in nbytes.items()))
+    print("\n".join(lines))
+    return lines
+
+
+def ceilings(rounds: int = 5, calls: int = 200) -> list[str]:
+    """Each kernel's compute ceiling at every CPU level this CPU runs: weights resident in L2 (int8 768 x 1024,
+    int4 1024 x 1024, bf16 384 x 1024; a core's private cache, so neither memory nor another process's L3 traffic
+    hides the compute), 1 and 4 rows, best of `rounds` x `calls` calls; GB/s raw and net of a tiny call's fixed
+    cost (wrapper, ctypes, parallel_for; the fused step calls the kernels from C++ without it). Run it with
+    TTS_THREADS=1 (one core's ceiling). -> the table's lines (also printed)."""
+    from .model import cpu_ext, fused_step
+    from .model.quant import int4_quantize
+
+    if not cpu_ext.available():
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+        return []
+    g = torch.Generator().manual_seed(0)
+    K = 1024
+    lib = fused_step.library()
+
+    def weights(n8, n4, n16):
+        q4, sz = int4_quantize(torch.randn(n4, K, generator=g), 64)
+        return {"w8a8": (n8, cpu_ext.pack(torch.randint(-127, 128, (n8, K), dtype=torch.int8, generator=g)),
+                         torch.rand(n8, generator=g) * 1e-4),
+                "w4a8": (n4, cpu_ext.pack4(q4, sz)), "bf16": (n16, torch.randn(n16, K, generator=g).bfloat16())}
+    big, tiny = weights(768, 1024, 384), weights(16, 16, 8)
+
+    def call(name, w, x, xf):
+        if name == "w8a8":
+            return lambda: cpu_ext.w8a8(x, w[1], w[2], w[0])
+        if name == "w4a8":
+            return lambda: cpu_ext.w4a8(x, w[1], w[0])
+        return lambda: fused_step.bf16_matmul(w[1], xf, lib.ttsf_bf16_isa())
+    nbytes = {n: w[1].numel() * w[1].element_size() for n, w in big.items()}
+    lvls = list(range(1, cpu_ext.cpu_level() + 1))
+    best: dict = {}
+    was = cpu_ext.level()
+    try:
+        with torch.inference_mode():
+            for rows in (1, 4):
+                x = torch.randn(rows, K, generator=g).bfloat16()
+                xf = x.float()
+                for _ in range(rounds):
+                    for lv in lvls:
+                        cpu_ext.set_level(lv)
+                        for n in big:
+                            for which, ws in (("big", big), ("tiny", tiny)):
+                                f = call(n, ws[n], x, xf)
+                                for _ in range(calls):
+                                    t0 = time.perf_counter()
+                                    f()
+                                    t = time.perf_counter() - t0
+                                    k = (rows, lv, n, which)
+                                    best[k] = min(best.get(k, 1e9), t)
+    finally:
+        cpu_ext.set_level(was)
+    lines = [f"{bench.device_name(torch.device('cpu'))}; load average {os.getloadavg()[0]:.1f}; weights in L2; GB/s "
+             f"raw (net of a tiny call's cost), best of {rounds} x {calls} calls",
+             "| level | W8A8 1 row | W4A8 1 row | bf16 1 row | W8A8 4 rows | W4A8 4 rows | bf16 4 rows |",
+             "|---|---|---|---|---|---|---|"]
+    for lv in lvls:
+        cells = []
+        for rows in (1, 4):
+            for n in big:
+                b, t = best[(rows, lv, n, "big")], best[(rows, lv, n, "tiny")]
+                cells.append(f"{nbytes[n] / b / 1e9:.1f} ({nbytes[n] / max(b - t, 1e-9) / 1e9:.1f})")
+        lines.append(f"| {cpu_ext.LEVEL_NAMES[lv]} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    return lines
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "ceilings":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "1")))
+        ceilings(int(argv[1]) if len(argv) > 1 else 5)
+        return 0
+    if argv and argv[0] == "levels":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
+        levels(int(argv[1]) if len(argv) > 1 else 7, int(argv[2]) if len(argv) > 2 else 1,
+               int(argv[3]) if len(argv) > 3 else 28)
+        return 0
     if argv and argv[0] == "gbps":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
         base = None

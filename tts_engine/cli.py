@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     s.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (the eager per-frame step)")
     s.add_argument("--quantize", choices=[*QUANT_MODES, "auto"],
                    help="quantised talker and code predictor (CPU; lossy, faster): int8 / int4 weights, w8a8 / w4a8 int8 "
-                        "or int4 weights x int8 activations (w4a8: AVX-512 VNNI CPUs); auto: the fastest acceptable mode measured on this CPU")
+                        "or int4 weights x int8 activations (w4a8: our own kernels, AVX2 or AVX-512 VNNI); auto: the fastest acceptable mode measured on this CPU")
     s.add_argument("--out", required=True)
     s.add_argument("--codes-out", help="also save the generated codes, int64 (frames, 16), as .npy")
     s.set_defaults(fn=_synth)

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
 from ..model import cpu_ext
+from .int8_conv import Int8Conv
 from .packed_conv import PackedConv
 
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
@@ -125,14 +126,17 @@ class _Packable:
     of `conv1d`. `up` is this conv's input samples per code frame (set by the decoder), for the length limit."""
 
     packed = False
+    int8 = False   # (with `packed`) this conv runs through `int8_conv.Int8Conv` (set_conv_mode("int8"))
     up = 1
 
     def _packer(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, ctx: int):
         key = (weight.data_ptr(), _version(weight), weight.dtype, None if bias is None else _version(bias))
-        pk = getattr(self, "_pk", None)
+        slot = "_pk8" if self.int8 else "_pk"   # (both kept: switching modes while timing them must not repack)
+        pk = getattr(self, slot, None)
         if pk is None or pk[0] != key:
-            pk = (key, PackedConv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
-            self._pk = pk
+            conv = Int8Conv if self.int8 else PackedConv
+            pk = (key, conv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
+            setattr(self, slot, pk)
         return pk[1]
 
 
@@ -619,16 +623,20 @@ class CodecDecoder(nn.Module):
         return mods
 
     conv_mode = "aten"
+    CONV_MODES = ("aten", "packed", "int8")
 
     def set_conv_mode(self, mode: str) -> None:
         """"aten" (default; the parity-tested path): each conv calls oneDNN (or aten) with its plain weight.
         "packed": the stateful convs run through `packed_conv.PackedConv` (weights reordered once per input
         shape, activations channels-last) on chunks of up to PACKED_MAX_FRAMES frames, and the SnakeBeta
         activations in one fused pass (`cpu_ext.snake`, where our CPU kernels build); equal to "aten" up to
-        float rounding (the accumulation order differs; the snake is computed in fp32, rounded once). Chosen by measuring it (`dtype_choice`)."""
-        if mode not in ("aten", "packed"):
-            raise ValueError("conv mode must be 'aten' or 'packed'")
-        on = mode == "packed"
+        float rounding (the accumulation order differs; the snake is computed in fp32, rounded once).
+        "int8": "packed", and the convs of `int8_convs` in int8 (`int8_conv.Int8Conv`: int8 weights, inputs
+        quantised to uint8 per call): lossy, measured against fp32 (`codec.quality`) before it may be chosen.
+        Chosen by measuring them (`dtype_choice`)."""
+        if mode not in self.CONV_MODES:
+            raise ValueError(f"conv mode must be one of {', '.join(self.CONV_MODES)}")
+        on = mode in ("packed", "int8")
         up = 1                                                  # input samples per frame at each conv
         self.pre_conv.packed, self.pre_conv.up = on, up
         for tc, blk in self.upsample:
@@ -647,13 +655,42 @@ class CodecDecoder(nn.Module):
         for m in self.modules():
             if isinstance(m, SnakeBeta):
                 m.fused = on
+            if isinstance(m, _Packable):
+                m.int8 = False
+        if mode == "int8":
+            for m in self.int8_convs():
+                m.int8 = True
         self.conv_mode = mode
+
+    def int8_convs(self) -> list[nn.Module]:
+        """The convs that conv mode "int8" runs in int8: the decoder's first conv and, in every decoder block, the
+        transposed conv and the residual units' convs (~90 % of the decoder's multiply-adds). The pre-transformer,
+        the upsampling stages and the last conv (1 output channel) keep the model's dtype."""
+        mods: list[nn.Module] = [self.decoder[0]]
+        for blk in self.decoder[1:1 + len(self.cfg.upsample_rates)]:
+            mods.append(blk.block[1])
+            for ru in blk.block[2:]:
+                mods += [ru.conv1, ru.conv2]
+        return mods
 
     def release_packed(self) -> None:
         """Drop the convs' reordered weights (they are made again on the next packed decode)."""
         for m in self.modules():
-            if getattr(m, "_pk", None) is not None:
-                m._pk = None
+            for slot in ("_pk", "_pk8"):
+                if getattr(m, slot, None) is not None:
+                    setattr(m, slot, None)
+
+    def release_unused(self) -> None:
+        """Drop the reordered weights the current conv mode does not use (all of them on the aten path; the int8
+        copies in "packed" mode; the bf16/fp32 copies of the int8 convs in "int8" mode)."""
+        if self.conv_mode == "aten":
+            self.release_packed()
+            return
+        for m in self.modules():
+            if isinstance(m, _Packable):
+                slot = "_pk" if m.int8 else "_pk8"
+                if getattr(m, slot, None) is not None:
+                    setattr(m, slot, None)
 
     def refresh_codebooks(self) -> None:
         """Recompute the cached codebook vectors (automatic after load / .to() / in-place edits)."""

@@ -14,12 +14,21 @@ BW/VL/DQ, no AVX-NE-CONVERT) only fp32 is a candidate: bf16 would take aten's ge
 decoder size in ~/.cache/qwen3-tts-live/choices/codec_dtype.json.
 An fp32 model keeps an fp32 decoder on aten's path (exact path, parity-tested); GPUs keep the model's dtype.
 
+int8 convolutions (`int8_conv`, conv path "int8": the decoder's first conv and its blocks' convs in int8, ~90 % of
+its multiply-adds) are a lossy candidate: timed with the others (in the first dtype only), and chosen only when they
+take < 90 % of the lossless pick's time AND their output against the fp32 decoder (`codec.quality`: waveform SNR
+and log-spectral distance on QUALITY_FRAMES frames of fixed codes, measured once per checkpoint and remembered in
+the entry) meets `quality.MIN_SNR_DB` / `quality.MAX_LSD_DB`. Where oneDNN's int8 convolutions are missing, or any
+call fails, the path is no candidate or falls back to the dtype's own convolutions.
+
 TTS_CODEC_DTYPE=auto (default) | fp32 | bf16 | model overrides the dtype; TTS_CODEC_CONV=auto (default) | aten |
-packed the convolution path (for a bf16 model; an override of either still measures the other).
+packed | int8 the convolution path (for a bf16 model; an override of either still measures the other; int8 forced
+skips the quality check); TTS_CODEC_INT8=0 takes int8 out of the automatic choice.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -30,13 +39,17 @@ import torch
 
 from ..cache_paths import cache_root
 from ..cpu_info import cpu_info
-from . import packed_conv
+from . import int8_conv, packed_conv, quality
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_DTYPE"
 CONV_ENV = "TTS_CODEC_CONV"
 TIMED_CHUNKS = (1, 2, 8)   # frames per decode_step of the timed stream (the engine's first chunks, then a longer one)
 FP32_MARGIN = 0.9   # fp32 replaces bf16 only when it takes < 90 % of bf16's time
+INT8_MARGIN = 0.9   # int8 convolutions replace the lossless pick only when they take < 90 % of its time
+INT8_ENV = "TTS_CODEC_INT8"   # 0: int8 convolutions are no candidate (TTS_CODEC_CONV=int8 forces them)
+QUALITY_FRAMES = 36   # frames of the int8 quality check at load (codec.quality; its command line uses 120)
+ENTRY_VERSION = 2   # entries before it were measured without the int8 path
 
 
 def cache_file() -> Path:
@@ -100,11 +113,11 @@ def choose(dec):
     if w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return dec
     want = _want(ENV, ("auto", "fp32", "bf16", "model"))
-    want_conv = _want(CONV_ENV, ("auto", "aten", "packed"))
+    want_conv = _want(CONV_ENV, ("auto", "aten", "packed", "int8"))
     dtypes = ["bf16", "fp32"] if want == "auto" else ["fp32" if want == "fp32" else "bf16"]
     if want == "auto" and not _bf16_convs():   # bf16 would take aten's generic convolutions (150-200x slower)
         dtypes = ["fp32"]
-    convs = ["aten", "packed"] if want_conv == "auto" else [want_conv]
+    convs = ["aten", "packed"] + (["int8"] if _int8_ok() else []) if want_conv == "auto" else [want_conv]
     if not packed_conv.available():
         convs = ["aten"]
     if len(dtypes) == len(convs) == 1:                      # both forced: nothing to measure
@@ -113,33 +126,94 @@ def choose(dec):
         return out
     key = machine_key(dec)
     entry, measured = _read().get(key), {}
-    if entry is None or "conv" not in entry:   # (entries before the conv choice had only a dtype)
+    if entry is None or "conv" not in entry or entry.get("v", 1) < ENTRY_VERSION:   # (older entries: fewer paths)
         entry, measured = _measure(dec)
         _write(key, entry)
         log.info("codec decoder measured on this CPU: %s", entry)
-    dtype = entry["dtype"] if entry["dtype"] in dtypes else dtypes[0]
-    conv = entry["conv"] if entry["conv"] in convs else convs[0]
-    if len(convs) > 1 and len(dtypes) == 1 and entry["dtype"] != dtype:   # dtype forced: that dtype's faster conv
-        conv = min(convs, key=lambda c: entry["ms_per_frame"].get(f"{dtype} {c}", float("inf")))
+    ms = entry["ms_per_frame"]
+    dtype, conv = _pick(ms, dtypes, [c for c in convs if c != "int8"] or ["packed"])
+    i8 = min((d for d in dtypes if f"{d} int8" in ms), key=lambda d: ms[f"{d} int8"], default=None)
+    if want_conv == "int8":                                     # forced: in the measured dtype, else the pick's
+        dtype, conv = i8 or dtype, "int8"
+    elif "int8" in convs:   # int8 replaces the lossless pick when it is faster by the margin and good enough
+        if i8 is not None and ms[f"{i8} int8"] < INT8_MARGIN * ms.get(f"{dtype} {conv}", float("inf")):
+            q = int8_quality(dec, i8, entry, key)
+            if quality.acceptable(q):
+                dtype, conv = i8, "int8"
+            else:
+                log.info("codec: int8 convolutions faster but not accurate enough here (%s); %s %s kept", q, dtype,
+                         conv)
     out = measured.get(f"{dtype} {conv}")     # the timed copy (its weights already packed for those chunks)
     if out is None:
         out = _fp32(dec) if dtype == "fp32" else dec
-        out.set_conv_mode(conv)
-    if conv == "aten":
-        out.release_packed()                   # packed while measuring, not used
+    out.set_conv_mode(conv)
+    out.release_unused()                       # packed while measuring, not used
     return out
 
 
+def _pick(ms: dict, dtypes: list, convs: list) -> tuple[str, str]:
+    """The lossless (dtype, conv) to use: the fastest measured of each dtype; fp32 replaces bf16 only when it takes
+    < FP32_MARGIN of bf16's time. Unmeasured combinations (a forced path) count as slowest."""
+    def best(d):
+        return min(convs, key=lambda c: ms.get(f"{d} {c}", float("inf")))
+
+    picks = {d: (d, best(d)) for d in dtypes}
+    if len(picks) == 1:
+        return next(iter(picks.values()))
+    t16, t32 = ms.get(" ".join(picks["bf16"]), float("inf")), ms.get(" ".join(picks["fp32"]), float("inf"))
+    return picks["fp32"] if t32 < FP32_MARGIN * t16 else picks["bf16"]
+
+
+def _int8_ok() -> bool:
+    return int8_conv.available() and os.environ.get(INT8_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def weights_key(dec) -> str:
+    """A short fingerprint of the decoder's weights (the int8 quality depends on them, not on the machine)."""
+    h = hashlib.sha1()
+    for m in (dec.decoder[0], dec.decoder[1].block[1], dec.decoder[-1]):
+        t = m.conv.weight.detach().float().reshape(-1)
+        h.update(t[:4096].numpy().tobytes())
+        h.update(str(tuple(m.conv.weight.shape)).encode())
+    return h.hexdigest()[:16]
+
+
+def int8_quality(dec, dtype: str, entry: dict, key: str) -> dict:
+    """{"snr_db", "lsd_db"} of `dec` in `dtype` with int8 convolutions against its fp32 copy (QUALITY_FRAMES frames,
+    `codec.quality`), remembered in the machine's entry per weights fingerprint (measured once per checkpoint)."""
+    wk = weights_key(dec)
+    got = (entry.get("int8_quality") or {}).get(wk)
+    if got is not None:
+        return got
+    t0 = time.perf_counter()
+    try:
+        got = quality.measure(dec, [("int8", torch.bfloat16 if dtype == "bf16" else torch.float32, "int8")],
+                              QUALITY_FRAMES, ref_conv="packed" if packed_conv.available() else "aten")["int8"]
+    except Exception as e:   # noqa: BLE001 - not measurable: not eligible
+        log.warning("codec: int8 quality not measured (%s)", e)
+        return {"snr_db": float("-inf"), "lsd_db": float("inf"), "error": str(e)[:200]}
+    got["frames"] = QUALITY_FRAMES
+    log.info("codec: int8 convolutions against fp32 on %d frames: %s (%.1f s)", QUALITY_FRAMES, got,
+             time.perf_counter() - t0)
+    entry.setdefault("int8_quality", {})[wk] = got
+    _write(key, entry)
+    return got
+
+
 def _measure(dec) -> tuple[dict, dict]:
-    """Time every candidate (dtype x conv path) interleaved; -> the cache entry, {"dtype conv": decoder} for the
-    chosen candidate (its weights already packed for the timed chunks). The two paths of one dtype share one
-    decoder (switched by `set_conv_mode`), so only the fp32 copy is extra memory while measuring."""
+    """Time every candidate (dtype x conv path) interleaved; -> the cache entry, {"dtype conv": decoder} of the
+    candidates (their weights already packed for the timed chunks). The paths of one dtype share one decoder
+    (switched by `set_conv_mode`), so only the fp32 copy is extra memory while measuring. The int8 path is timed in
+    the first dtype only (bf16 where oneDNN has bf16 convolutions, else fp32)."""
     f32 = _fp32(dec)
     cands = {}
     for name, d in (("bf16", dec), ("fp32", f32)):
         if name == "bf16" and not _bf16_convs():
             continue
-        for conv in (["aten", "packed"] if packed_conv.available() else ["aten"]):
+        paths = ["aten", "packed"] if packed_conv.available() else ["aten"]
+        if not cands and packed_conv.available() and _int8_ok():
+            paths.append("int8")
+        for conv in paths:
             cands[f"{name} {conv}"] = (d, conv)
 
     def timed(d, conv):
@@ -152,15 +226,11 @@ def _measure(dec) -> tuple[dict, dict]:
     for _ in range(2):                                       # interleaved
         for k, (d, conv) in cands.items():
             best[k] = min(best[k], timed(d, conv))
-    b16 = min((k for k in best if k.startswith("bf16")), key=best.get, default=None)
-    b32 = min((k for k in best if k.startswith("fp32")), key=best.get)
-    pick = b32 if b16 is None or best[b32] < FP32_MARGIN * best[b16] else b16
-    d, conv = cands[pick]
-    d.set_conv_mode(conv)
     frames = sum(TIMED_CHUNKS)
-    return {"dtype": pick.split()[0], "conv": pick.split()[1],
-            "ms_per_frame": {k: round(1000 * v / frames, 2) for k, v in best.items()},
-            "timed_chunks": list(TIMED_CHUNKS)}, {pick: d}
+    ms = {k: round(1000 * v / frames, 2) for k, v in best.items()}
+    dtype, conv = _pick(ms, sorted({k.split()[0] for k in ms}), ["aten", "packed"])
+    return {"v": ENTRY_VERSION, "dtype": dtype, "conv": conv, "ms_per_frame": ms,
+            "timed_chunks": list(TIMED_CHUNKS)}, {k: d for k, (d, _) in cands.items()}
 
 
 def _bf16_convs() -> bool:

@@ -16,6 +16,9 @@
 #include <string.h>
 #include <math.h>
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
 #include <cmath>
 #include <vector>
 #include <ATen/Parallel.h>
@@ -26,6 +29,41 @@ constexpr int64_t BLK = 16;   // output rows per block
 constexpr int64_t KU = 16;    // k per unrolled step (4 vectors of 4 k)
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// ---- the CPU level our kernels run at (every library that includes this file: cpu_ext, fused_step, ...) ---------
+// 1 AVX2 + FMA, 2 AVX-512F/BW/VL (Skylake-X), 3 + AVX-512 VNNI (Cascade Lake, Ice Lake), 4 + AVX-512 BF16 (Zen 4,
+// Sapphire Rapids); 0 none of these. The level is what cpuid says, or lower where TTS_CPU_ISA asks for it (avx2 /
+// avx512 / avx512vnni / avx512bf16 / native: to run and time the lower paths on a CPU that has the higher ones);
+// never higher than cpuid. Each kernel maps the level to its own paths (ttsx_isa, ttsx_snake_isa, ttsf_bf16_isa).
+int level_of_cpu() {
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")))
+    return 1;
+  if (!__builtin_cpu_supports("avx512vnni")) return 2;
+  return __builtin_cpu_supports("avx512bf16") ? 4 : 3;
+}
+
+int level_asked() {   // TTS_CPU_ISA -> a level (99: native, or unset / unknown: the Python side says so)
+  const char* e = getenv("TTS_CPU_ISA");
+  if (!e) return 99;
+  std::string v(e);
+  for (auto& c : v) c = (char)tolower((unsigned char)c);
+  v.erase(std::remove_if(v.begin(), v.end(), [](char c) { return c == '-' || c == '_' || c == ' '; }), v.end());
+  if (v == "avx2") return 1;
+  if (v == "avx512") return 2;
+  if (v == "avx512vnni") return 3;
+  if (v == "avx512bf16") return 4;
+  return 99;
+}
+
+int g_level = -1;   // resolved on first use; ttsx_set_level changes it (tests, cpu_ext.py)
+
+inline int level() {
+  int l = g_level;
+  if (l < 0) l = g_level = std::min(level_of_cpu(), level_asked());
+  return l;
+}
 
 inline uint16_t f32_to_bf16(float f) {   // round to nearest even (finite values; NaN stays NaN)
   uint32_t u;
@@ -181,6 +219,21 @@ int64_t read_chunk(const uint8_t* q, int64_t n) {
   return _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
 }
 
+// read_chunk with 32-byte loads (AVX2): the plain read on a CPU (or a forced level) without AVX-512
+__attribute__((target("avx2")))
+int64_t read_chunk_avx2(const uint8_t* q, int64_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 128 <= n; i += 128) {
+    a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(q + i)));
+    a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i*)(q + i + 32)));
+    a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i*)(q + i + 64)));
+    a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i*)(q + i + 96)));
+  }
+  alignas(32) int64_t t[4];
+  _mm256_store_si256((__m256i*)t, _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+  return t[0] + t[1] + t[2] + t[3];
+}
+
 
 // ---- W4A8: int4 weights (groups of G = 64 input columns, per group and row a bf16 scale and zero:
 // w = (q - 8) * scale + zero, q in 0..15, as quant.Int4Linear) x int8 activation rows.
@@ -329,26 +382,187 @@ void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp,
   }
 }
 
+// ---- W4A8 on AVX2 (no VNNI; also AVX-512F without VNNI): the packed4 layout and the exact per-group int32 sums of
+// block4_rows. The nibbles q (0..15, unsigned) times the int8 activations with vpmaddubsw (u8 x s8 pairs -> s16:
+// |2 * 15 * 127| = 3810, it never saturates), the group's 8 steps summed in 16 bits (|8 * 3810| = 30480 < 32767:
+// exact), then vpmaddwd by 1: int32 per row (4 products of a step, over the 8 steps). A 64-byte vector holds 16 rows;
+// AVX2 takes it as two halves of 8 rows (bytes 0-31: rows 0-7). The per-group epilogue is block4_rows's lane by lane
+// (d = sums - 8 * gsum exact; f = fma(scale, d, f); f = fma(zero, gsum, f)): the same fp32 operations in the same
+// order, so the same bits as the AVX-512 VNNI path. R = 1..2 rows (15 of the 16 registers at 2).
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block4_rows_avx2(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                             float* out) {
+  __m256 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i one16 = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i a[R][2];
+      for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + t * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, lo4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;
+          memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+          memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+          a[r][0] = _mm256_add_epi16(a[r][0], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+          a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+        }
+      }
+      const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 512 + h * 16))), 16));
+      const __m256 ze = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 544 + h * 16))), 16));
+      for (int r = 0; r < R; ++r) {
+        const int32_t gs = gsum[r][g];
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(a[r][0], one16), _mm256_madd_epi16(a[r][1], one16));
+        const __m256i d = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * gs));
+        f[r][h] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(d), f[r][h]);
+        f[r][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps((float)gs), f[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * BLK, f[r][0]);
+    _mm256_storeu_ps(out + r * BLK + 8, f[r][1]);
+  }
+}
+
+// 3-4 rows (several streams): one half-block (8 rows of weights) at a time, the fp32 sums `out` kept in L1 between
+// groups, and both nibbles' products summed in one 16-bit lane over 4 steps (|4 * 2 * 3810| = 30480 < 32767: exact)
+// before vpmaddwd: 2 R + 6 of the 16 registers. The same integer sums and fp32 operations as block4_rows (same bits).
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block4_rows_avx2_many(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                                  float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < BLK; ++i) out[r * BLK + i] = 0.f;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i one16 = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i s32[R];
+      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      for (int tb = 0; tb < 8; tb += 4) {
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = tb; t < tb + 4; ++t) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + t * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, lo4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0, x1;
+            memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+            memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          }
+        }
+        for (int r = 0; r < R; ++r) s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], one16));
+      }
+      const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 512 + h * 16))), 16));
+      const __m256 ze = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wg + 544 + h * 16))), 16));
+      for (int r = 0; r < R; ++r) {
+        const int32_t gs = gsum[r][g];
+        const __m256i d = _mm256_sub_epi32(s32[r], _mm256_set1_epi32(8 * gs));
+        float* o = out + r * BLK + h * 8;
+        __m256 f = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(d), _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(ze, _mm256_set1_ps((float)gs), f));
+      }
+    }
+  }
+}
+
+// blocks4's AVX2 twin (same arguments, same results): passes of up to 4 rows over a block (1-2 rows: registers
+// only, block4_rows_avx2; 3-4: block4_rows_avx2_many), the block from cache after the first pass
+__attribute__((target("avx2,fma")))
+void blocks4_avx2(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
+                  int64_t b1, float* acc_all, int64_t Np) {
+  const int64_t ng = Kp / G4;
+  float acc[4 * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * ng * GBYTES;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      const int8_t* rows[4];
+      const int32_t* gs[4];
+      for (int64_t r = 0; r < 4; ++r) {
+        const int64_t m = std::min(m0 + r, M - 1);
+        rows[r] = xq + m * Kp;
+        gs[r] = gsum + m * ng;
+      }
+      switch (R) {
+        case 1: block4_rows_avx2<1>(w, rows, gs, ng, acc); break;
+        case 2: block4_rows_avx2<2>(w, rows, gs, ng, acc); break;
+        case 3: block4_rows_avx2_many<3>(w, rows, gs, ng, acc); break;
+        default: block4_rows_avx2_many<4>(w, rows, gs, ng, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+// finish_row without AVX-512 (the AVX2 paths): the same fp32 operations per element, in the same order
+void finish_row_any(const int32_t* acc, const float* facc, int32_t off, float am, const float* scale, int64_t n0,
+                    int64_t n1, int is_bf16, void* y, int32_t* acc_out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float v;
+    if (scale) {
+      const int32_t sm = acc[n] - off;
+      if (acc_out) acc_out[n] = sm;
+      v = (float)sm * (am * scale[n]);
+    } else {
+      v = facc[n] * am;
+    }
+    if (is_bf16) ((uint16_t*)y)[n] = f32_to_bf16(v);
+    else ((float*)y)[n] = v;
+  }
+}
+
+// group sums of one quantised row (W4A8: gsum[g] = sum of xq over group g)
+inline void group_sums(const int8_t* xr, int64_t ng, int32_t* gs) {
+  for (int64_t g = 0; g < ng; ++g) {
+    int32_t t = 0;
+    for (int64_t k = 0; k < G4; ++k) t += xr[g * G4 + k];
+    gs[g] = t;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 int ttsx_version() { return 1; }
 
-int ttsx_supported();
-
-// 2: AVX-512 VNNI (every kernel), 1: AVX2 + FMA (W8A8 only), 0: neither
-int ttsx_isa() {
-  __builtin_cpu_init();
-  if (ttsx_supported()) return 2;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+// The CPU level (the comment at level_of_cpu): what cpuid says, what the kernels run at (TTS_CPU_ISA may lower it),
+// and a setter (tests, cpu_ext.py: clamped to cpuid's; returns the level before)
+int ttsx_cpu_level() { return level_of_cpu(); }
+int ttsx_level() { return level(); }
+int ttsx_set_level(int l) {
+  const int was = level();
+  g_level = std::max(0, std::min(l, level_of_cpu()));
+  return was;
 }
 
-int ttsx_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
-}
+// The W8A8 / W4A8 kernels' path at the level: 2 AVX-512 VNNI, 1 AVX2 + FMA (also AVX-512F without VNNI), 0 neither
+int ttsx_isa() { return level() >= 3 ? 2 : level() >= 1 ? 1 : 0; }
+
+int ttsx_supported() { return ttsx_isa() == 2; }
 
 int64_t ttsx_packed_bytes(int64_t N, int64_t K) { return round_up(N, BLK) * round_up(K, KU); }
 
@@ -377,6 +591,7 @@ void ttsx_unpack(const uint8_t* packed, int64_t N, int64_t K, int8_t* q) {
 // y [M, N] (x's dtype, contiguous). acc_out (or NULL): the exact int32 sums sum_k xq[m, k] * q[n, k], [M, N].
 void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                const float* scale127, int64_t N, void* y, int32_t* acc_out, int isa) {
+  isa = std::min(isa, ttsx_isa());   // never a path this CPU (or the forced level) lacks
   const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
   const int64_t esz = is_bf16 ? 2 : 4;
   std::vector<int8_t> xq(M * Kp);
@@ -397,19 +612,12 @@ void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
       const int32_t off = 128 * xsum[m];
       const float am = amax[m];
       const int64_t n1 = std::min(N, b1 * BLK);
-      if (isa == 2) {   // vectorised, the same operations
-        finish_row(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16,
-                   is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N),
-                   acc_out ? acc_out + m * N : nullptr);
-        continue;
-      }
-      for (int64_t n = b0 * BLK; n < n1; ++n) {
-        const int32_t s = accp[m * Np + n] - off;
-        if (acc_out) acc_out[m * N + n] = s;
-        const float v = (float)s * (am * scale127[n]);
-        if (is_bf16) ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
-        else ((float*)y)[m * N + n] = v;
-      }
+      void* ym = is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N);
+      if (isa == 2)   // vectorised, the same operations
+        finish_row(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16, ym, acc_out ? acc_out + m * N : nullptr);
+      else
+        finish_row_any(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16, ym,
+                       acc_out ? acc_out + m * N : nullptr);
     }
   });
 }
@@ -439,9 +647,10 @@ void ttsx_pack4(const uint8_t* q, const uint16_t* scale_zero, int64_t N, int64_t
     }
 }
 
-// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype)
+// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype); isa: 2 AVX-512 VNNI, 1 AVX2 (the same bits)
 void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
-               void* y) {
+               void* y, int isa) {
+  isa = std::min(isa, ttsx_isa());
   const int64_t Np = round_up(N, BLK), Kp = round_up(K, G4), ng = Kp / G4;
   const int64_t esz = is_bf16 ? 2 : 4;
   std::vector<int8_t> xq(M * Kp);
@@ -449,22 +658,22 @@ void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
   std::vector<int32_t> xsum(M), gsum(M * ng);
   std::vector<float> acc(M * Np);
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
-    for (int64_t g = 0; g < ng; ++g) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < G4; ++k) s += xq[m * Kp + g * G4 + k];
-      gsum[m * ng + g] = s;
-    }
+    const void* xm = (const char*)x + m * ldx * esz;
+    if (isa == 2) quantize_row(xm, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    else quantize_row_avx2(xm, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    group_sums(xq.data() + m * Kp, ng, gsum.data() + m * ng);
   }
   float* accp = acc.data();
   const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
   at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
-    blocks4(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
+    if (isa == 2) blocks4(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
+    else blocks4_avx2(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const float am = amax[m] * (1.0f / 127.0f);
       const int64_t n1 = std::min(N, b1 * BLK);
-      finish_row(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16,
-                 is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N), nullptr);
+      void* ym = is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N);
+      if (isa == 2) finish_row(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16, ym, nullptr);
+      else finish_row_any(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16, ym, nullptr);
     }
   });
 }
@@ -475,7 +684,7 @@ int64_t ttsx_read(const uint8_t* p, int64_t n) {
   const int64_t chunk = 1 << 16, nc = n / chunk;
   std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);
   at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) part[c] = read_chunk(p + c * chunk, chunk);
+    for (int64_t c = c0; c < c1; ++c) part[c] = level() >= 2 ? read_chunk(p + c * chunk, chunk) : read_chunk_avx2(p + c * chunk, chunk);
   });
   int64_t s = 0;
   for (int64_t v : part) s ^= v;
@@ -631,13 +840,105 @@ void ttsx_snake(const void* x, void* y, int is_bf16, int64_t B, int64_t C, int64
   });
 }
 
-int ttsx_snake_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-  return 0;
+namespace {
+// AVX-512 halves of ttsx_quant_u8 on [i0, i1): min/max, then quantise (same arithmetic as the scalar loops)
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void minmax512(const void* x, int is_bf16, int64_t i0, int64_t i1, float* lo, float* hi) {
+  __m512 mn = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
+    const __m512 v = load16(x, is_bf16, i, m);   // masked lanes read 0 (inside [min(x, 0), max(x, 0)])
+    mn = _mm512_min_ps(mn, v);
+    mx = _mm512_max_ps(mx, v);
+  }
+  *lo = _mm512_reduce_min_ps(mn);
+  *hi = _mm512_reduce_max_ps(mx);
 }
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quant512(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, float zp, uint8_t* q) {
+  const __m512 iv = _mm512_set1_ps(inv), off = _mm512_set1_ps(zp + 0.5f);
+  const __m512 z = _mm512_setzero_ps(), top = _mm512_set1_ps(255.f);
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
+    __m512 v = _mm512_fmadd_ps(load16(x, is_bf16, i, m), iv, off);
+    v = _mm512_min_ps(_mm512_max_ps(v, z), top);
+    const __m512i n = _mm512_cvttps_epi32(v);   // truncation of v >= 0: floor
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(n));
+  }
+}
+}  // namespace
+
+// Dynamic per-tensor asymmetric uint8 quantisation of n dense values (bf16 or fp32) for the codec's int8
+// convolutions (tts_engine/codec/int8_conv.py): lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) / 255 (1 when
+// hi == lo), zp = round(-lo / scale); q = clamp(round(x / scale) + zp, 0, 255). Two passes (min/max, then
+// quantise), split over threads with at::parallel_for. out[0] = scale, out[1] = zp (as float).
+void ttsx_quant_u8(const void* x, int is_bf16, int64_t n, uint8_t* q, float* out, int isa) {
+  const bool avx512 = isa >= 2;
+  const int64_t grain = 1 << 16;
+  const int64_t nchunks = std::max<int64_t>(1, (n + grain - 1) / grain);
+  std::vector<float> mins(nchunks, 0.f), maxs(nchunks, 0.f);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
+      float lo = 0.f, hi = 0.f;
+      if (avx512) {
+        minmax512(x, is_bf16, i0, i1, &lo, &hi);
+      } else if (is_bf16) {
+        const uint16_t* xs = (const uint16_t*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float v = bf16_to_f32(xs[i]);
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+      } else {
+        const float* xs = (const float*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float v = xs[i];
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+      }
+      mins[c] = lo;
+      maxs[c] = hi;
+    }
+  });
+  float lo = 0.f, hi = 0.f;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    lo = std::min(lo, mins[c]);
+    hi = std::max(hi, maxs[c]);
+  }
+  float scale = (hi - lo) / 255.f;
+  if (!(scale > 0.f) || !std::isfinite(scale)) scale = 1.f;
+  const float zp = std::nearbyint(-lo / scale);
+  const float inv = 1.f / scale;
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
+      if (avx512) {
+        quant512(x, is_bf16, i0, i1, inv, zp, q);
+      } else if (is_bf16) {
+        const uint16_t* xs = (const uint16_t*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          float v = bf16_to_f32(xs[i]) * inv + zp + 0.5f;   // >= 0 up to rounding: floor(v) rounds half up
+          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
+          q[i] = (uint8_t)(int)v;
+        }
+      } else {
+        const float* xs = (const float*)x;
+        for (int64_t i = i0; i < i1; ++i) {
+          float v = xs[i] * inv + zp + 0.5f;
+          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
+          q[i] = (uint8_t)(int)v;
+        }
+      }
+    }
+  });
+  out[0] = scale;
+  out[1] = zp;
+}
+
+int ttsx_snake_isa() { return level() >= 2 ? 2 : level(); }   // 2 AVX-512F, 1 AVX2 + FMA, 0 scalar
 
 }  // extern "C"
 // ==================================== end of the codec decoder section ===========================================

@@ -1,6 +1,18 @@
 """Our own CPU matmul kernels (`cpu_ext.cpp`): a fused W8A8 layer for the decode shapes (1-4 activation rows) that
 reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction), with an
-AVX2 path (16-bit products, vpmaddwd) for CPUs without it, and a W4A8 layer (AVX-512 VNNI only).
+AVX2 path (16-bit products, vpmaddwd) for CPUs without it, and a W4A8 layer (int4 weights x int8 activations:
+AVX-512 VNNI, or AVX2 with vpmaddubsw; the two paths give the same bits).
+
+CPU levels (`level()`, cpu_ext.cpp `level_of_cpu`): 1 AVX2 + FMA (Haswell .. Zen 3), 2 AVX-512F/BW/VL without VNNI
+(Skylake-X), 3 + AVX-512 VNNI (Cascade Lake, Ice Lake), 4 + AVX-512 BF16 (Zen 4, Sapphire Rapids). Every kernel of
+ours (these layers, the fused step and predictor frame that include this source, the codec's SnakeBeta) picks its
+path from the level: W8A8 / W4A8 VNNI from 3, else AVX2; the fused step's bf16 matmul vdpbf16ps at 4, AVX-512F at
+2-3, AVX2 at 1; SnakeBeta and the small helpers AVX-512F from 2, else AVX2. `TTS_CPU_ISA` = avx2 / avx512 /
+avx512vnni / avx512bf16 / native (default) forces a LOWER level (never above what cpuid says: a higher one is
+clamped, with a logged line), read when a library loads: the lower paths then run natively on a bigger CPU, to be
+tested for equality and timed (a forced avx2 on a Zen 4 times our AVX2 code on that CPU's memory system, not a
+Haswell's). torch's own kernels follow their own switches (`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`).
+`TTS_CPU_EXT_ISA=avx2` (older name) is `TTS_CPU_ISA=avx2`.
 
 Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
 (`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, one file per source, torch version and
@@ -10,7 +22,7 @@ module with a registered op compiles ~4x longer for the same ~1.5-2 us per call)
 output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
 
 `available()` is False, with one logged line saying why, when anything fails: no compiler, a build error, a CPU
-without AVX2, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
+without AVX2 + FMA, `TTS_CPU_EXT=0`. The engine then keeps aten's kernels (kernels.py lists this one as a
 candidate only when it is available); nothing here may take the engine down.
 
 Layer math (as kernels.w8a8_int_mm, with exact int32 sums): xq = round(x * 127 / amax_row) (int8),
@@ -35,8 +47,11 @@ import torch
 log = logging.getLogger("tts_engine")
 
 ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
-ISA_ENV = "TTS_CPU_EXT_ISA"     # auto (default) / avx512 / avx2: which code path (avx2 on a VNNI CPU: to test it)
+LEVEL_ENV = "TTS_CPU_ISA"       # native (default) / avx2 / avx512 / avx512vnni / avx512bf16: a lower CPU level
+ISA_ENV = "TTS_CPU_EXT_ISA"     # the older switch: avx2 = TTS_CPU_ISA=avx2; auto / avx512: native
 ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
+LEVELS = {"avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4}
+LEVEL_NAMES = {0: "none", **{v: k for k, v in LEVELS.items()}}
 SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 BLOCK_N, BLOCK_K = 16, 16        # padding of the packed layout (cpu_ext.cpp BLK, KU)
 
@@ -113,6 +128,9 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ttsx_supported.restype = I
     lib.ttsx_isa.restype = I
+    lib.ttsx_cpu_level.restype = I
+    lib.ttsx_level.restype = I
+    lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [I], I
     lib.ttsx_version.restype = I
     lib.ttsx_packed_bytes.argtypes, lib.ttsx_packed_bytes.restype = [I64, I64], I64
     lib.ttsx_pack.argtypes, lib.ttsx_pack.restype = [P, I64, I64, I64, P], None
@@ -121,23 +139,94 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
     lib.ttsx_w8a8.restype = None
     lib.ttsx_packed4_bytes.argtypes, lib.ttsx_packed4_bytes.restype = [I64, I64], I64
     lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
-    lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P], None
+    lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P, I], None
     lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
     return lib
 
 
+def asked_level() -> int | None:
+    """The level TTS_CPU_ISA (or the older TTS_CPU_EXT_ISA=avx2) asks for; None: native (unset, "native", "auto",
+    or a value it does not know: logged)."""
+    raw = os.environ.get(LEVEL_ENV)
+    if raw is None:
+        raw = "avx2" if os.environ.get(ISA_ENV, "").strip().lower() == "avx2" else "native"
+    want = raw.strip().lower().replace("-", "").replace("_", "").replace(" ", "")
+    if want in ("", "native", "auto"):
+        return None
+    if want not in LEVELS:
+        log.warning("tts_engine: %s=%r is not one of native, %s; native level", LEVEL_ENV, raw, ", ".join(LEVELS))
+        return None
+    return LEVELS[want]
+
+
+def sync_level(lib: ctypes.CDLL) -> None:
+    """Give another library built from this source (fused_step, predictor_frame, any file that includes
+    cpu_ext.cpp) the level the kernels run at here, now and after every `set_level`, so one process never mixes
+    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA).
+    A loader calls it once, right after loading the library."""
+    lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [ctypes.c_int], ctypes.c_int
+    lib.ttsx_set_level(int(_state.get("level", 99)))
+    if all(other is not lib for other in _synced):
+        _synced.append(lib)
+
+
+_synced: list = []   # the libraries sync_level has seen (loaded once per process, never unloaded)
+
+
 def _load() -> ctypes.CDLL:
     lib = load_library()
+    cpu = lib.ttsx_cpu_level()
+    asked = asked_level()
+    if asked is not None and asked > cpu:
+        log.warning("tts_engine: %s asks for %s, above this CPU's %s; running at %s", LEVEL_ENV, LEVEL_NAMES[asked],
+                    LEVEL_NAMES[cpu], LEVEL_NAMES[cpu])
+    level = cpu if asked is None else min(asked, cpu)
+    lib.ttsx_set_level(level)
+    _state.update(cpu_level=cpu, level=level)
     isa = lib.ttsx_isa()
-    want = os.environ.get(ISA_ENV, "auto").strip().lower()
-    if want == "avx2" and isa >= 1:
-        isa = 1
-    elif want == "avx512" and isa < 2:
-        raise RuntimeError(f"{ISA_ENV}=avx512 but this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
     if isa == 0:
         raise RuntimeError("this CPU has neither AVX-512 VNNI nor AVX2 + FMA")
     _state["isa"] = isa
+    _sync_loaded()
+    if level < cpu:
+        log.info("tts_engine: own CPU kernels forced to level %s (this CPU: %s)", LEVEL_NAMES[level], LEVEL_NAMES[cpu])
     return lib
+
+
+def level() -> int:
+    """The CPU level our kernels run at (module doc): 1..4, 0 where they are not available."""
+    return _state.get("level", 0) if available() else 0
+
+
+def level_name() -> str:
+    return LEVEL_NAMES[level()]
+
+
+def cpu_level() -> int:
+    """The level cpuid gives this CPU (0 where our kernels are not available)."""
+    return _state.get("cpu_level", 0) if available() else 0
+
+
+def set_level(new: int) -> int:
+    """Run our kernels at `new` (clamped to cpuid's level; tests and benchmarks: the same as TTS_CPU_ISA at load,
+    for this process's cpu_ext library and the fused step's and predictor frame's libraries once they load or are
+    synced). Returns the level before. Layers packed before keep working: the layouts are the same on every path."""
+    lib = library()
+    assert lib is not None
+    was = _state["level"]
+    lib.ttsx_set_level(int(new))
+    _state["level"] = lib.ttsx_level()
+    _state["isa"] = lib.ttsx_isa()
+    _state.pop("snake_isa", None)
+    _state.pop("quant_u8", None)
+    _state.pop("tag", None)
+    _sync_loaded()
+    return was
+
+
+def _sync_loaded() -> None:
+    for lib in list(_synced):
+        sync_level(lib)
 
 
 def enabled() -> bool:
@@ -174,8 +263,8 @@ def isa() -> str | None:
 
 
 def has_w4a8() -> bool:
-    """The W4A8 kernel runs here (AVX-512 VNNI only)."""
-    return available() and _state.get("isa") == 2
+    """The W4A8 kernel runs here (AVX-512 VNNI, or its AVX2 path: wherever our kernels run)."""
+    return available() and _state.get("isa", 0) >= 1
 
 
 def why_unavailable() -> str | None:
@@ -187,7 +276,7 @@ def tag() -> str:
     """The identity of the kernels (source and torch version) for the kernel table's machine key."""
     if "tag" not in _state:
         _state["tag"] = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12] + \
-            f"-{isa()}"
+            f"-{isa()}" + ("" if level() == cpu_level() else f"-forced-{level_name()}")
     return _state["tag"]
 
 
@@ -275,8 +364,9 @@ def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
-    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights."""
+def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int, path: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights.
+    path: 1 = the AVX2 code path even on a VNNI CPU (the same bits), None = the best at the level."""
     lib = _state.get("lib") or library()
     x = _activation_rows(x)
     M, K = x.shape
@@ -284,7 +374,7 @@ def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int) -> torch.Tensor:
         raise ValueError(f"packed int4 weight does not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,
-                  y.data_ptr())
+                  y.data_ptr(), min(path or 2, _state["isa"]))
     return y
 
 
@@ -316,3 +406,26 @@ def snake(x: torch.Tensor, a: torch.Tensor, ib: torch.Tensor) -> torch.Tensor | 
     lib.ttsx_snake(x.data_ptr(), y.data_ptr(), int(x.dtype == torch.bfloat16), B, C, L, time_major,
                    a.data_ptr(), ib.data_ptr(), _state["snake_isa"])
     return y
+
+
+def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
+    """Dynamic per-tensor asymmetric uint8 quantisation of a dense fp32 or bf16 CPU tensor in one call (two passes:
+    min/max, then quantise): -> (q uint8 with x's shape and strides, scale, zero point), so that
+    x ~ (q - zp) * scale; the range always includes 0. None where the kernel cannot run here (the caller quantises
+    with aten's ops). Used by the codec's int8 convolutions (tts_engine/codec/int8_conv.py)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+            or (x.dim() == 3 and x.transpose(1, 2).is_contiguous())):
+        return None
+    if "quant_u8" not in _state:
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
+        lib.ttsx_snake_isa.restype = I
+        _state["quant_u8"] = lib.ttsx_snake_isa()   # 2: AVX-512 F/BW/VL loops, else the scalar ones
+    q = torch.empty_like(x, dtype=torch.uint8)   # same (dense) strides as x
+    out = torch.empty(2, dtype=torch.float32)
+    lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
+                      _state["quant_u8"])
+    return q, float(out[0]), int(out[1])

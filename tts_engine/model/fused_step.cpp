@@ -169,15 +169,28 @@ struct Scratch {
   }
 };
 
-// ---- small vector helpers (one row; compiled for AVX-512, AVX2 and plain x86-64, chosen at load by the CPU) ----
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+// ---- small vector helpers (one row; compiled for AVX-512F, AVX2 and plain x86-64, the variant picked by the CPU
+// level of cpu_ext.cpp, `level()`: cpuid's, or lower where TTS_CPU_ISA forces it, so a forced level runs no AVX-512
+// code anywhere in the step). The body is written once (always inlined into each target's wrapper). ------------
+#define TTSX_ISA_VARIANTS(RET, NAME, PARAMS, ARGS)                                                             \
+  __attribute__((target("avx512f"))) RET NAME##_avx512 PARAMS { return NAME##_body ARGS; }                    \
+  __attribute__((target("avx2"))) RET NAME##_avx2 PARAMS { return NAME##_body ARGS; }                         \
+  RET NAME##_plain PARAMS { return NAME##_body ARGS; }                                                          \
+  inline RET NAME PARAMS {                                                                                      \
+    const int l_ = level();                                                                                     \
+    return l_ >= 2 ? NAME##_avx512 ARGS : l_ >= 1 ? NAME##_avx2 ARGS : NAME##_plain ARGS;                       \
+  }
+
+__attribute__((always_inline)) inline void rms_norm_row_body(const float* x, const float* w, int64_t n, float eps,
+                                                             float* out) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.0f / std::sqrt(ss / (float)n + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }
+TTSX_ISA_VARIANTS(void, rms_norm_row, (const float* x, const float* w, int64_t n, float eps, float* out),
+                  (x, w, n, eps, out))
 
 // x[hd] <- x rotated by RoPE at `pos` (rotate-half: pairs (i, i + hd/2) share frequency inv_freq[i])
 void rope_row(float* x, int64_t hd, const float* inv_freq, int64_t pos) {
@@ -205,9 +218,8 @@ inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
 // out[hd] = softmax_s(q . k_s * scale) weighted sum of v_s over s < S (keys/values rows hd apart); scores: [S]
 template <class C>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t hd, float scale, float* scores,
-                float* out) {
+__attribute__((always_inline)) inline void attend_row_body(const float* q, const C* keys, const C* vals, int64_t S,
+                                                           int64_t hd, float scale, float* scores, float* out) {
   float mx = -INFINITY;
   for (int64_t s = 0; s < S; ++s) {
     const C* k = keys + s * hd;
@@ -230,6 +242,29 @@ void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t
 #pragma omp simd
     for (int64_t i = 0; i < hd; ++i) out[i] += p * load(v, i);
   }
+}
+template <class C>
+__attribute__((target("avx512f"))) void attend_row_avx512(const float* q, const C* keys, const C* vals, int64_t S,
+                                                          int64_t hd, float scale, float* scores, float* out) {
+  attend_row_body<C>(q, keys, vals, S, hd, scale, scores, out);
+}
+template <class C>
+__attribute__((target("avx2"))) void attend_row_avx2(const float* q, const C* keys, const C* vals, int64_t S,
+                                                     int64_t hd, float scale, float* scores, float* out) {
+  attend_row_body<C>(q, keys, vals, S, hd, scale, scores, out);
+}
+template <class C>
+void attend_row_plain(const float* q, const C* keys, const C* vals, int64_t S, int64_t hd, float scale, float* scores,
+                      float* out) {
+  attend_row_body<C>(q, keys, vals, S, hd, scale, scores, out);
+}
+template <class C>
+inline void attend_row(const float* q, const C* keys, const C* vals, int64_t S, int64_t hd, float scale, float* scores,
+                       float* out) {
+  const int l = level();
+  if (l >= 2) attend_row_avx512<C>(q, keys, vals, S, hd, scale, scores, out);
+  else if (l >= 1) attend_row_avx2<C>(q, keys, vals, S, hd, scale, scores, out);
+  else attend_row_plain<C>(q, keys, vals, S, hd, scale, scores, out);
 }
 
 // ---- one bf16 matmul: y[M, N] (fp32) = bf16(x[M, K]) @ W^T, W the layer's own bf16 weight [N, K] row-major -------
@@ -437,12 +472,9 @@ void prep(const Plan& p, int64_t K, const float* x, int64_t M, Act& a) {
   const int64_t Kp = round_up(K, G4), ng = Kp / G4;
   for (int64_t m = 0; m < M; ++m) {
     int8_t* xr = a.xq.data() + m * Kp;
-    quantize_row(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
-    for (int64_t g = 0; g < ng; ++g) {
-      int32_t t = 0;
-      for (int64_t k = 0; k < G4; ++k) t += xr[g * G4 + k];
-      a.gsum[m * ng + g] = t;
-    }
+    if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
+    else quantize_row_avx2(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
+    group_sums(xr, ng, a.gsum.data() + m * ng);
   }
 }
 
@@ -469,17 +501,20 @@ void mm_range(const Plan& p, const Lin& l, const Act& a, int64_t M, int64_t b0, 
     for (int64_t m = 0; m < M; ++m) {
       const int32_t off = 128 * a.xsum[m];
       const float am = a.amax[m];
-      if (p.isa == 2) {   // cpu_ext.cpp's vectorised epilogue, the same operations
+      if (p.isa == 2)   // cpu_ext.cpp's vectorised epilogue, the same operations
         finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
-        continue;
-      }
-      for (int64_t n = b0 * BLK; n < n1; ++n) y[m * N + n] = (float)(acc[m * Np + n] - off) * (am * l.scale127[n]);
+      else
+        finish_row_any(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
     }
     return;
   }
-  blocks4(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
-  for (int64_t m = 0; m < M; ++m)
-    finish_row(nullptr, facc + m * Np, 0, a.amax[m] * (1.0f / 127.0f), nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+  if (p.isa == 2) blocks4(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
+  else blocks4_avx2(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
+  for (int64_t m = 0; m < M; ++m) {
+    const float am = a.amax[m] * (1.0f / 127.0f);
+    if (p.isa == 2) finish_row(nullptr, facc + m * Np, 0, am, nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+    else finish_row_any(nullptr, facc + m * Np, 0, am, nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+  }
 }
 
 // y[M, N] = x[M, K] @ W^T, the units split over torch's threads with at::parallel_for; `st`: its profile stage
@@ -959,13 +994,9 @@ int ttsf_profile_read(int64_t* out) {
 int ttsf_layer_fields() { return fstep::LAYER_FIELDS; }
 
 // The bf16 matmul path this CPU runs (Dim ISA_ for wbits 16): 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA, 0 none
-int ttsf_bf16_isa() {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return 3;
-  if (avx512) return 2;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+int ttsf_bf16_isa() {   // from cpu_ext.cpp's CPU level (cpuid's, or lower where TTS_CPU_ISA forces it)
+  const int l = level();
+  return l >= 4 ? 3 : l >= 2 ? 2 : l;
 }
 
 // The bf16 matmul alone (tests and kernel timing): y[M, N] fp32 = bf16(x[M, K] fp32) @ W[N, K]^T on ISA path `isa`;
@@ -989,9 +1020,9 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
                 dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
   fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
   if (M < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16) ||
-      (p.wbits == 4 && p.isa != 2))
+      ((p.wbits == 8 || p.wbits == 4) && (p.isa < 1 || p.isa > ttsx_isa())))
     return -1;
-  if (p.wbits == 16 && (p.isa < 1 || p.isa > 3 || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
+  if (p.wbits == 16 && (p.isa < 1 || p.isa > ttsf_bf16_isa() || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
                         ((p.H + 2 * p.Hkv) * p.hd) % fstep::R4))
     return -1;
   for (int64_t e = 0; e < M; ++e)

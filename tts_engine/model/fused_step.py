@@ -127,6 +127,7 @@ def library() -> ctypes.CDLL:
             if cpu_ext.library() is None:
                 raise RuntimeError(f"our CPU kernels are not available ({cpu_ext.why_unavailable()})")
             lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
+            cpu_ext.sync_level(lib)   # the CPU level our kernels run at (TTS_CPU_ISA)
             P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.ttsf_layer_fields.restype = I
             lib.ttsf_bf16_isa.restype = I
@@ -207,9 +208,9 @@ class StackPlan:
         if not self.wbits:
             raise ValueError(f"the stack's layers are {type(first).__name__} "
                              f"({getattr(getattr(first, 'weight', None), 'dtype', '')}), not W8A8 / W4A8 / bf16")
-        isa = cpu_ext._state.get("isa", 0)
-        if self.wbits == 4 and isa != 2:
-            raise ValueError("W4A8 needs the AVX-512 VNNI path")
+        isa = cpu_ext._state.get("isa", 0)   # W8A8 / W4A8: 2 AVX-512 VNNI, 1 AVX2 (cpu_ext.cpp ttsx_isa)
+        if self.wbits in (4, 8) and isa not in (1, 2):
+            raise ValueError("our W8A8 / W4A8 kernels do not run here")
         if self.wbits == 16:   # fused_step.cpp's bf16 matmul path: 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA
             isa = library().ttsf_bf16_isa()
             if not isa:

@@ -33,7 +33,8 @@ numbers up to float summation order:
           "own_avx2" (that AVX2 path on a CPU that has VNNI too, timed beside it; same layout)
   "int4"  aten's packed int4 + bf16 (scale, zero) per group: "int4pack" (aten._weight_int4pack_mm_for_cpu)
   "w4a8"  int4 + bf16 (scale, zero) per group of 64 in our kernel's layout, activations rounded to int8 per row:
-          "vnni" (`cpu_ext.w4a8`; the format has no candidate where our kernels do not run)
+          "vnni" (`cpu_ext.w4a8`: AVX-512 VNNI, or the AVX2 path on a CPU without VNNI, the same bits; the
+          format has no candidate where our kernels do not run)
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Modes:
           hand (`kernels.KernelTable`, remembered per machine in the cache folder).
 
   "w4a8"  the int4 weights of "int4" (same groups, scales and zeros) x int8 activations (rounded per row as in
-          "w8a8"): our own kernel only (`cpu_ext.w4a8`, AVX-512 VNNI: int32 sums per group, then the group's scale
+          "w8a8"): our own kernel only (`cpu_ext.w4a8`, AVX-512 VNNI or AVX2: int32 sums per group, then the group's scale
           and zero); on a CPU or machine where that kernel cannot run the mode is not offered (`available_modes`).
 
 The weight-only kernels are vectorised for bf16 activations only (measured on a 2-core Zen 4 with one input row: fp32
@@ -305,7 +305,7 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
     if mode == "w4a8" and not cpu_ext.has_w4a8():
-        raise TTSError(f"quantize='w4a8' needs our own AVX-512 VNNI CPU kernel, which does not run here "
+        raise TTSError(f"quantize='w4a8' needs our own CPU kernels (AVX2 + FMA or AVX-512 VNNI), which do not run here "
                        f"({cpu_ext.why_unavailable() or cpu_ext.isa()}); use int4")
     cp = talker.code_predictor
     # one matmul for q/k/v and one for gate/up: fewer kernel calls per layer; per-channel (int8) and per-row-group

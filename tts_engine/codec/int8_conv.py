@@ -1,0 +1,136 @@
+"""int8 convolutions of the codec decoder (oneDNN's u8 x s8 kernels, VNNI where the CPU has it), a lossy option.
+
+The decoder's convolutions are compute bound: in bf16 on a 2-core Zen 4 they ran at ~150-180 GFLOP/s per core, most
+of bf16's peak, so no bf16 layout can make them much cheaper; int8 dot products (AVX-512 VNNI `vpdpbusd`) have twice
+bf16's rate. An `Int8Conv` holds the weight quantised once (int8, symmetric, one scale per output channel) and
+prepacked by oneDNN; each call quantises its input to uint8 (one scale and zero point for the whole tensor, from
+its min/max: `cpu_ext.quant_u8`, or aten's ops where our kernels do not build) and runs `onednn.qconv_pointwise`,
+which gives the output in the input's dtype (int32 accumulation, scaled, + the bias in fp32). Small calls (fewer than
+MIN_POSITIONS output positions) take the packed conv of the model's dtype instead.
+
+Lossy: its error against the fp32 decoder is measured (`codec.quality`) before it may be chosen automatically
+(`dtype_choice`). Any failure of the oneDNN calls (a torch without these ops) turns the conv's int8 path off for good
+and takes the packed conv of the model's dtype from then on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from ..model import cpu_ext
+
+log = logging.getLogger("tts_engine")
+
+
+def available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
+            and hasattr(torch.ops.onednn, "qconv_pointwise") and hasattr(torch.ops.onednn, "qconv_prepack"))
+
+
+def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """x (fp32/bf16, dense) -> (uint8 with x's strides, scale, zero point): asymmetric, per tensor, range incl. 0."""
+    got = cpu_ext.quant_u8(x)
+    if got is not None:
+        return got
+    lo, hi = torch.aminmax(x)
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = (hi - lo) / 255.0
+    if not scale > 0.0 or scale != scale or scale == float("inf"):
+        scale = 1.0
+    zp = int(round(-lo / scale))
+    q = torch.clamp(torch.floor(x.float() * (1.0 / scale) + (zp + 0.5)), 0, 255).to(torch.uint8)
+    return q, scale, zp
+
+
+def weight_levels() -> int:
+    """127 where the CPU has VNNI (AVX512-VNNI or AVX-VNNI: u8 x s8 products summed in int32), else 63: without
+    VNNI oneDNN's u8 x s8 kernels sum pairs of products in saturating int16 (`vpmaddubsw`; 2 x 255 x 127 overflows),
+    which cost ~12 dB of SNR on an emulated Haswell; 7-bit weights cannot overflow (2 x 255 x 63 < 32768)."""
+    from ..cpu_info import cpu_info
+
+    flags = cpu_info().flags
+    return 127 if ("avx512_vnni" in flags or "avx_vnni" in flags) else 63
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C_out, C_in/g, k] -> (int8 weight, fp32 scales [C_out]); symmetric per output channel (-L..L, L =
+    `weight_levels()`)."""
+    lv = float(weight_levels())
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=tuple(range(1, w.dim()))) / lv).clamp(min=1e-12)
+    q = torch.round(w / scales.view(-1, *([1] * (w.dim() - 1)))).clamp(-lv, lv).to(torch.int8)
+    return q, scales
+
+
+# Output positions (rows x samples) of one call below which the int8 convolution is not used (the call takes the
+# packed bf16/fp32 conv instead): on a 2-core Zen 4 (1 thread, torch 2.13) oneDNN's u8 x s8 conv took 2x the packed
+# bf16 conv's time at 32 positions (a one-stream first chunk in the first decoder block) and 0.75x at 160, 0.5x at
+# 1700 and more (the weight-read-bound small calls gain nothing from int8 here; the compute-bound large ones do).
+MIN_POSITIONS = 128
+
+
+class Int8Conv:
+    """One conv1d (weight [C_out, C_in/groups, k], stride 1, no padding) in int8. `__call__(x [B, C_in, L])` ->
+    [B, C_out, L - (k-1)*dilation] in x's dtype (channels-last strides), or None. `bias` may be replaced (fp32 kept).
+    Calls of fewer than MIN_POSITIONS output positions, and every call after an int8 failure, go to `fallback` (a
+    `packed_conv.PackedConv` of the same weight in its own dtype)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, max_len: int):
+        from .packed_conv import PackedConv
+
+        self.fallback = PackedConv(weight, bias, dilation, groups, max_len)
+        qw, self.w_scales = quantize_weight(weight)
+        self.qw4 = qw.unsqueeze(2)                          # [C_out, C_in/g, 1, k]
+        self.c_out = int(weight.shape[0])
+        self.w_zps = torch.zeros(self.c_out, dtype=torch.int64)
+        self.bias = bias
+        self.dilation, self.groups, self.max_len = int(dilation), int(groups), int(max_len)
+        self._packed = None
+        self._lock = threading.Lock()
+        self.broken = False
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias
+
+    @bias.setter
+    def bias(self, b: torch.Tensor | None) -> None:
+        if b is not None and b is getattr(self, "_bias_src", None):
+            return                                   # (the transposed convs set the same tensor on every call)
+        self._bias_src = b
+        self._bias = None if b is None else b.detach().float().contiguous()
+        if getattr(self, "fallback", None) is not None:
+            self.fallback.bias = None if b is None else b.detach()
+
+    def _weight(self) -> torch.Tensor:
+        if self._packed is None:
+            with self._lock:
+                if self._packed is None:
+                    self._packed = torch.ops.onednn.qconv_prepack(
+                        self.qw4, self.w_scales, 1.0, 0, [1, 1], [0, 0], [1, self.dilation], self.groups, None)
+        return self._packed
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor | None:
+        """conv(x) (+ `add`, [B, C_out, L_out] in x's dtype)."""
+        if x.shape[-1] > self.max_len or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        k = self.qw4.shape[-1]
+        if self.broken or x.shape[0] * (x.shape[-1] - (k - 1) * self.dilation) < MIN_POSITIONS:
+            return self.fallback(x, add)
+        try:
+            x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)   # [B, C, 1, L], time-major
+            q, scale, zp = quantize_input(x4)
+            y = torch.ops.onednn.qconv_pointwise(
+                q, scale, zp, self._weight(), self.w_scales, self.w_zps, self._bias, [1, 1], [0, 0],
+                [1, self.dilation], self.groups, 1.0, 0, x.dtype, "none", [], "")
+        except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
+            log.warning("codec: int8 oneDNN convolution unavailable (%s); using the %s path", e, x.dtype)
+            self.broken = True
+            return self.fallback(x, add)
+        y = y.squeeze(2)
+        return y if add is None else y + add
+
+    def __deepcopy__(self, memo):
+        return None   # (like PackedConv: a copied decoder packs its own weights)
