@@ -75,9 +75,10 @@ os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 # temporary cache folder). Timing a tiny decoder picks either dtype by noise.
 os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 # Nor the fused decode step (model/fused_step.py) and with it the code predictor's frame in one call
-# (model/predictor_frame.py): their trials (at engine load; no request sees them) would remember choices for the tiny
-# stacks in the user's cache folder. tests/test_fused_step.py and tests/test_predictor_frame.py set them per test
-# (trial, on, off) and check that the trials never change a request.
+# (model/predictor_frame.py) and the talker's step in one call (model/talker_step.py): their trials (at engine load;
+# no request sees them) would remember choices for the tiny stacks in the user's cache folder.
+# tests/test_fused_step.py, tests/test_predictor_frame.py and tests/test_talker_step.py set them per test (trial, on,
+# off) and check that the trials never change a request.
 os.environ.setdefault("TTS_FUSED_STEP", "0")
 
 

@@ -326,6 +326,7 @@ def engine_check(mode: str, ckpt: Path, ref: dict | None, rows: int, frames: int
         model = engine.model
         summary = {"precision": engine.precision if hasattr(engine, "precision") else "",
                    "fused": dict(engine.runner.fused_status), "frame": engine.runner.frame_status,
+                   "talker_step": engine.runner.talker_step_status,
                    "synth_samples": int(wav.size),
                    "synth_finite": bool(np.isfinite(wav).all()),
                    "codec": {"dtype": str(model.speech_tokenizer.decoder.pre_conv.conv.weight.dtype)[6:],
@@ -357,6 +358,7 @@ def payload(out: Path, ckpt: Path, reference: Path | None, modes, rows: int, fra
     torch.set_num_threads(1)
     os.environ["TTS_FUSED_STEP"] = "1"               # the fused step wherever it runs (no timing) ...
     os.environ.setdefault("TTS_PREDICTOR_FRAME", "1")  # ... and the predictor's frame in one call on top of it
+    os.environ.setdefault("TTS_TALKER_STEP", "1")      # ... and the talker's step in one call
     os.environ.setdefault("TTS_KERNEL_TUNE", "0")    # no timing of 100 MB of weights per shape (minutes under TCG)
     from tts_engine.model import cpu_ext, kernels
 
@@ -465,9 +467,13 @@ def compare(native_dir: Path, emu_dir: Path) -> list[tuple[str, bool, str]]:
             # they stay dense and the predictor is not fused, natively too)
             check(f"{mode}: predictor frame in one call on, as natively", se["frame"] == sn.get("frame") and
                   (se["frame"].startswith("on") or not se["fused"].get("predictor", "").startswith("on")), se["frame"])
+            check(f"{mode}: talker step in one call on, as natively", se.get("talker_step") == sn.get("talker_step")
+                  and (str(se.get("talker_step")).startswith("on") or not se["fused"].get("talker", "").startswith("on")),
+                  se.get("talker_step"))
         else:
             check(f"{mode}: fused step off", not any(v.startswith("on") for v in se["fused"].values()), se["fused"])
             check(f"{mode}: predictor frame off", not se["frame"].startswith("on"), se["frame"])
+            check(f"{mode}: talker step off", not str(se.get("talker_step")).startswith("on"), se.get("talker_step"))
         if "refused" in sn or not (native_dir / f"{mode}.pt").exists():
             continue
         tn, te = torch.load(native_dir / f"{mode}.pt"), torch.load(emu_dir / f"{mode}.pt")
@@ -494,7 +500,7 @@ def run_side(out: Path, ckpt: Path, cache: Path, cpu: str | None, reference: Pat
         cmd += ["--reference", str(reference)]
     env = dict(os.environ, TTS_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     for k in ("TTS_EMULATED_CPU", "TTS_CPU_DTYPE", "TTS_CODEC_DTYPE", "TTS_CODEC_CONV", "TTS_FUSED_STEP",
-              "TTS_PREDICTOR_FRAME", "TTS_KERNEL_TUNE"):   # tests/conftest.py's settings do not apply here
+              "TTS_PREDICTOR_FRAME", "TTS_TALKER_STEP", "TTS_KERNEL_TUNE"):   # tests/conftest.py's settings do not apply here
         env.pop(k, None)
     env.update(extra_env or {})
     if cpu:

@@ -6,8 +6,10 @@ from submit, x real time per stream, audio seconds per wall second) on each, int
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
 adds a variant of B: the same engine switched before its runs (`overlap_codec`, `govern_threads`, `split_frames`,
-`prefix_cache`, `codec_conv`, `codec_nice`, `codec_threads`; e.g. `--variant overlap=overlap_codec=1`, `--variant nocache=prefix_cache=0`,
-`--variant int8=codec_conv=int8`: the codec decoder's convolution path, `CodecDecoder.set_conv_mode`).
+`prefix_cache`, `codec_conv`, `codec_nice`, `codec_threads`, `talker_step`; e.g. `--variant overlap=overlap_codec=1`,
+`--variant nocache=prefix_cache=0`,
+`--variant int8=codec_conv=int8`: the codec decoder's convolution path, `CodecDecoder.set_conv_mode`;
+`--variant pytalker=talker_step=0` with TTS_TALKER_STEP=1: the talker's step on the Python path).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _value(v: str):
 
 
 SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_conv", "codec_nice",
-            "codec_threads")
+            "codec_threads", "talker_step")
 
 
 def _switch(engine, setting: dict) -> None:
@@ -72,6 +74,9 @@ def _switch(engine, setting: dict) -> None:
     if not hasattr(engine, "_kept_codec_conv"):
         engine._kept_codec_conv = dec.conv_mode   # (the path chosen at load)
     dec.set_conv_mode(setting.get("codec_conv", engine._kept_codec_conv))
+    if not hasattr(engine, "_kept_talker_step"):   # the talker's step in one call (model/talker_step.py), where attached
+        engine._kept_talker_step = getattr(engine.runner, "talker_step", None)
+    engine.runner.talker_step = engine._kept_talker_step if setting.get("talker_step", True) else None
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from ..errors import TTSError
-from ..model import fused_step, predictor_frame
+from ..model import fused_step, predictor_frame, talker_step
 from ..model.kernels import onednn_off, onednn_on, onednn_outside
 from ..model.prompt import Prompt
 from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
@@ -95,6 +95,11 @@ class ModelRunner:
         self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
         if self.device.type == "cpu":
             self._measure_predictor_frame()
+        # ... and the talker's whole step around its fused stack in one call of it (model/talker_step.py), its trial
+        # run now too (on row 0, put back afterwards)
+        self.talker_step, self.talker_step_status = None, "off (CPU only)"
+        if self.device.type == "cpu":
+            self._attach_talker_step()
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
 
     def compile_predictor(self) -> str:
@@ -343,6 +348,32 @@ class ModelRunner:
             self.on_frame_codes(codes)
 
     def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
+        """The talker step consuming `codes` [B, 16] -> done [B]; where the step in one C++ call serves
+        (`talker_step`), the same computations there."""
+        step = self.talker_step
+        if step is not None and step.takes(r.shape[0]):
+            return step.run(r, rp, codes, lambda: self._advance_python(r, cache_rows, rp, read_len, codes))
+        return self._advance_python(r, cache_rows, rp, read_len, codes)
+
+    @torch.inference_mode()
+    def _attach_talker_step(self) -> None:
+        """Attach `talker_step.TalkerStep` where it runs and run its trial (`TalkerStep.measure`, on row 0 before
+        any request holds it). Never raises."""
+        self.talker_step, self.talker_step_status = talker_step.attach(self)
+        step = self.talker_step
+        if step is None or step.state != "trial":
+            return
+        rp = RowParams(**{k: (v[:1] if k != "host" else host_facts([SamplingParams()]))
+                          for k, v in self.rp.__dict__.items()})
+
+        def python_step(r, rp, codes):
+            return self._advance_python(r, slice(0, 1), rp, int(self.pos[0]) + 1, codes)
+
+        with aten_bf16_gemv(self._gemv(1)):
+            step.measure(self, rp, python_step)
+        self.talker_step_status = step.status
+
+    def _advance_python(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1
         x = self.talker.frame_embed(codes) + self._trailing_at(r, frame_idx)         # [B, D]
         h, logits = self.talker.forward_embeds(x[:, None], self.cache, cache_rows, self.pos[r], read_len)
