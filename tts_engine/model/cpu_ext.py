@@ -173,6 +173,17 @@ def sync_level(lib: ctypes.CDLL) -> None:
 _synced: list = []   # the libraries sync_level has seen (loaded once per process, never unloaded)
 
 
+def load_beside(source) -> ctypes.CDLL:
+    """Build (on first use) and load another C++ file that includes cpu_ext.cpp (fused_step.cpp, predictor_frame.cpp,
+    talker_step.cpp), at the CPU level our kernels run at here (`sync_level`); raises when our kernels cannot run
+    here. The caller declares its functions and keeps the library."""
+    if library() is None:
+        raise RuntimeError(f"our CPU kernels are not available ({why_unavailable()})")
+    lib = ctypes.CDLL(str(build(source=source)))
+    sync_level(lib)
+    return lib
+
+
 def _load() -> ctypes.CDLL:
     lib = load_library()
     cpu = lib.ttsx_cpu_level()

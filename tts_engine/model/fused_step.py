@@ -124,10 +124,7 @@ def library() -> ctypes.CDLL:
     """The fused step's library (built on first use beside cpu_ext's kernels); raises when it cannot run here."""
     with _lock:
         if "lib" not in _lib:
-            if cpu_ext.library() is None:
-                raise RuntimeError(f"our CPU kernels are not available ({cpu_ext.why_unavailable()})")
-            lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
-            cpu_ext.sync_level(lib)   # the CPU level our kernels run at (TTS_CPU_ISA)
+            lib = cpu_ext.load_beside(SOURCE)
             P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.ttsf_layer_fields.restype = I
             lib.ttsf_bf16_isa.restype = I

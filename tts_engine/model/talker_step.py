@@ -62,10 +62,7 @@ def library() -> ctypes.CDLL:
     """The step's library (built on first use); raises when it cannot run here."""
     with _lock:
         if "lib" not in _lib:
-            if cpu_ext.library() is None:
-                raise RuntimeError(f"our CPU kernels are not available ({cpu_ext.why_unavailable()})")
-            lib = ctypes.CDLL(str(cpu_ext.build(source=SOURCE)))
-            cpu_ext.sync_level(lib)   # the CPU level our kernels run at (TTS_CPU_ISA)
+            lib = cpu_ext.load_beside(SOURCE)
             P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
             stack = [P, F, P, P, P, P, P, P, I]
             state = [P, P, P, P, P, P, P, P, P, I64, I64]
