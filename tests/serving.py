@@ -65,6 +65,41 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
 
 
 @contextlib.contextmanager
+def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None):
+    """The Gradio app on tiny random custom_voice and base checkpoints (0.6b shape, seed 0; no voice design),
+    launched on a free loopback port and driven by gradio_client. before_build(app): called before the UI is built
+    (e.g. to wrap engines). Yields (app, client); closes both afterwards."""
+    from gradio_client import Client
+
+    from server.limits import Limits
+    from tts_engine.tiny import make_tiny
+    from ui.app import TTSApp
+    from ui.config import AppConfig
+
+    ck = {r: str(make_tiny(folder / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
+    ck["voice_design"] = ""
+    app = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=folder / "cache",
+                           limits=Limits(max_text_chars=max_text_chars, max_new_tokens=600)))
+    if before_build is not None:
+        before_build(app)
+    demo = app.build()
+    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **app.launch_kwargs())
+    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    try:
+        yield app, client
+    finally:
+        try:
+            client.close()
+        except Exception:
+            pass
+        demo.close()
+        app.close()
+
+
+@contextlib.contextmanager
 def app_process(root: Path, port: int, extra=(), cache_prefix: str = "app-"):
     """`python app.py --tiny` of checkout `root` on 127.0.0.1:`port` (a fresh temporary cache folder, output
     discarded), started now and stopped on exit. Yields its base URL; `wait_answering` waits for it to answer."""

@@ -3,12 +3,13 @@ before the final result), the final result is a lossless WAV, and bad input come
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import soundfile as sf
+
+from serving import tiny_gradio_app
 
 ROOT = Path(__file__).resolve().parent.parent
 OLIVER = ROOT / "presets" / "oliver.flac"
@@ -19,37 +20,10 @@ OLIVER_TEXT = "Good morning. I hope you slept well, because today we have a grea
 FFMPEG = shutil.which("ffmpeg") is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from app import AppConfig, TTSApp
-    from server.limits import Limits
-    from tts_engine.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("client_ckpts")
-    ck = {r: str(make_tiny(d / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
-    ck["voice_design"] = ""
-    app = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache",
-                           limits=Limits(max_text_chars=500, max_new_tokens=600)))
-    demo = app.build()
-    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                **app.launch_kwargs())
-    from gradio_client import Client
-    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-    yield app, client
-    try:
-        client.close()
-    except Exception:
-        pass
-    demo.close()
-    app.close()
+    with tiny_gradio_app(tmp_path_factory.mktemp("client_ckpts"), max_text_chars=500) as served:
+        yield served
 
 
 def _run(client, api_name: str, timeout: float = 120, **kwargs):

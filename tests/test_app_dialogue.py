@@ -3,7 +3,6 @@ launched app (tiny random checkpoints): lines in order, each with its speaker's 
 per line that is exactly its slice of the whole WAV, the pause between turns, Stop."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -14,6 +13,8 @@ import soundfile as sf
 from tts_engine import TTSError
 from ui import dialogue_script as S
 from ui.dialogue_tab import assign_names
+
+from serving import tiny_gradio_app
 
 
 # --- the script, pure ---------------------------------------------------------------------------------------
@@ -61,12 +62,6 @@ def test_speaker_slots_keep_their_names():
 
 # --- /dialogue over gradio_client ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Recorder:
     """Wraps an engine's `stream` and records (engine role, text, voice) of every request, in submission order."""
 
@@ -86,32 +81,14 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from app import AppConfig, TTSApp
-    from server.limits import Limits
-    from tts_engine.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("dialogue_ckpts")
-    ck = {r: str(make_tiny(d / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
-    ck["voice_design"] = ""
-    app = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache",
-                           limits=Limits(max_text_chars=1500, max_new_tokens=600)))
     rec = Recorder()
-    for role in ("custom_voice", "base"):
-        rec.wrap(role, app.engine(role))
-    demo = app.build()
-    demo.queue(default_concurrency_limit=app.concurrency, max_size=16)
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                **app.launch_kwargs())
-    from gradio_client import Client
-    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-    yield app, client, rec
-    try:
-        client.close()
-    except Exception:
-        pass
-    demo.close()
-    app.close()
+
+    def wrap(app):
+        for role in ("custom_voice", "base"):
+            rec.wrap(role, app.engine(role))
+    folder = tmp_path_factory.mktemp("dialogue_ckpts")
+    with tiny_gradio_app(folder, max_text_chars=1500, before_build=wrap) as (app, client):
+        yield app, client, rec
 
 
 SCRIPT = ("Ryan: First line, spoken by Ryan.\n"

@@ -26,6 +26,27 @@ def _cpu_has_vnni() -> bool:
 EXPECTED = _cpu_has_vnni() and shutil.which("g++") is not None and cpu_ext.enabled()
 
 
+def require(ok: bool, what: str, why: str) -> None:
+    """Where `ok` is false: a failure where EXPECTED (this CPU has AVX-512 VNNI and g++ is here: `what` must run),
+    else a skip."""
+    if not ok:
+        if EXPECTED:
+            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but {what} failed: {why}")
+        pytest.skip(f"{what} not available here: {why}")
+
+
+def built(load, what: str):
+    """load() -> a library that includes our kernels (fused step, predictor frame, talker step), or as `require`."""
+    try:
+        return load()
+    except Exception as e:
+        require(False, what, str(e))
+
+
+def require_kernels() -> None:
+    require(cpu_ext.available(), "our CPU kernels", cpu_ext.why_unavailable())
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
@@ -39,10 +60,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def ext():
-    if not cpu_ext.available():
-        if EXPECTED:
-            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the kernels failed: {cpu_ext.why_unavailable()}")
-        pytest.skip(f"own CPU kernels not available here: {cpu_ext.why_unavailable()}")
+    require_kernels()
     return cpu_ext
 
 

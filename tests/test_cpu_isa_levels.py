@@ -20,17 +20,14 @@ import torch
 from tts_engine.model import cpu_ext, fused_step
 from tts_engine.model.quant import int4_quantize
 
-from test_cpu_ext_kernels import EXPECTED
+from test_cpu_ext_kernels import require_kernels
 from test_fused_step import CFG, cos_rows, filled_cache, make_stack
 
 
 @pytest.fixture
 def levels():
     """The levels this CPU runs (1 .. cpuid's); afterwards the kernels are back at the level they ran at before."""
-    if not cpu_ext.available():
-        if EXPECTED:
-            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the kernels failed: {cpu_ext.why_unavailable()}")
-        pytest.skip(f"own CPU kernels not available here: {cpu_ext.why_unavailable()}")
+    require_kernels()
     fused_step.library()   # loaded, so that set_level reaches it too
     was = cpu_ext.level()
     yield list(range(1, cpu_ext.cpu_level() + 1))

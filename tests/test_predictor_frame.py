@@ -23,17 +23,12 @@ import torch.nn.functional as F
 from tts_engine.model import cpu_ext, fused_step, predictor_frame
 from tts_engine.model.sampling import RowParams, SamplingParams, choose_residual
 
-from test_cpu_ext_kernels import EXPECTED
+from test_cpu_ext_kernels import built
 
 
 @pytest.fixture
 def frame_lib():
-    try:
-        return predictor_frame.library()
-    except Exception as e:
-        if EXPECTED:
-            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the predictor frame failed: {e}")
-        pytest.skip(f"predictor frame not available here: {e}")
+    return built(predictor_frame.library, "the predictor frame")
 
 
 def row_params(B: int, seed: int = 0, top_p: bool = True) -> list[SamplingParams]:

@@ -18,17 +18,12 @@ from tts_engine.model import cpu_ext, fused_step, predictor_frame, talker_step
 from tts_engine.model.prompt import Prompt
 from tts_engine.model.sampling import SamplingParams
 
-from test_cpu_ext_kernels import EXPECTED
+from test_cpu_ext_kernels import built
 
 
 @pytest.fixture
 def step_lib():
-    try:
-        return talker_step.library()
-    except Exception as e:
-        if EXPECTED:
-            pytest.fail(f"this CPU has AVX-512 VNNI and g++ is here, but the talker step failed: {e}")
-        pytest.skip(f"talker step not available here: {e}")
+    return built(talker_step.library, "the talker step")
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,17 @@ def plain_read_gbps(mb: int = 512, reps: int = 5) -> float:
     return buf.numel() / best / 1e9
 
 
+def end_report(out: list[str], path: str | None, read_mb: int = 512) -> int:
+    """The report's last line (the load average and the plain read again, printed), then the report written to
+    `path` (--out) where one is given -> 0, main's exit status."""
+    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps(read_mb):.1f} GB/s")
+    print(out[-1])
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(out) + "\n")
+    return 0
+
+
 def frame_calls(stack_name: str, talker_pos: int):
     """[(M, positions)] of one frame's calls at one row."""
     if stack_name == "talker":
@@ -216,12 +227,7 @@ def main(argv=None) -> int:
             print("\n".join(lines), flush=True)
             out += lines
             del stack, extra, plans
-    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps(a.read_mb):.1f} GB/s")
-    print(out[-1])
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write("\n".join(out) + "\n")
-    return 0
+    return end_report(out, a.out, a.read_mb)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     _env()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from .bench_fused_profile import plain_read_gbps
+    from .bench_fused_profile import end_report, plain_read_gbps
     from .cpu_info import cpu_info
     from .model import predictor_frame
 
@@ -211,12 +211,7 @@ def main(argv=None) -> int:
             print("\n".join(lines), flush=True)
             out += lines
         del built
-    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps():.1f} GB/s")
-    print(out[-1])
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write("\n".join(out) + "\n")
-    return 0
+    return end_report(out, a.out)
 
 
 if __name__ == "__main__":

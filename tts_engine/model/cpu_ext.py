@@ -184,6 +184,26 @@ def load_beside(source) -> ctypes.CDLL:
     return lib
 
 
+class Beside:
+    """`library = cpu_ext.Beside(SOURCE, declare)`: a module's library built from a C++ file that includes
+    cpu_ext.cpp (`load_beside`), loaded on the first `library()` and kept for the process; declare(lib) gives its
+    functions their C types (it may raise: nothing is kept then). Raises when it cannot run here (the next call tries
+    again)."""
+
+    def __init__(self, source, declare):
+        self.source, self.declare = Path(source), declare
+        self._lib: ctypes.CDLL | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ctypes.CDLL:
+        with self._lock:
+            if self._lib is None:
+                lib = load_beside(self.source)
+                self.declare(lib)
+                self._lib = lib
+            return self._lib
+
+
 def _load() -> ctypes.CDLL:
     lib = load_library()
     cpu = lib.ttsx_cpu_level()

@@ -35,7 +35,6 @@ import hashlib
 import logging
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -57,9 +56,6 @@ TRIAL_PAIRS = 4         # timed (eager, fused) pairs per stack before choosing
 TRIAL_POS = 32          # the trial's calls write positions TRIAL_POS.. of its scratch cache (attention over ~32 keys)
 MIN_COS = 0.99          # the two paths' hidden states must agree at least this well (a bug detector, not quality)
 LAYER_FIELDS = 12       # fused_step.cpp LayerField
-
-_lib: dict = {}
-_lock = threading.Lock()
 
 
 def setting() -> str:
@@ -104,10 +100,14 @@ STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "r
 class profile:
     """`with fused_step.profile() as prof: ...` times every stage of the fused calls made inside (fused_step.cpp's
     profile; off, it costs nothing but a branch per stage); prof.ns: {stage: nanoseconds summed} (calls, matmuls:
-    counts) once the block is left."""
+    counts) once the block is left. (predictor_frame.profile: the same over the frame's library.)"""
+
+    @staticmethod
+    def library() -> ctypes.CDLL:
+        return library()
 
     def __enter__(self):
-        self.lib = library()
+        self.lib = self.library()
         self._buf = (ctypes.c_int64 * 64)()
         self.lib.ttsf_profile_read(self._buf)   # zero the sums
         self._was = self.lib.ttsf_profile_set(1)
@@ -120,28 +120,32 @@ class profile:
         return False
 
 
-def library() -> ctypes.CDLL:
-    """The fused step's library (built on first use beside cpu_ext's kernels); raises when it cannot run here."""
-    with _lock:
-        if "lib" not in _lib:
-            lib = cpu_ext.load_beside(SOURCE)
-            P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.ttsf_layer_fields.restype = I
-            lib.ttsf_bf16_isa.restype = I
-            lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
-            lib.ttsf_stack_step.restype = I
-            lib.ttsf_set_team.argtypes, lib.ttsf_set_team.restype = [I], I
-            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
-            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
-            lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
-            lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
-            lib.ttsf_set_team(int(team_setting()))
-            lib.ttsf_mm16.argtypes = [P, I64, I64, P, I64, P, I]
-            lib.ttsf_mm16.restype = I
-            if lib.ttsf_layer_fields() != LAYER_FIELDS:
-                raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
-            _lib["lib"] = lib
-        return _lib["lib"]
+def declare_profile(lib: ctypes.CDLL) -> None:
+    """The C types of the profile's functions (`profile`), in this library or one that includes fused_step.cpp."""
+    I = ctypes.c_int
+    lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
+    lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [ctypes.c_void_p], I
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ttsf_layer_fields.restype = I
+    lib.ttsf_bf16_isa.restype = I
+    lib.ttsf_stack_step.argtypes = [P, ctypes.c_float, P, P, P, P, I, I64, P, P, P, P, P, I]
+    lib.ttsf_stack_step.restype = I
+    lib.ttsf_set_team.argtypes, lib.ttsf_set_team.restype = [I], I
+    declare_profile(lib)
+    lib.ttsf_set_spin.argtypes, lib.ttsf_set_spin.restype = [I], I
+    lib.ttsf_matmuls.argtypes, lib.ttsf_matmuls.restype = [P, P, I64, I64, I], I
+    lib.ttsf_set_team(int(team_setting()))
+    lib.ttsf_mm16.argtypes = [P, I64, I64, P, I64, P, I]
+    lib.ttsf_mm16.restype = I
+    if lib.ttsf_layer_fields() != LAYER_FIELDS:
+        raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
+
+
+# library(): the fused step's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
+library = cpu_ext.Beside(SOURCE, _declare)
 
 
 def bf16_matmul(w: torch.Tensor, x: torch.Tensor, isa: int | None = None) -> torch.Tensor:

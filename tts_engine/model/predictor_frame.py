@@ -40,7 +40,6 @@ import ctypes
 import hashlib
 import logging
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -57,60 +56,53 @@ MAX_ROWS = fused_step.MAX_ENTRIES // 2   # the first pass has two entries a row
 TRIAL_FRAMES = 4                         # timed (loop, frame) pairs before choosing
 MIN_AGREE = 0.5                          # first-codebook codes of the two paths that must agree in the trial
 
-_lib: dict = {}
-_lock = threading.Lock()
-
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_PREDICTOR_FRAME)."""
     return remembered_choice.setting(ENV)
 
 
-def library() -> ctypes.CDLL:
-    """The frame's library (built on first use); raises when it cannot run here."""
-    with _lock:
-        if "lib" not in _lib:
-            lib = cpu_ext.load_beside(SOURCE)
-            P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-            lib.ttsp_frame.argtypes = [P, F, P, P, P, P, P, P, I, I64, I64, I64, P, P, P, P, P, P,
-                                       P, P, P, P, P, P, I, I64, I, P, P]
-            lib.ttsp_frame.restype = I
-            lib.ttsp_frame_team.argtypes = lib.ttsp_frame.argtypes + [I]
-            lib.ttsp_frame_team.restype = I
-            lib.ttsp_choose.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, I, I64, I, P]
-            lib.ttsp_choose.restype = None
-            lib.ttsp_set_team.argtypes, lib.ttsp_set_team.restype = [I, I], I
-            lib.ttsp_set_team(int(fused_step.team_setting()), 1)
-            lib.ttsp_profile_read.argtypes, lib.ttsp_profile_read.restype = [P], I
-            lib.ttsf_profile_set.argtypes, lib.ttsf_profile_set.restype = [I], I
-            lib.ttsf_profile_read.argtypes, lib.ttsf_profile_read.restype = [P], I
-            _lib["lib"] = lib
-        return _lib["lib"]
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.ttsp_frame.argtypes = [P, F, P, P, P, P, P, P, I, I64, I64, I64, P, P, P, P, P, P,
+                               P, P, P, P, P, P, I, I64, I, P, P]
+    lib.ttsp_frame.restype = I
+    lib.ttsp_frame_team.argtypes = lib.ttsp_frame.argtypes + [I]
+    lib.ttsp_frame_team.restype = I
+    lib.ttsp_choose.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, I, I64, I, P]
+    lib.ttsp_choose.restype = None
+    lib.ttsp_set_team.argtypes, lib.ttsp_set_team.restype = [I, I], I
+    lib.ttsp_set_team(int(fused_step.team_setting()), 1)
+    lib.ttsp_profile_read.argtypes, lib.ttsp_profile_read.restype = [P], I
+    fused_step.declare_profile(lib)
+
+
+library = cpu_ext.Beside(SOURCE, _declare)   # library(): the frame's library, built on first use; raises where it cannot run
 
 
 # predictor_frame.cpp FStage: the frame's stages (the last a count)
 FRAME_STAGES = ("setup", "proj", "stack", "norm", "head", "round", "sample", "embed", "call", "calls")
 
 
-class profile:
+class profile(fused_step.profile):
     """`with predictor_frame.profile() as prof: ...` times the stages of the frames run inside (predictor_frame.cpp's
     profile) -> prof.frame {FRAME_STAGES: ns summed}, prof.stack {fused_step.STAGES: ns summed over the stack calls
-    inside the frames}."""
+    inside the frames} (also prof.ns, as fused_step.profile)."""
+
+    @staticmethod
+    def library() -> ctypes.CDLL:
+        return library()
 
     def __enter__(self):
-        self.lib = library()
-        self._buf = (ctypes.c_int64 * 64)()
-        self.lib.ttsp_profile_read(self._buf)   # zero the sums
-        self.lib.ttsf_profile_read(self._buf)
-        self._was = self.lib.ttsf_profile_set(1)
+        super().__enter__()
+        self.lib.ttsp_profile_read(self._buf)   # zero the frame's sums
         return self
 
     def __exit__(self, *exc):
-        self.lib.ttsf_profile_set(self._was)
+        super().__exit__(*exc)
+        self.stack = self.ns
         n = self.lib.ttsp_profile_read(self._buf)
         self.frame = dict(zip(FRAME_STAGES, list(self._buf)[:n]))
-        n = self.lib.ttsf_profile_read(self._buf)
-        self.stack = dict(zip(fused_step.STAGES, list(self._buf)[:n]))
         return False
 
 

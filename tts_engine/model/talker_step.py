@@ -31,7 +31,6 @@ import ctypes
 import hashlib
 import logging
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -49,33 +48,27 @@ TRIAL_PAIRS = 4         # timed (python, step) pairs before choosing
 TRIAL_POS = 32          # the trial's steps write positions TRIAL_POS.. of row 0 (unused while the runner is built)
 EXACT_W8A8 = ("int_mm", "vnni", "own_avx2")   # W8A8 head kernels whose numbers ours equal (exact int32 sums)
 
-_lib: dict = {}
-_lock = threading.Lock()
-
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_TALKER_STEP)."""
     return remembered_choice.setting(ENV)
 
 
-def library() -> ctypes.CDLL:
-    """The step's library (built on first use); raises when it cannot run here."""
-    with _lock:
-        if "lib" not in _lib:
-            lib = cpu_ext.load_beside(SOURCE)
-            P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-            stack = [P, F, P, P, P, P, P, P, I]
-            state = [P, P, P, P, P, P, P, P, P, I64, I64]
-            rules = [I64, I64, I64, P, P, P, P, P, P, P, I, I64, I]
-            frame = [I64, P, P, I64, P, P, I64]
-            lib.ttst_step.argtypes = stack + state + frame + [P, P, I64] + rules + [P, P, P]
-            lib.ttst_step.restype = I
-            lib.ttst_hidden.argtypes = stack + state + frame + [P]
-            lib.ttst_hidden.restype = I
-            lib.ttst_choose.argtypes = [I64] + state + [I64, P, P, I64, P, I] + rules + [P, P]
-            lib.ttst_choose.restype = I
-            _lib["lib"] = lib
-        return _lib["lib"]
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    stack = [P, F, P, P, P, P, P, P, I]
+    state = [P, P, P, P, P, P, P, P, P, I64, I64]
+    rules = [I64, I64, I64, P, P, P, P, P, P, P, I, I64, I]
+    frame = [I64, P, P, I64, P, P, I64]
+    lib.ttst_step.argtypes = stack + state + frame + [P, P, I64] + rules + [P, P, P]
+    lib.ttst_step.restype = I
+    lib.ttst_hidden.argtypes = stack + state + frame + [P]
+    lib.ttst_hidden.restype = I
+    lib.ttst_choose.argtypes = [I64] + state + [I64, P, P, I64, P, I] + rules + [P, P]
+    lib.ttst_choose.restype = I
+
+
+library = cpu_ext.Beside(SOURCE, _declare)   # library(): the step's library, built on first use; raises where it cannot run
 
 
 def tag() -> str:
