@@ -3,9 +3,9 @@ levels forced on this CPU (`TTS_CPU_ISA`, `cpu_ext.set_level`):
 
 - the level follows cpuid; TTS_CPU_ISA (and the older TTS_CPU_EXT_ISA=avx2) lowers it, never raises it, and every
   library that includes cpu_ext.cpp (the fused step's too) and every kernel (W8A8 / W4A8 path, the fused step's bf16
-  matmul path, SnakeBeta) follows it;
+  matmul path, SnakeBeta, the codec's quant_u8) follows it;
 - at every level this CPU can run, the W8A8 and W4A8 layers give the same bits as at the native level (exact integer
-  sums, the same fp32 epilogue), and a whole fused stack (W8A8, W4A8, bf16) gives what the native level gives up to
+  sums, the same fp32 epilogue), quant_u8 the same bits as at the native level and in its scalar loops, and a whole fused stack (W8A8, W4A8, bf16) gives what the native level gives up to
   the float summation order of its norms and attention (AVX-512 vs AVX2 vector widths) and, for bf16, one bf16
   rounding.
 
@@ -76,6 +76,8 @@ def test_the_level_follows_cpuid_and_tts_cpu_isa_only_lowers_it(reload):
         assert lib.ttsf_bf16_isa() == (3 if got == 4 else 2 if got >= 2 else 1), name
         ext.snake(torch.zeros(1, 1, 1), torch.ones(1), torch.ones(1))
         assert ext._state["snake_isa"] == (2 if got >= 2 else 1), name
+        ext.quant_u8(torch.zeros(3))
+        assert ext._state["quant_u8"] == (2 if got >= 2 else 1), name       # quant_u8's AVX-512 / AVX2 loops
         assert ext.tag().endswith(f"-forced-{ext.level_name()}") == (got < cpu), name   # a forced level: its own key
     assert reload(TTS_CPU_EXT_ISA="avx2").level() == 1                    # the older name
     assert reload(TTS_CPU_EXT_ISA="avx512").level() == cpu
@@ -103,6 +105,44 @@ def test_w8a8_and_w4a8_layers_give_the_same_bits_at_every_level(levels):
         cpu_ext.set_level(lvl)
         for (a8, a4), (b8, b4) in zip(outputs(), native):
             assert torch.equal(a8, b8) and torch.equal(a4, b4), cpu_ext.level_name()
+
+
+@torch.inference_mode()
+def test_quant_u8_gives_the_same_bits_at_every_level_and_in_its_scalar_loops(levels):
+    """cpu_ext.quant_u8 (the codec's int8 activations): its AVX-512 and AVX2 loops and the scalar reference give the
+    same q, scale and zero point on fp32 and bf16 input: lengths with and without a vector tail, more than one
+    thread chunk (2**16 values), all-negative, all-positive and all-zero tensors, values that land on exact halves
+    of a step, a NaN (passed over by min/max, quantised to 0) and -0."""
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=g) * 3 + 0.5 for n in (1, 7, 8, 15, 16, 17, 31, 33, 1000, 3 * 65536 + 5)]
+    xs += [-torch.rand(100, generator=g) - 0.1, torch.rand(70, generator=g) + 2, torch.zeros(40)]
+    # a range of [-2, 2] (scale 4/255) and values on and one ulp beside the halves of its steps: where one rounding
+    # (fma) and a product rounded before the add give other q
+    mid = (torch.arange(-127, 128, dtype=torch.float32) + 0.5) * torch.tensor(4 / 255, dtype=torch.float32)
+    xs.append(torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1), torch.tensor([-2.0, 2.0])]))
+    nan_last = torch.randn(32, generator=g)
+    nan_last[[15, 31]] = float("nan")                                    # in the last lane of every vector
+    xs += [nan_last, torch.tensor([1.5, -0.0, -3.0, 4.0, float("nan")] * 5)]
+    xs = [x.to(dt) for x in xs for dt in (torch.float32, torch.bfloat16)]
+
+    def outputs():
+        got = [cpu_ext.quant_u8(x) for x in xs]
+        assert all(r is not None for r in got)
+        return got
+    cpu_ext.set_level(levels[-1])
+    native = outputs()
+    cpu_ext._state["quant_u8"] = 0                                        # the scalar loops (set_level forgets it)
+    scalar = outputs()
+    paths = set()
+    for lvl in levels:
+        cpu_ext.set_level(lvl)
+        for x, a, b, c in zip(xs, outputs(), native, scalar):
+            for o in (b, c):
+                assert torch.equal(a[0], o[0]) and a[1:] == o[1:], (cpu_ext.level_name(), x.dtype, x.numel())
+        paths.add(cpu_ext._state["quant_u8"])
+    assert paths == ({1, 2} if levels[-1] >= 2 else {1})
+    q, s, zp = native[-2]                                                 # a NaN row: the others' range, NaN -> 0
+    assert s == pytest.approx(7 / 255) and zp == 109 and int(q[4]) == 0 and int(q[0]) == 109 + round(1.5 * 255 / 7)
 
 
 @pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("w4a8", torch.bfloat16), ("bf16", torch.bfloat16)])

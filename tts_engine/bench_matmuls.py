@@ -19,7 +19,12 @@ interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB
 each path's compute ceiling, which a busy machine's memory contention does not hide).
 
 `python -m tts_engine.bench_matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
-1 and 4 rows, one thread (`ceilings`)."""
+1 and 4 rows, one thread (`ceilings`).
+
+`python -m tts_engine.bench_matmuls quant_u8 [ROUNDS] [--base DIR]`: the codec's int8 activation quantisation
+(`cpu_ext.quant_u8`, two passes over the input) on fp32 and bf16 inputs of codec sizes, each of its loops (AVX-512,
+AVX2, scalar: those this CPU runs) and with --base another checkout's (DIR/tts_engine/model/cpu_ext.cpp), all
+interleaved round by round; best and median us per call (`quant_u8_ab`)."""
 from __future__ import annotations
 
 import os
@@ -266,8 +271,64 @@ def ceilings(rounds: int = 5, calls: int = 200) -> list[str]:
     return lines
 
 
+def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
+    """`quant_u8` (module doc): {(label, dtype, n): [seconds per call]} over interleaved rounds -> table lines."""
+    import ctypes
+    import statistics
+    from pathlib import Path
+
+    from .model import cpu_ext
+
+    if not cpu_ext.available():
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+        return []
+    libs = {"": cpu_ext.library()}
+    if base:
+        libs[" (base)"] = cpu_ext.load_library(Path(base) / "tts_engine" / "model" / "cpu_ext.cpp")
+    for lib in libs.values():
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
+    paths = {"avx512": 2, "avx2": 1, "scalar": 0} if cpu_ext.level() >= 2 else {"avx2": 1, "scalar": 0}
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(n, generator=g) * 2).to(dt) for n in (1024 * 64, 1024 * 1400) for dt in (torch.float32,
+                                                                                                   torch.bfloat16)]
+    out = torch.empty(2)
+    cands = {f"{p}{tag}": (lib, isa) for tag, lib in libs.items() for p, isa in paths.items()
+             if not (tag and isa == 0)}   # (a base's scalar loops: its avx2 row, where it has no AVX2 loops)
+    times: dict = {}
+    for r in range(rounds):
+        for name, (lib, isa) in (list(cands.items()) if r % 2 == 0 else list(cands.items())[::-1]):
+            for x in inputs:
+                q = torch.empty(x.numel(), dtype=torch.uint8)
+                reps = 20 if x.numel() < 1 << 20 else 3
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(),
+                                      out.data_ptr(), isa)
+                times.setdefault((name, x.dtype, x.numel()), []).append((time.perf_counter() - t0) / reps)
+    cols = [(x.dtype, x.numel()) for x in inputs]
+    lines = [f"cpu_ext.quant_u8, {bench.device_name(torch.device('cpu'))}, "
+             f"load average {os.getloadavg()[0]:.2f}; {rounds} rounds interleaved; us per call, best (median)", "",
+             "| loops | " + " | ".join(f"{str(d).split('.')[-1]} {n / 1e6:.2f} M" for d, n in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for name in cands:
+        cells = [f"{1e6 * min(times[(name, d, n)]):.0f} ({1e6 * statistics.median(times[(name, d, n)]):.0f})"
+                 for d, n in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    return lines
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "quant_u8":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
+        base = None
+        if "--base" in argv:
+            i = argv.index("--base")
+            base, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        quant_u8_ab(int(argv[1]) if len(argv) > 1 else 15, base)
+        return 0
     if argv and argv[0] == "ceilings":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "1")))
         ceilings(int(argv[1]) if len(argv) > 1 else 5)

@@ -841,15 +841,43 @@ void ttsx_snake(const void* x, void* y, int is_bf16, int64_t B, int64_t C, int64
 }
 
 namespace {
-// AVX-512 halves of ttsx_quant_u8 on [i0, i1): min/max, then quantise (same arithmetic as the scalar loops)
+// The halves of ttsx_quant_u8 on [i0, i1): min/max (including 0), then quantise. Every path computes the same
+// bits: min/max as `v < lo ? v : lo` / `v > hi ? v : hi` (MINPS/MAXPS with x first: a NaN input is passed over and
+// -0 never replaces +0, so the order of the lanes does not matter), q = floor(clamp(fma(x, inv, zp + 0.5), 0, 255))
+// with the clamp as `v > 0 ? v : 0` then `v < 255 ? v : 255` (a NaN gives 0).
+inline float load1(const void* x, int is_bf16, int64_t i) {
+  return is_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+}
+
+void minmax1(const void* x, int is_bf16, int64_t i0, int64_t i1, float* lo, float* hi) {
+  float l = *lo, h = *hi;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = load1(x, is_bf16, i);
+    l = v < l ? v : l;
+    h = v > h ? v : h;
+  }
+  *lo = l;
+  *hi = h;
+}
+
+void quant1(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, float zp, uint8_t* q) {
+  const float off = zp + 0.5f;
+  for (int64_t i = i0; i < i1; ++i) {
+    float v = std::fma(load1(x, is_bf16, i), inv, off);   // >= 0 up to rounding: floor(v) rounds half up
+    v = v > 0.f ? v : 0.f;
+    v = v < 255.f ? v : 255.f;
+    q[i] = (uint8_t)(int)v;
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void minmax512(const void* x, int is_bf16, int64_t i0, int64_t i1, float* lo, float* hi) {
   __m512 mn = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
   for (int64_t i = i0; i < i1; i += 16) {
     const __mmask16 m = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
     const __m512 v = load16(x, is_bf16, i, m);   // masked lanes read 0 (inside [min(x, 0), max(x, 0)])
-    mn = _mm512_min_ps(mn, v);
-    mx = _mm512_max_ps(mx, v);
+    mn = _mm512_min_ps(v, mn);
+    mx = _mm512_max_ps(v, mx);
   }
   *lo = _mm512_reduce_min_ps(mn);
   *hi = _mm512_reduce_max_ps(mx);
@@ -867,14 +895,64 @@ void quant512(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, flo
     _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(n));
   }
 }
+
+// 8 elements (fp32 or bf16) from x + i as fp32
+__attribute__((target("avx2,fma")))
+inline __m256 load8(const void* x, int is_bf16, int64_t i) {
+  if (is_bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps((const float*)x + i);
+}
+
+__attribute__((target("avx2,fma")))
+void minmax256(const void* x, int is_bf16, int64_t i0, int64_t i1, float* lo, float* hi) {
+  __m256 mn0 = _mm256_setzero_ps(), mx0 = _mm256_setzero_ps(), mn1 = mn0, mx1 = mx0;   // two chains each
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    const __m256 a = load8(x, is_bf16, i), b = load8(x, is_bf16, i + 8);
+    mn0 = _mm256_min_ps(a, mn0);
+    mx0 = _mm256_max_ps(a, mx0);
+    mn1 = _mm256_min_ps(b, mn1);
+    mx1 = _mm256_max_ps(b, mx1);
+  }
+  alignas(32) float l[8], h[8];
+  _mm256_store_ps(l, _mm256_min_ps(mn1, mn0));
+  _mm256_store_ps(h, _mm256_max_ps(mx1, mx0));
+  float lo1 = 0.f, hi1 = 0.f;
+  minmax1(l, 0, 0, 8, &lo1, &hi1);
+  minmax1(h, 0, 0, 8, &lo1, &hi1);
+  minmax1(x, is_bf16, i, i1, &lo1, &hi1);   // the tail
+  *lo = lo1;
+  *hi = hi1;
+}
+
+__attribute__((target("avx2,fma")))
+void quant256(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, float zp, uint8_t* q) {
+  const __m256 iv = _mm256_set1_ps(inv), off = _mm256_set1_ps(zp + 0.5f);
+  const __m256 z = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    __m256 a = _mm256_fmadd_ps(load8(x, is_bf16, i), iv, off);
+    __m256 b = _mm256_fmadd_ps(load8(x, is_bf16, i + 8), iv, off);
+    a = _mm256_min_ps(_mm256_max_ps(a, z), top);
+    b = _mm256_min_ps(_mm256_max_ps(b, z), top);
+    // truncation of v >= 0: floor; 0..255 in every 32-bit lane, so the saturating packs keep the values
+    const __m256i w = _mm256_packus_epi32(_mm256_cvttps_epi32(a), _mm256_cvttps_epi32(b));   // a0-3 b0-3 a4-7 b4-7
+    const __m128i u = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storeu_si128((__m128i*)(q + i), _mm_shuffle_epi32(u, _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+  quant1(x, is_bf16, i, i1, inv, zp, q);   // the tail
+}
 }  // namespace
 
 // Dynamic per-tensor asymmetric uint8 quantisation of n dense values (bf16 or fp32) for the codec's int8
 // convolutions (tts_engine/codec/int8_conv.py): lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) / 255 (1 when
 // hi == lo), zp = round(-lo / scale); q = clamp(round(x / scale) + zp, 0, 255). Two passes (min/max, then
-// quantise), split over threads with at::parallel_for. out[0] = scale, out[1] = zp (as float).
+// quantise), split over threads with at::parallel_for. out[0] = scale, out[1] = zp (as float). isa: 2 the AVX-512
+// loops, 1 the AVX2 ones, 0 the scalar ones (the same bits on every path).
 void ttsx_quant_u8(const void* x, int is_bf16, int64_t n, uint8_t* q, float* out, int isa) {
-  const bool avx512 = isa >= 2;
   const int64_t grain = 1 << 16;
   const int64_t nchunks = std::max<int64_t>(1, (n + grain - 1) / grain);
   std::vector<float> mins(nchunks, 0.f), maxs(nchunks, 0.f);
@@ -882,23 +960,9 @@ void ttsx_quant_u8(const void* x, int is_bf16, int64_t n, uint8_t* q, float* out
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
       float lo = 0.f, hi = 0.f;
-      if (avx512) {
-        minmax512(x, is_bf16, i0, i1, &lo, &hi);
-      } else if (is_bf16) {
-        const uint16_t* xs = (const uint16_t*)x;
-        for (int64_t i = i0; i < i1; ++i) {
-          const float v = bf16_to_f32(xs[i]);
-          lo = v < lo ? v : lo;
-          hi = v > hi ? v : hi;
-        }
-      } else {
-        const float* xs = (const float*)x;
-        for (int64_t i = i0; i < i1; ++i) {
-          const float v = xs[i];
-          lo = v < lo ? v : lo;
-          hi = v > hi ? v : hi;
-        }
-      }
+      if (isa >= 2) minmax512(x, is_bf16, i0, i1, &lo, &hi);
+      else if (isa == 1) minmax256(x, is_bf16, i0, i1, &lo, &hi);
+      else minmax1(x, is_bf16, i0, i1, &lo, &hi);
       mins[c] = lo;
       maxs[c] = hi;
     }
@@ -915,23 +979,9 @@ void ttsx_quant_u8(const void* x, int is_bf16, int64_t n, uint8_t* q, float* out
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i0 = c * grain, i1 = std::min(n, i0 + grain);
-      if (avx512) {
-        quant512(x, is_bf16, i0, i1, inv, zp, q);
-      } else if (is_bf16) {
-        const uint16_t* xs = (const uint16_t*)x;
-        for (int64_t i = i0; i < i1; ++i) {
-          float v = bf16_to_f32(xs[i]) * inv + zp + 0.5f;   // >= 0 up to rounding: floor(v) rounds half up
-          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
-          q[i] = (uint8_t)(int)v;
-        }
-      } else {
-        const float* xs = (const float*)x;
-        for (int64_t i = i0; i < i1; ++i) {
-          float v = xs[i] * inv + zp + 0.5f;
-          v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
-          q[i] = (uint8_t)(int)v;
-        }
-      }
+      if (isa >= 2) quant512(x, is_bf16, i0, i1, inv, zp, q);
+      else if (isa == 1) quant256(x, is_bf16, i0, i1, inv, zp, q);
+      else quant1(x, is_bf16, i0, i1, inv, zp, q);
     }
   });
   out[0] = scale;

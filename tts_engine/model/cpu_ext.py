@@ -454,7 +454,7 @@ def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
         P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
         lib.ttsx_snake_isa.restype = I
-        _state["quant_u8"] = lib.ttsx_snake_isa()   # 2: AVX-512 F/BW/VL loops, else the scalar ones
+        _state["quant_u8"] = lib.ttsx_snake_isa()   # 2: the AVX-512 F/BW/VL loops, 1: the AVX2 ones (0: scalar)
     q = torch.empty_like(x, dtype=torch.uint8)   # same (dense) strides as x
     out = torch.empty(2, dtype=torch.float32)
     lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
