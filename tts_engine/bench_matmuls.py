@@ -321,12 +321,12 @@ def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    base = None   # --base DIR (gbps, quant_u8): another checkout's cpu_ext.cpp beside ours
+    if "--base" in argv:
+        i = argv.index("--base")
+        base, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     if argv and argv[0] == "quant_u8":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
-        base = None
-        if "--base" in argv:
-            i = argv.index("--base")
-            base, argv = argv[i + 1], argv[:i] + argv[i + 2:]
         quant_u8_ab(int(argv[1]) if len(argv) > 1 else 15, base)
         return 0
     if argv and argv[0] == "ceilings":
@@ -340,10 +340,6 @@ def main(argv=None) -> int:
         return 0
     if argv and argv[0] == "gbps":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
-        base = None
-        if "--base" in argv:
-            i = argv.index("--base")
-            base, argv = argv[i + 1], argv[:i] + argv[i + 2:]
         gbps(int(argv[1]) if len(argv) > 1 else 7,
              tuple(int(r) for r in argv[2].split(",")) if len(argv) > 2 else (1,), base)
         return 0
