@@ -45,9 +45,7 @@ def run_oracle():
 def official(run_oracle, tmp_path_factory):
     """official(kind, size) -> (checkpoint folder, recorded cases, reference tensors), built once a session
     by tests/oracle/full_model_ref.py with the official classes (random tiny weights, official layout)."""
-    import json
-
-    from safetensors import safe_open
+    from oracle_records import read_record
 
     made = {}
 
@@ -57,10 +55,7 @@ def official(run_oracle, tmp_path_factory):
             d = tmp_path_factory.mktemp(f"official_{kind}_{size}")
             ckpt, ref = d / "ckpt", d / "ref.safetensors"
             run_oracle("full_model_ref.py", ckpt, ref, kind, size, 7)
-            with safe_open(str(ref), "pt") as f:
-                cases = json.loads(f.metadata()["cases"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            made[key] = (ckpt, cases, tensors)
+            made[key] = (ckpt, *read_record(ref))
         return made[key]
 
     return get

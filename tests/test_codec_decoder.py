@@ -15,11 +15,12 @@ import types
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig, CodecDecoderState
 from tts_engine.tiny import tiny_speech_tokenizer_config
+
+from oracle_records import read_record
 
 SPF = 1920          # samples per frame
 FP32_ABS = 2e-5
@@ -99,9 +100,8 @@ def _codes(seed: int, batch: int, frames: int) -> torch.Tensor:
 def ref(run_oracle, tmp_path_factory):
     d = tmp_path_factory.mktemp("codec_decoder_ref")
     run_oracle("codec_decoder_ref.py", d)
-    with safe_open(str(d / "ref.safetensors"), "pt") as f:
-        cases = {c["name"]: c for c in json.loads(f.metadata()["cases"])}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cases, tensors = read_record(d / "ref.safetensors")
+    cases = {c["name"]: c for c in cases}
     return types.SimpleNamespace(config=json.loads((d / "config.json").read_text())["decoder_config"],
                                  weights=load_file(str(d / "decoder.safetensors")), cases=cases, t=tensors)
 

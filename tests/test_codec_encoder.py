@@ -23,6 +23,8 @@ from tts_engine.checkpoint import SafetensorsFile, load_module
 from tts_engine.codec.encoder import CodecEncoder, CodecEncoderConfig
 from tts_engine.tiny import tiny_speech_tokenizer_config
 
+from oracle_records import read_record
+
 BATCH = ["b0", "b1", "b2"]
 BF16_MIN_IDENTICAL = 0.95
 
@@ -32,9 +34,7 @@ def ref(run_oracle, tmp_path_factory):
     """(tokenizer folder, speech-tokenizer config dict, recorded cases, tensors)."""
     out = tmp_path_factory.mktemp("codec_encoder_ref")
     run_oracle("codec_encoder_ref.py", out)
-    with safe_open(str(out / "ref.safetensors"), "pt") as f:
-        cases = json.loads(f.metadata()["cases"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cases, tensors = read_record(out / "ref.safetensors")
     folder = out / "tokenizer"
     return folder, json.loads((folder / "config.json").read_text()), cases, tensors
 

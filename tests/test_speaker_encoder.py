@@ -19,6 +19,8 @@ from tts_engine.errors import TTSError
 from tts_engine.voices.mel import MIN_SAMPLES, log_mel_spectrogram, mel_basis_and_window
 from tts_engine.voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
+from oracle_records import read_record
+
 MEL_ATOL = 1e-5
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4          # same ops on the same CPU: in practice bit-exact
 BF16_ATOL, BF16_RTOL = 1e-2, 1e-2          # bf16 has an 8-bit mantissa (~0.4 % per rounding)
@@ -26,14 +28,11 @@ BF16_ATOL, BF16_RTOL = 1e-2, 1e-2          # bf16 has an 8-bit mantissa (~0.4 % 
 
 @pytest.fixture(scope="module")
 def ref(run_oracle, tmp_path_factory):
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     d = tmp_path_factory.mktemp("speaker_encoder_ref")
     run_oracle("speaker_encoder_ref.py", d)
-    with safe_open(str(d / "ref.safetensors"), "pt") as f:
-        cases = json.loads(f.metadata()["cases"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cases, tensors = read_record(d / "ref.safetensors")
     cfg = json.loads((d / "config.json").read_text())
     state = load_file(str(d / "speaker_encoder.safetensors"))
     enc = SpeakerEncoder(SpeakerEncoderConfig.from_dict(cfg)).eval()
