@@ -48,9 +48,7 @@ def make_stack(mode: str, dtype=torch.float32, seed: int = 0) -> DecoderStack:
         for n, p in stack.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if n.endswith("norm.weight") else p.normal_(0, 0.05)
     stack.to(dtype)
-    for layer in stack.layers:
-        layer.self_attn.fuse_projections()
-        layer.mlp.fuse_projections()
+    stack.fuse_projections()
     if mode != "bf16":
         quantize_module(stack.layers, mode)
     return stack.eval()
@@ -196,9 +194,7 @@ def test_plan_declines_dense_and_unfused_stacks():
     stack = DecoderStack(CFG)
     with pytest.raises(ValueError, match="not fused"):
         fused_step.StackPlan(stack)
-    for layer in stack.layers:
-        layer.self_attn.fuse_projections()
-        layer.mlp.fuse_projections()
+    stack.fuse_projections()
     with pytest.raises(ValueError, match="not W8A8 / W4A8"):
         fused_step.StackPlan(stack)   # fp32 stays eager (parity)
 

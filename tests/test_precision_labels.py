@@ -4,6 +4,8 @@
 the footer says which and why."""
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 import torch
@@ -21,6 +23,19 @@ from ui.config import AppConfig
 @pytest.fixture(scope="module")
 def cv(tmp_path_factory):
     return str(make_tiny(tmp_path_factory.mktemp("prec") / "cv", kind="custom_voice", size="0b6", seed=0))
+
+
+@contextlib.contextmanager
+def built_app(cv, tmp_path, **cfg):
+    """The app on the tiny CustomVoice checkpoint alone (12 frames at most), its page built -> (app, the page's
+    precision footer, None where it has none); closed afterwards."""
+    a = TTSApp(AppConfig(checkpoints={"custom_voice": cv, "base": "", "voice_design": ""}, device="cpu",
+                         cache_dir=tmp_path, limits=Limits(max_new_tokens=12), **cfg))
+    try:
+        demo = a.build()
+        yield a, next((b for b in demo.blocks.values() if "precision:" in str(getattr(b, "value", ""))), None)
+    finally:
+        a.close()
 
 
 def test_the_cpu_default_follows_native_bf16_and_the_measured_pick(monkeypatch):
@@ -55,16 +70,9 @@ def test_the_footer_says_which_mode_auto_chose_and_why(cv, tmp_path, monkeypatch
     monkeypatch.setenv("TTS_CPU_DTYPE", "auto")
     monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: ("w8a8", "fastest measured here (w8a8 9 ms)"))
-    cfg = AppConfig(checkpoints={"custom_voice": cv, "base": "", "voice_design": ""}, device="cpu",
-                    cache_dir=tmp_path, limits=Limits(max_new_tokens=12), quantize="auto")
-    a = TTSApp(cfg)
-    try:
-        demo = a.build()
-        footer = next(b for b in demo.blocks.values() if "precision:" in str(getattr(b, "value", "")))
+    with built_app(cv, tmp_path, quantize="auto") as (_, footer):
         assert "int8 weights x int8 activations" in footer.value and "lossy" in footer.value
         assert "chosen by `--quantize auto`: fastest measured here (w8a8 9 ms)" in footer.value
-    finally:
-        a.close()
 
 
 def test_flags_reach_the_engines(monkeypatch):
@@ -80,32 +88,19 @@ def test_flags_reach_the_engines(monkeypatch):
 
 
 def test_the_page_labels_a_quantised_engine(cv, tmp_path):
-    cfg = AppConfig(checkpoints={"custom_voice": cv, "base": "", "voice_design": ""}, device="cpu",
-                    cache_dir=tmp_path, limits=Limits(max_new_tokens=12), quantize="int8")
-    a = TTSApp(cfg)
-    try:
-        demo = a.build()
-        footer = next(b for b in demo.blocks.values() if "precision:" in str(getattr(b, "value", "")))
+    with built_app(cv, tmp_path, quantize="int8") as (a, footer):
         assert "int8 weights" in footer.value and "lossy" in footer.value
         outs = list(a.preset("Hello there.", "ryan", "english", "", {}, seed=1, randomize=False))
         status = str(outs[-1][a.c.status])
         assert status.startswith("**Done**") and "int8 weights" in status and "lossy" in status
         assert a.models.registry.get("custom_voice").lossy
-    finally:
-        a.close()
 
 
 def test_the_page_says_nothing_lossy_for_exact_weights(cv, tmp_path):
-    cfg = AppConfig(checkpoints={"custom_voice": cv, "base": "", "voice_design": ""}, device="cpu", dtype="fp32",
-                    cache_dir=tmp_path, limits=Limits(max_new_tokens=12), quantize="auto")
-    a = TTSApp(cfg)
-    try:
-        a.build()
+    with built_app(cv, tmp_path, dtype="fp32", quantize="auto") as (a, _):
         outs = list(a.preset("Hello there.", "ryan", "english", "", {}, seed=1, randomize=False))
         assert "lossy" not in str(outs[-1][a.c.status])
         assert a.models.registry.get("custom_voice").precision == "fp32"
-    finally:
-        a.close()
 
 
 def test_the_api_labels_precision(tmp_path):

@@ -60,9 +60,7 @@ def _stack_outputs(stack, dtype, steps, fuse):
     lengths; returns the decode outputs [steps, 2, D]."""
     torch.manual_seed(1)
     if fuse:
-        for layer in stack.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+        stack.fuse_projections()
     c = stack.cfg
     cache = KVCache(c.num_hidden_layers, 2, c.num_key_value_heads, 32, c.head_dim, "cpu", dtype)
     with torch.inference_mode():

@@ -45,9 +45,7 @@ def build_stack(cfg, mode: str, seed: int):
     with torch.no_grad():
         for n, p in stack.named_parameters():
             p.fill_(1.0) if n.endswith("norm.weight") else p.normal_(0, 0.02)
-    for layer in stack.layers:
-        layer.self_attn.fuse_projections()
-        layer.mlp.fuse_projections()
+    stack.fuse_projections()
     if mode != "bf16":
         quantize_module(stack.layers, mode)
     return stack.eval()

@@ -240,6 +240,13 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up of every layer as one matmul each (`Attention.fuse_projections`,
+        `MLP.fuse_projections`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
     def positions(self, start: torch.Tensor, T: int, read_len: int, dtype: torch.dtype):
         """start [B] -> (pos [B, T], cos, signed sin [B, 1, T, hd] in `dtype`, mask). The mask is the causal
         mask [B, 1, T, read_len] bool for scaled_dot_product_attention, or, where `small_query_attention`

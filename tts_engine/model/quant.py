@@ -310,9 +310,7 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     cp = talker.code_predictor
     # one matmul for q/k/v and one for gate/up: fewer kernel calls per layer; per-channel (int8) and per-row-group
     # (int4) quantisation of the stacked rows is the quantisation of each part
-    for layer in list(talker.model.layers) + list(cp.model.layers):
-        layer.self_attn.fuse_projections()
-        layer.mlp.fuse_projections()
+    talker.fuse_projections()
     if mode == "w8a8":   # time the kernels of every shape about to be built, once per machine (kernels.py)
         kernels.kernel_table().ensure("w8a8", [(m.out_features, m.in_features) for m in frame_linears(talker)])
     n = quantize_module(talker.model.layers, mode, group) + quantize_module(cp.model.layers, mode, group)

@@ -107,9 +107,8 @@ class Talker(nn.Module):
         """q/k/v and gate/up of every talker and code-predictor layer as one matmul each (see
         `Attention.fuse_projections`): fewer calls per frame. The CPU engines in 16-bit and quantised modes do
         this at load; fp32 keeps the checkpoint's separate projections (bit-for-bit parity)."""
-        for layer in list(self.model.layers) + list(self.code_predictor.model.layers):
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+        self.model.fuse_projections()
+        self.code_predictor.model.fuse_projections()
 
     # --- embeddings ------------------------------------------------------------------------------
     def text_embed(self, ids: torch.Tensor) -> torch.Tensor:
