@@ -77,7 +77,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fused_step.declare_profile(lib)
 
 
-library = cpu_ext.Beside(SOURCE, _declare)   # library(): the frame's library, built on first use; raises where it cannot run
+# library(): the frame's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
+library = cpu_ext.Beside(SOURCE, _declare)
 
 
 # predictor_frame.cpp FStage: the frame's stages (the last a count)

@@ -68,7 +68,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ttst_choose.restype = I
 
 
-library = cpu_ext.Beside(SOURCE, _declare)   # library(): the step's library, built on first use; raises where it cannot run
+# library(): the step's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
+library = cpu_ext.Beside(SOURCE, _declare)
 
 
 def tag() -> str:
