@@ -210,9 +210,11 @@ class TTSEngine:
         """model: hub id or checkpoint folder; device: default CUDA when present, else CPU; dtype: default bf16 on
         GPU, on a CPU bf16 where native (AVX-512 BF16 / AMX) else fp32 (`model.dtype`, `model.dtype_auto`);
         text_embedding_on_cpu: keep the 622 MB text embedding in host memory (it is read only to build prompts);
-        quantize: None (the checkpoint's weights), "int8" or "int4" (weight-only quantised talker and code
-        predictor, CPU only, lossy: see `precision` and `lossy`), or "auto" (int8 on a CPU with native bf16 when the
-        dtype is chosen by the engine, else None); engine_kw: see `TTSEngine.__init__`."""
+        quantize: None (the checkpoint's weights), a quantised mode of the talker and code predictor ("int8", "w8a8",
+        "int4", "w4a8"; CPU only, lossy: see `precision` and `lossy`), or "auto" (on a CPU the fastest mode on this
+        machine whose measured quality against fp32 is acceptable, `qwen3_tts.quantize_choice`; none on a GPU or when
+        the dtype is given);
+        engine_kw: see `TTSEngine.__init__`."""
         return cls(Qwen3TTSModel.from_pretrained(model, device=device, dtype=dtype,
                                                  text_embedding_on_cpu=text_embedding_on_cpu, quantize=quantize),
                    **engine_kw)
