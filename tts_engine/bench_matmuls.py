@@ -9,7 +9,8 @@ of weight read: the talker's per-layer shapes (fused q/k/v, o, fused gate/up, do
 weights (~430 MB, more than any L3), one call each, ROWS input rows (default 1; several streams decode several rows),
 candidates interleaved round by round: a plain read of the same bytes (the floor, `cpu_ext.read_bytes`),
 `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
-and our own fused kernel (`kernels.w8a8_vnni`). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
+and our own fused kernel (`kernels.w8a8_vnni`), with its lower code paths where this CPU runs a higher one
+(`w8a8_own_avx512bw_path`: AVX-512 without VNNI, `w8a8_own_avx2_path`: AVX2; the same bits). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
 built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
 sets the threads (default 2).
 
