@@ -313,8 +313,9 @@ void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64
 }
 
 // ---- AVX2 (no VNNI): the same packed layout and the same exact int32 sums, with 16-bit products: the u8 weights
-// (q + 128, up to 255) are widened to 16 bits (vpmovzxbw) and multiplied by the int8 activation pairs with vpmaddwd
-// (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767). Lanes hold (row, k pair); pairs are added at the end.
+// (q + 128, up to 255) are split into the words of their even and odd bytes (vpand / vpsrlw: no shuffle) and
+// multiplied by the int8 activation pairs with vpmaddwd (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767).
+// Lane r of each 8-row half holds row r's sums, as vpdpbusd leaves them. |sum| <= 255 * 127 * Kp: exact in int32.
 __attribute__((target("avx2,fma")))
 void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out,
                        int32_t* sum_out) {
@@ -338,51 +339,82 @@ void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t
   *sum_out = s;
 }
 
-// R = 1..2 activation rows x one block: each weight vector is widened once for both rows (8 accumulators, 4
-// widened weight vectors and 2 activation vectors: 14 of the 16 AVX2 registers)
-template <int R>
-__attribute__((target("avx2,fma")))
-inline void block_rows_avx2(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* const* out) {
-  const int64_t steps = Kp / 4;
-  // acc[r][i]: rows 4i..4i+3 of the block for activation row r, each as two k pairs (8 int32 lanes)
-  __m256i acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
-  for (int64_t st = 0; st < steps; ++st) {
-    const uint8_t* ws = w + st * 64;
-    __m256i w16[4];
-    for (int i = 0; i < 4; ++i) w16[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
-    for (int r = 0; r < R; ++r) {
-      // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
-      int32_t xv;
-      memcpy(&xv, xq[r] + st * 4, 4);
-      const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(xv)));
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(w16[i], xb));
+// x0..x3 of each 4-k step of R rows as the two dwords (x0 | x2 << 16, x1 | x3 << 16) vpmaddwd multiplies by:
+// xp[r][2 s], xp[r][2 s + 1] (sign-extended 16-bit halves)
+inline void pairs_of_rows(const int8_t* const* xq, int64_t R, int64_t Kp, int32_t* xp) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* x = xq[r];
+    int32_t* o = xp + r * (Kp / 2);
+    for (int64_t s = 0; s < Kp / 4; ++s) {
+      o[2 * s] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 2] << 16));
+      o[2 * s + 1] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s + 1]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 3] << 16));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) {
-      alignas(32) int32_t t[8];
-      _mm256_store_si256((__m256i*)t, acc[r][i]);
-      for (int j = 0; j < 4; ++j) out[r][4 * i + j] = t[2 * j] + t[2 * j + 1];
-    }
 }
 
+// R = 1..4 activation rows x one block: each 32-byte half of a step's vector (8 rows) as words of its even bytes
+// (k0, k2) and of its odd bytes (k1, k3), vpmaddwd by the activation pairs (x0, x2) and (x1, x3): lane r of a half
+// holds row r's 4 products (2 R accumulators + 5 loop vectors of the 16 registers).
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block_rows_avx2(const uint8_t* w, const int32_t* xp, int64_t Kp, int32_t* acc) {
+  const int64_t xs = Kp / 2;
+  const __m256i lo8 = _mm256_set1_epi16(0x00ff);
+  __m256i a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  const int64_t steps = Kp / 4;
+#pragma GCC unroll 2
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint8_t* ws = w + s * 64;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(ws + h * 32));
+      const __m256i ev = _mm256_and_si256(v, lo8);
+      const __m256i od = _mm256_srli_epi16(v, 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = xp + r * xs + s * 2;
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(ev, _mm256_set1_epi32(xr[0])),
+                                           _mm256_madd_epi16(od, _mm256_set1_epi32(xr[1])));
+        a[r][h] = _mm256_add_epi32(a[r][h], p);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256((__m256i*)(acc + r * BLK), a[r][0]);
+    _mm256_storeu_si256((__m256i*)(acc + r * BLK + 8), a[r][1]);
+  }
+}
+
+// blocks' AVX2 twin (same arguments, same results): passes of up to 4 rows over a block, the block from cache after
+// the first pass; the activation pairs of every row made once per call
 __attribute__((target("avx2,fma")))
 void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
                  int32_t* acc_all, int64_t Np) {
+  constexpr int64_t RM = 4;
+  int32_t acc[RM * BLK];
+  std::vector<int32_t> xpv(M * (Kp / 2));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* row = xq + m * Kp;
+    pairs_of_rows(&row, 1, Kp, xpv.data() + m * (Kp / 2));
+  }
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * BLK * Kp;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {   // pairs of rows; the block comes from cache after the first pair
-      const int8_t* rows[2] = {xq + m0 * Kp, xq + (m0 + 1) * Kp};
-      int32_t* out[2] = {acc_all + m0 * Np + b * BLK, acc_all + (m0 + 1) * Np + b * BLK};
-      if (M - m0 >= 2) block_rows_avx2<2>(w, rows, Kp, out);
-      else block_rows_avx2<1>(w, rows, Kp, out);
+    for (int64_t m0 = 0; m0 < M; m0 += RM) {
+      const int64_t R = std::min<int64_t>(M - m0, RM);
+      const int32_t* xp = xpv.data() + m0 * (Kp / 2);
+      switch (R) {
+        case 1: block_rows_avx2<1>(w, xp, Kp, acc); break;
+        case 2: block_rows_avx2<2>(w, xp, Kp, acc); break;
+        case 3: block_rows_avx2<3>(w, xp, Kp, acc); break;
+        default: block_rows_avx2<4>(w, xp, Kp, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
   }
 }
 
-// ---- W4A8 on AVX2 (no VNNI; also AVX-512F without VNNI): the packed4 layout and the exact per-group int32 sums of
+// ---- W4A8 on AVX2 (level 1; blocks4_bw at level 2): the packed4 layout and the exact per-group int32 sums of
 // block4_rows. The nibbles q (0..15, unsigned) times the int8 activations with vpmaddubsw (u8 x s8 pairs -> s16:
 // |2 * 15 * 127| = 3810, it never saturates), the group's 8 steps summed in 16 bits (|8 * 3810| = 30480 < 32767:
 // exact), then vpmaddwd by 1: int32 per row (4 products of a step, over the 8 steps). A 64-byte vector holds 16 rows;
@@ -540,23 +572,9 @@ void finish_row_any(const int32_t* acc, const float* facc, int32_t off, float am
 // W8A8: a 64-byte vector of the packed layout holds 4 k (bytes 4 r .. 4 r + 3) of 16 rows r. As 32 words its even
 // bytes (v & 0xff: k0, k2 of row r in the two words of lane r) and its odd bytes (v >> 8: k1, k3) are u8 weights
 // (q + 128, up to 255) widened to 16 bits without a shuffle; vpmaddwd by the activation pairs (x0, x2) and (x1, x3)
-// (16-bit, sign-extended, one dword each, broadcast) gives lane r the row's 4 products in two halves: no saturation
-// (unlike vpmaddubsw: 255 * 127 * 2 > 32767), and the 16 rows stay in the 16 lanes as vpdpbusd leaves them.
-// |sum| <= 255 * 127 * Kp: exact in int32 for Kp < 66000.
+// (16-bit, sign-extended, one dword each, broadcast: pairs_of_rows) gives lane r the row's 4 products in two halves:
+// no saturation, and the 16 rows stay in the 16 lanes as vpdpbusd leaves them (the AVX2 path's scheme, 512 bits).
 constexpr int64_t MAXR_BW = 8;
-
-// x0..x3 of each 4-k step of R rows as the two dwords (x0 | x2 << 16, x1 | x3 << 16) vpmaddwd multiplies by:
-// xp[r][2 s], xp[r][2 s + 1] (sign-extended 16-bit halves)
-inline void pairs_of_rows(const int8_t* const* xq, int64_t R, int64_t Kp, int32_t* xp) {
-  for (int64_t r = 0; r < R; ++r) {
-    const int8_t* x = xq[r];
-    int32_t* o = xp + r * (Kp / 2);
-    for (int64_t s = 0; s < Kp / 4; ++s) {
-      o[2 * s] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 2] << 16));
-      o[2 * s + 1] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s + 1]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 3] << 16));
-    }
-  }
-}
 
 // R activation rows (1..8) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset, as
 // block_rows). U independent accumulators per row (4 steps unrolled) hide vpaddd's chain.
@@ -594,20 +612,22 @@ inline void block_rows_bw(const uint8_t* w, const int32_t* xp, int64_t Kp, int32
   }
 }
 
-// blocks' twin without VNNI (same arguments, same results)
+// blocks' twin without VNNI (same arguments, same results): passes of up to 8 rows over a block, the block from
+// cache after the first pass; the activation pairs of every row made once per call
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void blocks_bw(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1, int32_t* acc_all,
                int64_t Np) {
   int32_t acc[MAXR_BW * BLK];
-  std::vector<int32_t> xpv(std::min<int64_t>(M, MAXR_BW) * (Kp / 2));
-  int32_t* xp = xpv.data();
-  for (int64_t m0 = 0; m0 < M; m0 += MAXR_BW) {   // rows in groups of 8 (one group for the decode shapes)
-    const int64_t R = std::min<int64_t>(M - m0, MAXR_BW);
-    const int8_t* rows[MAXR_BW];
-    for (int64_t r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * Kp;
-    pairs_of_rows(rows, R, Kp, xp);
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* w = packed + b * BLK * Kp;
+  std::vector<int32_t> xpv(M * (Kp / 2));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* row = xq + m * Kp;
+    pairs_of_rows(&row, 1, Kp, xpv.data() + m * (Kp / 2));
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m0 = 0; m0 < M; m0 += MAXR_BW) {
+      const int64_t R = std::min<int64_t>(M - m0, MAXR_BW);
+      const int32_t* xp = xpv.data() + m0 * (Kp / 2);
       switch (R) {
         case 1: block_rows_bw<1>(w, xp, Kp, acc); break;
         case 2: block_rows_bw<2>(w, xp, Kp, acc); break;
@@ -626,7 +646,7 @@ void blocks_bw(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, i
 // W4A8: block4_rows with vpmaddubsw (u8 nibbles x s8 activations -> s16 pairs, |2 * 15 * 127| = 3810: never
 // saturates), a group's 8 steps summed in 16 bits (|8 * 3810| = 30480 < 32767: exact), then vpmaddwd by 1: lane r
 // holds row r's 4 products per step, as vpdpbusd leaves them; the epilogue is block4_rows's (same fp32 operations
-// in the same order: the same bits). R = 1..8 rows (3 R accumulators + 6 loop vectors: at most 30 of 32 registers).
+// in the same order: the same bits). R = 1..4 rows (blocks4_bw).
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 inline void block4_rows_bw(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
@@ -669,28 +689,27 @@ inline void block4_rows_bw(const uint8_t* w, const int8_t* const* xq, const int3
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * BLK, f[r]);
 }
 
-// blocks4's twin without VNNI (same arguments, same results)
+// blocks4's twin without VNNI (same arguments, same results): passes of up to 4 rows over a block (more spill
+// registers: 6 and 8 rows in one pass measured slower than in passes of 4 and 4, on a Zen 4), the block from cache
+// after the first pass
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void blocks4_bw(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
                 int64_t b1, float* acc_all, int64_t Np) {
+  constexpr int64_t RM = 4;
   const int64_t ng = Kp / G4;
-  float acc[MAXR_BW * BLK];
+  float acc[RM * BLK];
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * ng * GBYTES;
-    for (int64_t m0 = 0; m0 < M; m0 += MAXR_BW) {
-      const int64_t R = std::min<int64_t>(M - m0, MAXR_BW);
-      const int8_t* rows[MAXR_BW];
-      const int32_t* gs[MAXR_BW];
+    for (int64_t m0 = 0; m0 < M; m0 += RM) {
+      const int64_t R = std::min<int64_t>(M - m0, RM);
+      const int8_t* rows[RM];
+      const int32_t* gs[RM];
       for (int64_t r = 0; r < R; ++r) { rows[r] = xq + (m0 + r) * Kp; gs[r] = gsum + (m0 + r) * ng; }
       switch (R) {
         case 1: block4_rows_bw<1>(w, rows, gs, ng, acc); break;
         case 2: block4_rows_bw<2>(w, rows, gs, ng, acc); break;
         case 3: block4_rows_bw<3>(w, rows, gs, ng, acc); break;
-        case 4: block4_rows_bw<4>(w, rows, gs, ng, acc); break;
-        case 5: block4_rows_bw<5>(w, rows, gs, ng, acc); break;
-        case 6: block4_rows_bw<6>(w, rows, gs, ng, acc); break;
-        case 7: block4_rows_bw<7>(w, rows, gs, ng, acc); break;
-        default: block4_rows_bw<8>(w, rows, gs, ng, acc); break;
+        default: block4_rows_bw<4>(w, rows, gs, ng, acc); break;
       }
       for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
