@@ -10,7 +10,10 @@ Two quirks of QEMU user mode this module works around:
 - /proc/cpuinfo is the HOST's (AVX-512 flags and all). `cpu_info` reads it, so under emulation the process is given
   a copy whose model name and SIMD flags are the emulated CPU's own, read with cpuid (`probe`, a tiny C library
   loaded in-process) before anything reads cpu_info (`patch_cpu_info`).
-- QEMU 7.2's TCG emulates up to AVX2 (no AVX-512): an "AVX-512 without VNNI/BF16" CPU cannot be emulated.
+- QEMU 7.2's TCG emulates up to AVX2 (no AVX-512): an "AVX-512 without VNNI/BF16" CPU cannot be emulated
+  (checked in session 9: under `-cpu Skylake-Server`, `Cascadelake-Server`, `Icelake-Server` and `max`, cpuid has no
+  avx512f and one zmm instruction is a SIGILL; `-cpu max,+avx-vnni` warns that TCG lacks AVX-VNNI). The AVX-512
+  paths without VNNI are tested natively at the forced `avx512` level (tests/test_cpu_isa_levels.py).
 numpy 2.x needs x86-64-v2 (SSE4.2 + POPCNT), so `-cpu Nehalem` is the plainest CPU the engine runs on
 (`-cpu qemu64` dies in numpy's import; torch 2.13 alone imports there, with capability DEFAULT).
 

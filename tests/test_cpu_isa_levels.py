@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from tts_engine.model import cpu_ext, fused_step
+from tts_engine.model import cpu_ext, fused_step, kernels
 from tts_engine.model.quant import int4_quantize
 
 from test_cpu_ext_kernels import require_kernels
@@ -70,7 +70,7 @@ def test_the_level_follows_cpuid_and_tts_cpu_isa_only_lowers_it(reload):
         ext = reload(TTS_CPU_ISA=name)
         got = min(lvl, cpu)
         assert ext.level() == got, name
-        assert ext.isa() == ("avx512-vnni" if got >= 3 else "avx2"), name
+        assert ext.isa() == ("avx512-vnni" if got >= 3 else "avx512bw" if got == 2 else "avx2"), name
         assert ext.has_w4a8()                                             # W4A8 at every level (AVX2 or VNNI)
         assert lib.ttsx_level() == got                                    # the fused step's library follows
         assert lib.ttsf_bf16_isa() == (3 if got == 4 else 2 if got >= 2 else 1), name
@@ -143,6 +143,61 @@ def test_quant_u8_gives_the_same_bits_at_every_level_and_in_its_scalar_loops(lev
     assert paths == ({1, 2} if levels[-1] >= 2 else {1})
     q, s, zp = native[-2]                                                 # a NaN row: the others' range, NaN -> 0
     assert s == pytest.approx(7 / 255) and zp == 109 and int(q[4]) == 0 and int(q[0]) == 109 + round(1.5 * 255 / 7)
+
+
+def test_a_path_above_the_level_runs_the_levels_own(levels):
+    """W8A8 / W4A8 paths (cpu_ext.ISA_NAMES: 1 AVX2, 3 AVX-512 without VNNI, 2 VNNI; ranked 1 < 3 < 2): a call that
+    asks for a path the level lacks (or for none) runs the level's own, never one above it (a SIGILL on a CPU
+    without it)."""
+    lib = cpu_ext.library()
+    own = {1: 1, 2: 3, 3: 2, 4: 2}
+    for lvl in levels:
+        cpu_ext.set_level(lvl)
+        top = own[lvl]
+        assert lib.ttsx_isa() == top and cpu_ext.isa() == cpu_ext.ISA_NAMES[top]
+        rank = {1: 1, 3: 2, 2: 3}
+        for asked in (0, 1, 2, 3, 7):
+            want = asked if asked in rank and rank[asked] <= rank[top] else top
+            assert lib.ttsx_isa_clamp(asked) == want, (lvl, asked)
+
+
+@torch.inference_mode()
+def test_every_w8a8_and_w4a8_path_gives_the_vnni_bits(levels):
+    """At the native level every path this CPU runs (AVX2, AVX-512 without VNNI, VNNI) gives the same outputs and
+    the same exact int32 sums: row counts across the kernels' row groups (1-8 rows per pass, 9 and 17 in several),
+    K not a multiple of 64 (W8A8), extreme weights (+-127) and activations (a zero row, one huge value)."""
+    cpu_ext.set_level(levels[-1])
+    paths = [p for p in (2, 3, 1) if cpu_ext.library().ttsx_isa_clamp(p) == p]
+    g = torch.Generator().manual_seed(11)
+    for N, K in [(37, 64), (48, 80), (1040, 192), (768, 1024)]:
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        q[0], q[1, ::2], q[1, 1::2] = 127, -127, 127
+        s127 = torch.rand(N, generator=g) * 1e-4
+        p8 = cpu_ext.pack(q)
+        p4 = None
+        if K % 64 == 0:
+            q4, sz = int4_quantize(torch.randn(N, K, generator=g) * 0.05, 64)
+            p4 = cpu_ext.pack4(q4, sz)
+        for M in (1, 2, 3, 4, 5, 8, 9, 17):
+            for dt in (torch.float32, torch.bfloat16):
+                x = (torch.randn(M, K, generator=g) * 3).to(dt)
+                if M >= 3:
+                    x[1] = 0
+                    x[2, 5] = 1e4
+                outs = {}
+                for path in paths:
+                    acc = torch.zeros(M, N, dtype=torch.int32)
+                    y8 = cpu_ext.w8a8(x, p8, s127, N, acc=acc, path=path)
+                    outs[path] = (y8, acc, None if p4 is None else cpu_ext.w4a8(x, p4, N, path=path))
+                ref = outs[paths[0]]
+                xq, _ = kernels.quantize_rows(x)   # the exact sums, independently of any path of ours
+                assert torch.equal(ref[1].long(), xq.long() @ q.long().t()), (N, K, M, dt)
+                for path in paths[1:]:
+                    got = outs[path]
+                    assert torch.equal(got[0], ref[0]), (cpu_ext.ISA_NAMES[path], N, K, M, dt)
+                    assert torch.equal(got[1], ref[1]), (cpu_ext.ISA_NAMES[path], N, K, M, dt)
+                    if p4 is not None:
+                        assert torch.equal(got[2], ref[2]), (cpu_ext.ISA_NAMES[path], N, K, M, dt)
 
 
 @pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("w4a8", torch.bfloat16), ("bf16", torch.bfloat16)])

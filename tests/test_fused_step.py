@@ -185,9 +185,20 @@ def test_plan_refuses_a_path_above_the_cpu_level(fused_lib, own_kernels):
     stack = make_stack("w8a8")
     plan = fused_step.StackPlan(stack)
     cache = filled_cache(stack, torch.float32)
-    plan.dims[7] = 3   # no such W8A8 path (2 is the highest)
+    plan.dims[7] = 7   # no such W8A8 path (1 AVX2, 3 AVX-512 without VNNI, 2 VNNI)
     with pytest.raises(Exception):
         plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([0]), torch.tensor([12]))
+    if cpu_ext.cpu_level() >= 3:   # the VNNI path at a level forced below VNNI (3 and 1 still run there)
+        was = cpu_ext.set_level(2)
+        try:
+            plan.dims[7] = 2
+            with pytest.raises(Exception):
+                plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([0]), torch.tensor([12]))
+            for ok in (3, 1):
+                plan.dims[7] = ok
+                plan.run(torch.randn(1, CFG.hidden_size), cache, torch.tensor([0]), torch.tensor([12]))
+        finally:
+            cpu_ext.set_level(was)
 
 
 def test_plan_declines_dense_and_unfused_stacks():

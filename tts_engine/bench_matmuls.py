@@ -9,7 +9,8 @@ of weight read: the talker's per-layer shapes (fused q/k/v, o, fused gate/up, do
 weights (~430 MB, more than any L3), one call each, ROWS input rows (default 1; several streams decode several rows),
 candidates interleaved round by round: a plain read of the same bytes (the floor, `cpu_ext.read_bytes`),
 `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
-and our own fused kernel (`kernels.w8a8_vnni`). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
+and our own fused kernel (`kernels.w8a8_vnni`), with its lower code paths where this CPU runs a higher one
+(`w8a8_own_avx512bw_path`: AVX-512 without VNNI, `w8a8_own_avx2_path`: AVX2; the same bits). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
 built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
 sets the threads (default 2).
 
@@ -95,14 +96,10 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
         P = [cpu_ext.pack(w) for w in W]
         cands = {"plain read": lambda: [cpu_ext.read_bytes(w) for w in W], **cands,
                  "w8a8_vnni": lambda: [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]}
-        if cpu_ext.isa() == "avx512-vnni" and {"avx2", "fma"} <= set(kernels.cpu_identity()["flags"]):
-            def avx2_path():   # the AVX2 code path of the same kernel (what a CPU without VNNI runs)
-                cpu_ext._state["isa"] = 1
-                try:
-                    return [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]
-                finally:
-                    cpu_ext._state["isa"] = 2
-            cands["w8a8_own_avx2_path"] = avx2_path
+        lower = {"avx512-vnni": (3, 1), "avx512bw": (1,)}.get(cpu_ext.isa(), ())   # cpu_ext.ISA_NAMES
+        for path in lower:   # the lower code paths of the same kernel (what a CPU without VNNI / AVX-512 runs)
+            cands[f"w8a8_own_{cpu_ext.ISA_NAMES[path]}_path"] = \
+                lambda path=path: [cpu_ext.w8a8(xs[w.shape[1]], p, s, s.numel(), path=path) for w, p, s in zip(W, P, S)]
     else:
         print(f"own kernels not available: {cpu_ext.why_unavailable()}")
     base_lib = None

@@ -313,8 +313,9 @@ void blocks4(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64
 }
 
 // ---- AVX2 (no VNNI): the same packed layout and the same exact int32 sums, with 16-bit products: the u8 weights
-// (q + 128, up to 255) are widened to 16 bits (vpmovzxbw) and multiplied by the int8 activation pairs with vpmaddwd
-// (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767). Lanes hold (row, k pair); pairs are added at the end.
+// (q + 128, up to 255) are split into the words of their even and odd bytes (vpand / vpsrlw: no shuffle) and
+// multiplied by the int8 activation pairs with vpmaddwd (no saturation, unlike vpmaddubsw: 255 * 127 * 2 > 32767).
+// Lane r of each 8-row half holds row r's sums, as vpdpbusd leaves them. |sum| <= 255 * 127 * Kp: exact in int32.
 __attribute__((target("avx2,fma")))
 void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax_out,
                        int32_t* sum_out) {
@@ -338,51 +339,82 @@ void quantize_row_avx2(const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t
   *sum_out = s;
 }
 
-// R = 1..2 activation rows x one block: each weight vector is widened once for both rows (8 accumulators, 4
-// widened weight vectors and 2 activation vectors: 14 of the 16 AVX2 registers)
-template <int R>
-__attribute__((target("avx2,fma")))
-inline void block_rows_avx2(const uint8_t* w, const int8_t* const* xq, int64_t Kp, int32_t* const* out) {
-  const int64_t steps = Kp / 4;
-  // acc[r][i]: rows 4i..4i+3 of the block for activation row r, each as two k pairs (8 int32 lanes)
-  __m256i acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
-  for (int64_t st = 0; st < steps; ++st) {
-    const uint8_t* ws = w + st * 64;
-    __m256i w16[4];
-    for (int i = 0; i < 4; ++i) w16[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + i * 16)));
-    for (int r = 0; r < R; ++r) {
-      // the 4 activation bytes of this step as 16-bit pairs (x0, x1), (x2, x3), repeated for 4 rows
-      int32_t xv;
-      memcpy(&xv, xq[r] + st * 4, 4);
-      const __m256i xb = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(xv)));
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(w16[i], xb));
+// x0..x3 of each 4-k step of R rows as the two dwords (x0 | x2 << 16, x1 | x3 << 16) vpmaddwd multiplies by:
+// xp[r][2 s], xp[r][2 s + 1] (sign-extended 16-bit halves)
+inline void pairs_of_rows(const int8_t* const* xq, int64_t R, int64_t Kp, int32_t* xp) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* x = xq[r];
+    int32_t* o = xp + r * (Kp / 2);
+    for (int64_t s = 0; s < Kp / 4; ++s) {
+      o[2 * s] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 2] << 16));
+      o[2 * s + 1] = (int32_t)(((uint32_t)(uint16_t)(int16_t)x[4 * s + 1]) | ((uint32_t)(uint16_t)(int16_t)x[4 * s + 3] << 16));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) {
-      alignas(32) int32_t t[8];
-      _mm256_store_si256((__m256i*)t, acc[r][i]);
-      for (int j = 0; j < 4; ++j) out[r][4 * i + j] = t[2 * j] + t[2 * j + 1];
-    }
 }
 
+// R = 1..4 activation rows x one block: each 32-byte half of a step's vector (8 rows) as words of its even bytes
+// (k0, k2) and of its odd bytes (k1, k3), vpmaddwd by the activation pairs (x0, x2) and (x1, x3): lane r of a half
+// holds row r's 4 products (2 R accumulators + 5 loop vectors of the 16 registers).
+template <int R>
+__attribute__((target("avx2,fma")))
+inline void block_rows_avx2(const uint8_t* w, const int32_t* xp, int64_t Kp, int32_t* acc) {
+  const int64_t xs = Kp / 2;
+  const __m256i lo8 = _mm256_set1_epi16(0x00ff);
+  __m256i a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  const int64_t steps = Kp / 4;
+#pragma GCC unroll 2
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint8_t* ws = w + s * 64;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(ws + h * 32));
+      const __m256i ev = _mm256_and_si256(v, lo8);
+      const __m256i od = _mm256_srli_epi16(v, 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = xp + r * xs + s * 2;
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(ev, _mm256_set1_epi32(xr[0])),
+                                           _mm256_madd_epi16(od, _mm256_set1_epi32(xr[1])));
+        a[r][h] = _mm256_add_epi32(a[r][h], p);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256((__m256i*)(acc + r * BLK), a[r][0]);
+    _mm256_storeu_si256((__m256i*)(acc + r * BLK + 8), a[r][1]);
+  }
+}
+
+// blocks' AVX2 twin (same arguments, same results): passes of up to 4 rows over a block, the block from cache after
+// the first pass; the activation pairs of every row made once per call
 __attribute__((target("avx2,fma")))
 void blocks_avx2(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
                  int32_t* acc_all, int64_t Np) {
+  constexpr int64_t RM = 4;
+  int32_t acc[RM * BLK];
+  std::vector<int32_t> xpv(M * (Kp / 2));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* row = xq + m * Kp;
+    pairs_of_rows(&row, 1, Kp, xpv.data() + m * (Kp / 2));
+  }
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* w = packed + b * BLK * Kp;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {   // pairs of rows; the block comes from cache after the first pair
-      const int8_t* rows[2] = {xq + m0 * Kp, xq + (m0 + 1) * Kp};
-      int32_t* out[2] = {acc_all + m0 * Np + b * BLK, acc_all + (m0 + 1) * Np + b * BLK};
-      if (M - m0 >= 2) block_rows_avx2<2>(w, rows, Kp, out);
-      else block_rows_avx2<1>(w, rows, Kp, out);
+    for (int64_t m0 = 0; m0 < M; m0 += RM) {
+      const int64_t R = std::min<int64_t>(M - m0, RM);
+      const int32_t* xp = xpv.data() + m0 * (Kp / 2);
+      switch (R) {
+        case 1: block_rows_avx2<1>(w, xp, Kp, acc); break;
+        case 2: block_rows_avx2<2>(w, xp, Kp, acc); break;
+        case 3: block_rows_avx2<3>(w, xp, Kp, acc); break;
+        default: block_rows_avx2<4>(w, xp, Kp, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
     }
   }
 }
 
-// ---- W4A8 on AVX2 (no VNNI; also AVX-512F without VNNI): the packed4 layout and the exact per-group int32 sums of
+// ---- W4A8 on AVX2 (level 1; blocks4_bw at level 2): the packed4 layout and the exact per-group int32 sums of
 // block4_rows. The nibbles q (0..15, unsigned) times the int8 activations with vpmaddubsw (u8 x s8 pairs -> s16:
 // |2 * 15 * 127| = 3810, it never saturates), the group's 8 steps summed in 16 bits (|8 * 3810| = 30480 < 32767:
 // exact), then vpmaddwd by 1: int32 per row (4 products of a step, over the 8 steps). A 64-byte vector holds 16 rows;
@@ -534,6 +566,192 @@ void finish_row_any(const int32_t* acc, const float* facc, int32_t off, float am
   }
 }
 
+// ---- AVX-512 without VNNI (level 2: Skylake-X / Skylake-SP; isa 3, "avx512bw"): the VNNI paths' layouts and their
+// exact int32 sums with 512-bit vpmaddwd / vpmaddubsw, so the same bits as blocks / blocks4 (and as the AVX2 path).
+//
+// W8A8: a 64-byte vector of the packed layout holds 4 k (bytes 4 r .. 4 r + 3) of 16 rows r. As 32 words its even
+// bytes (v & 0xff: k0, k2 of row r in the two words of lane r) and its odd bytes (v >> 8: k1, k3) are u8 weights
+// (q + 128, up to 255) widened to 16 bits without a shuffle; vpmaddwd by the activation pairs (x0, x2) and (x1, x3)
+// (16-bit, sign-extended, one dword each, broadcast: pairs_of_rows) gives lane r the row's 4 products in two halves:
+// no saturation, and the 16 rows stay in the 16 lanes as vpdpbusd leaves them (the AVX2 path's scheme, 512 bits).
+constexpr int64_t MAXR_BW = 8;
+
+// R activation rows (1..8) x one block of 16 output rows -> acc[R][16] (raw sums with the +128 offset, as
+// block_rows). U independent accumulators per row (4 steps unrolled) hide vpaddd's chain.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void block_rows_bw(const uint8_t* w, const int32_t* xp, int64_t Kp, int32_t* acc) {
+  static_assert(R >= 1 && R <= MAXR_BW, "1..MAXR_BW rows");
+  constexpr int U = R <= 2 ? 4 : R <= 4 ? 2 : 1;   // accumulators per row: R * U * ... <= 8..16 of 32 registers
+  const int64_t xs = Kp / 2;                       // a row's stride in xp (dwords)
+  const __m512i lo8 = _mm512_set1_epi16(0x00ff);
+  __m512i a[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_si512();
+  const int64_t steps = Kp / 4;   // a multiple of 4
+  for (int64_t s = 0; s < steps; s += 4) {
+    const uint8_t* ws = w + s * 64;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512((const void*)(ws + j * 64));
+      const __m512i ev = _mm512_and_si512(v, lo8);     // k0, k2 of each row (16-bit)
+      const __m512i od = _mm512_srli_epi16(v, 8);      // k1, k3
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = xp + r * xs + (s + j) * 2;
+        const __m512i p = _mm512_add_epi32(_mm512_madd_epi16(ev, _mm512_set1_epi32(xr[0])),
+                                           _mm512_madd_epi16(od, _mm512_set1_epi32(xr[1])));
+        a[r][j % U] = _mm512_add_epi32(a[r][j % U], p);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512i t = a[r][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_epi32(t, a[r][u]);
+    _mm512_storeu_si512((void*)(acc + r * BLK), t);
+  }
+}
+
+// blocks' twin without VNNI (same arguments, same results): passes of up to 8 rows over a block, the block from
+// cache after the first pass; the activation pairs of every row made once per call
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void blocks_bw(const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1, int32_t* acc_all,
+               int64_t Np) {
+  int32_t acc[MAXR_BW * BLK];
+  std::vector<int32_t> xpv(M * (Kp / 2));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* row = xq + m * Kp;
+    pairs_of_rows(&row, 1, Kp, xpv.data() + m * (Kp / 2));
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * BLK * Kp;
+    for (int64_t m0 = 0; m0 < M; m0 += MAXR_BW) {
+      const int64_t R = std::min<int64_t>(M - m0, MAXR_BW);
+      const int32_t* xp = xpv.data() + m0 * (Kp / 2);
+      switch (R) {
+        case 1: block_rows_bw<1>(w, xp, Kp, acc); break;
+        case 2: block_rows_bw<2>(w, xp, Kp, acc); break;
+        case 3: block_rows_bw<3>(w, xp, Kp, acc); break;
+        case 4: block_rows_bw<4>(w, xp, Kp, acc); break;
+        case 5: block_rows_bw<5>(w, xp, Kp, acc); break;
+        case 6: block_rows_bw<6>(w, xp, Kp, acc); break;
+        case 7: block_rows_bw<7>(w, xp, Kp, acc); break;
+        default: block_rows_bw<8>(w, xp, Kp, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+// W4A8: block4_rows with vpmaddubsw (u8 nibbles x s8 activations -> s16 pairs, |2 * 15 * 127| = 3810: never
+// saturates), a group's 8 steps summed in 16 bits (|8 * 3810| = 30480 < 32767: exact), then vpmaddwd by 1: lane r
+// holds row r's 4 products per step, as vpdpbusd leaves them; the epilogue is block4_rows's (same fp32 operations
+// in the same order: the same bits). R = 1..4 rows (blocks4_bw).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void block4_rows_bw(const uint8_t* w, const int8_t* const* xq, const int32_t* const* gsum, int64_t ng,
+                           float* out) {
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i one16 = _mm512_set1_epi16(1);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * GBYTES;
+    _mm_prefetch((const char*)(wg + 1152), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + 1216), _MM_HINT_T0);
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i v = _mm512_loadu_si512((const void*)(wg + t * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x0, x1;
+        memcpy(&x0, xq[r] + g * G4 + t * 4, 4);
+        memcpy(&x1, xq[r] + g * G4 + (t + 8) * 4, 4);
+        a[r][0] = _mm512_add_epi16(a[r][0], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(x0)));
+        a[r][1] = _mm512_add_epi16(a[r][1], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(x1)));
+      }
+    }
+    const __m512i sz = _mm512_loadu_si512((const void*)(wg + 512));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+    const __m512 ze = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+    for (int r = 0; r < R; ++r) {
+      const int32_t gs = gsum[r][g];
+      const __m512i s = _mm512_add_epi32(_mm512_madd_epi16(a[r][0], one16), _mm512_madd_epi16(a[r][1], one16));
+      const __m512i d = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * gs));
+      f[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d), f[r]);
+      f[r] = _mm512_fmadd_ps(ze, _mm512_set1_ps((float)gs), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * BLK, f[r]);
+}
+
+// blocks4's twin without VNNI (same arguments, same results): passes of up to 4 rows over a block (more spill
+// registers: 6 and 8 rows in one pass measured slower than in passes of 4 and 4, on a Zen 4), the block from cache
+// after the first pass
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void blocks4_bw(const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp, int64_t b0,
+                int64_t b1, float* acc_all, int64_t Np) {
+  constexpr int64_t RM = 4;
+  const int64_t ng = Kp / G4;
+  float acc[RM * BLK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = packed + b * ng * GBYTES;
+    for (int64_t m0 = 0; m0 < M; m0 += RM) {
+      const int64_t R = std::min<int64_t>(M - m0, RM);
+      const int8_t* rows[RM];
+      const int32_t* gs[RM];
+      for (int64_t r = 0; r < R; ++r) { rows[r] = xq + (m0 + r) * Kp; gs[r] = gsum + (m0 + r) * ng; }
+      switch (R) {
+        case 1: block4_rows_bw<1>(w, rows, gs, ng, acc); break;
+        case 2: block4_rows_bw<2>(w, rows, gs, ng, acc); break;
+        case 3: block4_rows_bw<3>(w, rows, gs, ng, acc); break;
+        default: block4_rows_bw<4>(w, rows, gs, ng, acc); break;
+      }
+      for (int64_t r = 0; r < R; ++r) memcpy(acc_all + (m0 + r) * Np + b * BLK, acc + r * BLK, BLK * 4);
+    }
+  }
+}
+
+// ---- the W8A8 / W4A8 paths ("isa"): 2 AVX-512 VNNI, 3 AVX-512 without VNNI (AVX-512F/BW/VL), 1 AVX2 + FMA; 0 none.
+// The numbers are names, not an order (3 came last): isa_rank orders them (1 < 3 < 2), isa_clamp never returns a
+// path above the level's own (ttsx_isa). Every path gives the same bits.
+constexpr int ISA_AVX2 = 1, ISA_VNNI = 2, ISA_BW = 3;
+inline int isa_rank(int isa) { return isa == ISA_AVX2 ? 1 : isa == ISA_BW ? 2 : isa == ISA_VNNI ? 3 : 0; }
+inline int isa_of_level(int l) { return l >= 3 ? ISA_VNNI : l == 2 ? ISA_BW : l == 1 ? ISA_AVX2 : 0; }
+inline int isa_clamp(int isa) {   // a path asked for -> the one that runs (the level's own where above it or unknown)
+  const int top = isa_of_level(level());
+  return isa_rank(isa) >= 1 && isa_rank(isa) <= isa_rank(top) ? isa : top;
+}
+inline bool isa_ok(int isa) { return isa_rank(isa) >= 1 && isa_rank(isa) <= isa_rank(isa_of_level(level())); }
+
+// the dispatch of every caller (ttsx_w8a8 / ttsx_w4a8 here, the fused step's matmuls)
+inline void quantize_row_isa(int isa, const void* x, int is_bf16, int64_t K, int64_t Kp, int8_t* xq, float* amax,
+                             int32_t* sum) {
+  if (isa == ISA_AVX2) quantize_row_avx2(x, is_bf16, K, Kp, xq, amax, sum);
+  else quantize_row(x, is_bf16, K, Kp, xq, amax, sum);   // AVX-512F/BW: VNNI and BW paths
+}
+inline void blocks_isa(int isa, const uint8_t* packed, const int8_t* xq, int64_t M, int64_t Kp, int64_t b0, int64_t b1,
+                       int32_t* acc_all, int64_t Np) {
+  if (isa == ISA_VNNI) blocks(packed, xq, M, Kp, b0, b1, acc_all, Np);
+  else if (isa == ISA_BW) blocks_bw(packed, xq, M, Kp, b0, b1, acc_all, Np);
+  else blocks_avx2(packed, xq, M, Kp, b0, b1, acc_all, Np);
+}
+inline void blocks4_isa(int isa, const uint8_t* packed, const int8_t* xq, const int32_t* gsum, int64_t M, int64_t Kp,
+                        int64_t b0, int64_t b1, float* acc_all, int64_t Np) {
+  if (isa == ISA_VNNI) blocks4(packed, xq, gsum, M, Kp, b0, b1, acc_all, Np);
+  else if (isa == ISA_BW) blocks4_bw(packed, xq, gsum, M, Kp, b0, b1, acc_all, Np);
+  else blocks4_avx2(packed, xq, gsum, M, Kp, b0, b1, acc_all, Np);
+}
+inline void finish_row_isa(int isa, const int32_t* acc, const float* facc, int32_t off, float am, const float* scale,
+                           int64_t n0, int64_t n1, int is_bf16, void* y, int32_t* acc_out) {
+  if (isa == ISA_AVX2) finish_row_any(acc, facc, off, am, scale, n0, n1, is_bf16, y, acc_out);
+  else finish_row(acc, facc, off, am, scale, n0, n1, is_bf16, y, acc_out);   // vectorised, the same operations
+}
+
 // group sums of one quantised row (W4A8: gsum[g] = sum of xq over group g)
 inline void group_sums(const int8_t* xr, int64_t ng, int32_t* gs) {
   for (int64_t g = 0; g < ng; ++g) {
@@ -559,8 +777,10 @@ int ttsx_set_level(int l) {
   return was;
 }
 
-// The W8A8 / W4A8 kernels' path at the level: 2 AVX-512 VNNI, 1 AVX2 + FMA (also AVX-512F without VNNI), 0 neither
-int ttsx_isa() { return level() >= 3 ? 2 : level() >= 1 ? 1 : 0; }
+// The W8A8 / W4A8 kernels' path at the level: 2 AVX-512 VNNI, 3 AVX-512F/BW/VL without VNNI, 1 AVX2 + FMA, 0 none
+// (isa_rank: 1 < 3 < 2)
+int ttsx_isa() { return isa_of_level(level()); }
+int ttsx_isa_clamp(int isa) { return isa_clamp(isa); }   // the path a call asking for `isa` runs at the level
 
 int ttsx_supported() { return ttsx_isa() == 2; }
 
@@ -591,33 +811,28 @@ void ttsx_unpack(const uint8_t* packed, int64_t N, int64_t K, int8_t* q) {
 // y [M, N] (x's dtype, contiguous). acc_out (or NULL): the exact int32 sums sum_k xq[m, k] * q[n, k], [M, N].
 void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                const float* scale127, int64_t N, void* y, int32_t* acc_out, int isa) {
-  isa = std::min(isa, ttsx_isa());   // never a path this CPU (or the forced level) lacks
+  isa = isa_clamp(isa);   // never a path this CPU (or the forced level) lacks
   const int64_t Np = round_up(N, BLK), Kp = round_up(K, KU);
   const int64_t esz = is_bf16 ? 2 : 4;
   std::vector<int8_t> xq(M * Kp);
   std::vector<float> amax(M);
   std::vector<int32_t> xsum(M), acc(M * Np);
   for (int64_t m = 0; m < M; ++m) {
-    if (isa == 2) quantize_row((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
-    else quantize_row_avx2((const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    quantize_row_isa(isa, (const char*)x + m * ldx * esz, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
   }
   const int64_t nb = Np / BLK;
   const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
   int32_t* accp = acc.data();
   const int8_t* xqp = xq.data();
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
-    if (isa == 2) blocks(packed, xqp, M, Kp, b0, b1, accp, Np);
-    else blocks_avx2(packed, xqp, M, Kp, b0, b1, accp, Np);
+    blocks_isa(isa, packed, xqp, M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const int32_t off = 128 * xsum[m];
       const float am = amax[m];
       const int64_t n1 = std::min(N, b1 * BLK);
       void* ym = is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N);
-      if (isa == 2)   // vectorised, the same operations
-        finish_row(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16, ym, acc_out ? acc_out + m * N : nullptr);
-      else
-        finish_row_any(accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16, ym,
-                       acc_out ? acc_out + m * N : nullptr);
+      finish_row_isa(isa, accp + m * Np, nullptr, off, am, scale127, b0 * BLK, n1, is_bf16, ym,
+                     acc_out ? acc_out + m * N : nullptr);
     }
   });
 }
@@ -647,10 +862,11 @@ void ttsx_pack4(const uint8_t* q, const uint16_t* scale_zero, int64_t N, int64_t
     }
 }
 
-// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype); isa: 2 AVX-512 VNNI, 1 AVX2 (the same bits)
+// x [M, K] (fp32 or bf16) x packed4 -> y [M, N] (x's dtype); isa: 2 AVX-512 VNNI, 3 AVX-512 without VNNI, 1 AVX2
+// (the same bits)
 void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
                void* y, int isa) {
-  isa = std::min(isa, ttsx_isa());
+  isa = isa_clamp(isa);
   const int64_t Np = round_up(N, BLK), Kp = round_up(K, G4), ng = Kp / G4;
   const int64_t esz = is_bf16 ? 2 : 4;
   std::vector<int8_t> xq(M * Kp);
@@ -659,21 +875,18 @@ void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
   std::vector<float> acc(M * Np);
   for (int64_t m = 0; m < M; ++m) {
     const void* xm = (const char*)x + m * ldx * esz;
-    if (isa == 2) quantize_row(xm, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
-    else quantize_row_avx2(xm, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
+    quantize_row_isa(isa, xm, is_bf16, K, Kp, xq.data() + m * Kp, &amax[m], &xsum[m]);
     group_sums(xq.data() + m * Kp, ng, gsum.data() + m * ng);
   }
   float* accp = acc.data();
   const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
   at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
-    if (isa == 2) blocks4(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
-    else blocks4_avx2(packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
+    blocks4_isa(isa, packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const float am = amax[m] * (1.0f / 127.0f);
       const int64_t n1 = std::min(N, b1 * BLK);
       void* ym = is_bf16 ? (void*)((uint16_t*)y + m * N) : (void*)((float*)y + m * N);
-      if (isa == 2) finish_row(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16, ym, nullptr);
-      else finish_row_any(nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16, ym, nullptr);
+      finish_row_isa(isa, nullptr, accp + m * Np, 0, am, nullptr, b0 * BLK, n1, is_bf16, ym, nullptr);
     }
   });
 }

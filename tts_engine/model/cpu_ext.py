@@ -1,12 +1,13 @@
 """Our own CPU matmul kernels (`cpu_ext.cpp`): a fused W8A8 layer for the decode shapes (1-4 activation rows) that
-reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction), with an
-AVX2 path (16-bit products, vpmaddwd) for CPUs without it, and a W4A8 layer (int4 weights x int8 activations:
-AVX-512 VNNI, or AVX2 with vpmaddubsw; the two paths give the same bits).
+reads its int8 weights at memory speed with AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction), with
+512-bit (AVX-512BW) and 256-bit (AVX2) paths of 16-bit products (vpmaddwd) for CPUs without VNNI, and a W4A8 layer
+(int4 weights x int8 activations: AVX-512 VNNI, or vpmaddubsw + vpmaddwd in 512 or 256 bits); every path gives the
+same bits.
 
 CPU levels (`level()`, cpu_ext.cpp `level_of_cpu`): 1 AVX2 + FMA (Haswell .. Zen 3), 2 AVX-512F/BW/VL without VNNI
 (Skylake-X), 3 + AVX-512 VNNI (Cascade Lake, Ice Lake), 4 + AVX-512 BF16 (Zen 4, Sapphire Rapids). Every kernel of
 ours (these layers, the fused step and predictor frame that include this source, the codec's SnakeBeta) picks its
-path from the level: W8A8 / W4A8 VNNI from 3, else AVX2; the fused step's bf16 matmul vdpbf16ps at 4, AVX-512F at
+path from the level: W8A8 / W4A8 VNNI from 3, AVX-512BW at 2 (`isa()` "avx512bw"), AVX2 at 1; the fused step's bf16 matmul vdpbf16ps at 4, AVX-512F at
 2-3, AVX2 at 1; SnakeBeta and the small helpers AVX-512F from 2, else AVX2. `TTS_CPU_ISA` = avx2 / avx512 /
 avx512vnni / avx512bf16 / native (default) forces a LOWER level (never above what cpuid says: a higher one is
 clamped, with a logged line), read when a library loads: the lower paths then run natively on a bigger CPU, to be
@@ -49,7 +50,7 @@ log = logging.getLogger("tts_engine")
 ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
 LEVEL_ENV = "TTS_CPU_ISA"       # native (default) / avx2 / avx512 / avx512vnni / avx512bf16: a lower CPU level
 ISA_ENV = "TTS_CPU_EXT_ISA"     # the older switch: avx2 = TTS_CPU_ISA=avx2; auto / avx512: native
-ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
+ISA_NAMES = {2: "avx512-vnni", 3: "avx512bw", 1: "avx2"}   # cpu_ext.cpp ttsx_isa (3: AVX-512 without VNNI)
 LEVELS = {"avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4}
 LEVEL_NAMES = {0: "none", **{v: k for k, v in LEVELS.items()}}
 SOURCE = Path(__file__).with_name("cpu_ext.cpp")
@@ -128,6 +129,7 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ttsx_supported.restype = I
     lib.ttsx_isa.restype = I
+    lib.ttsx_isa_clamp.argtypes, lib.ttsx_isa_clamp.restype = [I], I
     lib.ttsx_cpu_level.restype = I
     lib.ttsx_level.restype = I
     lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [I], I
@@ -289,12 +291,13 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The code path in use: "avx512-vnni", "avx2", or None where the kernels are not available."""
+    """The code path in use: "avx512-vnni", "avx512bw" (AVX-512 without VNNI), "avx2", or None where the kernels
+    are not available."""
     return ISA_NAMES.get(_state.get("isa", 0)) if available() else None
 
 
 def has_w4a8() -> bool:
-    """The W4A8 kernel runs here (AVX-512 VNNI, or its AVX2 path: wherever our kernels run)."""
+    """The W4A8 kernel runs here (AVX-512 VNNI, AVX-512 without VNNI, or AVX2: wherever our kernels run)."""
     return available() and _state.get("isa", 0) >= 1
 
 
@@ -353,8 +356,9 @@ def _activation_rows(x: torch.Tensor) -> torch.Tensor:
 def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
          acc: torch.Tensor | None = None, path: int | None = None) -> torch.Tensor:
     """x [M, K] fp32/bf16 -> y [M, N] in x's dtype (module doc). packed: `pack(q)`; scale127 [N] fp32.
-    acc: an int32 [M, N] tensor to receive the exact sums (tests). path: 1 = the AVX2 code path even on a VNNI
-    CPU (both are timed by the kernel table there), None = the best this CPU has."""
+    acc: an int32 [M, N] tensor to receive the exact sums (tests). path (ISA_NAMES): 1 = the AVX2 code path even on
+    a CPU with AVX-512 (timed beside the best by the kernel table there), 3 = the AVX-512 path without VNNI, 2 = VNNI;
+    None = the best at the level; a path above the level runs the level's own (cpu_ext.cpp isa_clamp)."""
     lib = _state.get("lib") or library()
     x = _activation_rows(x)
     M, K = x.shape
@@ -364,7 +368,7 @@ def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed.data_ptr(),
                   scale127.data_ptr(), N, y.data_ptr(), None if acc is None else acc.data_ptr(),
-                  min(path or 2, _state["isa"]))
+                  path or _state["isa"])
     return y
 
 
@@ -397,7 +401,7 @@ def pack4(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
 
 def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int, path: int | None = None) -> torch.Tensor:
     """x [M, K] fp32/bf16 -> y [M, N] in x's dtype: x rounded to int8 per row (as w8a8) times the int4 weights.
-    path: 1 = the AVX2 code path even on a VNNI CPU (the same bits), None = the best at the level."""
+    path: as `w8a8` (1 AVX2, 3 AVX-512 without VNNI, 2 VNNI: the same bits), None = the best at the level."""
     lib = _state.get("lib") or library()
     x = _activation_rows(x)
     M, K = x.shape
@@ -405,7 +409,7 @@ def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int, path: int | None = None
         raise ValueError(f"packed int4 weight does not fit {N}x{K}")
     y = torch.empty(M, N, dtype=x.dtype)
     lib.ttsx_w4a8(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, x.stride(0), packed4.data_ptr(), N,
-                  y.data_ptr(), min(path or 2, _state["isa"]))
+                  y.data_ptr(), path or _state["isa"])
     return y
 
 

@@ -464,16 +464,14 @@ void prep(const Plan& p, int64_t K, const float* x, int64_t M, Act& a) {
   if (p.wbits == 8) {
     const int64_t Kp = round_up(K, KU);
     for (int64_t m = 0; m < M; ++m) {
-      if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, a.xq.data() + m * Kp, &a.amax[m], &a.xsum[m]);
-      else quantize_row_avx2(x + m * K, 0, K, Kp, a.xq.data() + m * Kp, &a.amax[m], &a.xsum[m]);
+      quantize_row_isa((int)p.isa, x + m * K, 0, K, Kp, a.xq.data() + m * Kp, &a.amax[m], &a.xsum[m]);
     }
     return;
   }
   const int64_t Kp = round_up(K, G4), ng = Kp / G4;
   for (int64_t m = 0; m < M; ++m) {
     int8_t* xr = a.xq.data() + m * Kp;
-    if (p.isa == 2) quantize_row(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
-    else quantize_row_avx2(x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
+    quantize_row_isa((int)p.isa, x + m * K, 0, K, Kp, xr, &a.amax[m], &a.xsum[m]);
     group_sums(xr, ng, a.gsum.data() + m * ng);
   }
 }
@@ -496,24 +494,18 @@ void mm_range(const Plan& p, const Lin& l, const Act& a, int64_t M, int64_t b0, 
   const int64_t n1 = std::min(N, b1 * BLK);
   if (p.wbits == 8) {
     const int64_t Kp = round_up(K, KU);
-    if (p.isa == 2) blocks(l.w, a.xq.data(), M, Kp, b0, b1, acc, Np);
-    else blocks_avx2(l.w, a.xq.data(), M, Kp, b0, b1, acc, Np);
+    blocks_isa((int)p.isa, l.w, a.xq.data(), M, Kp, b0, b1, acc, Np);
     for (int64_t m = 0; m < M; ++m) {
       const int32_t off = 128 * a.xsum[m];
       const float am = a.amax[m];
-      if (p.isa == 2)   // cpu_ext.cpp's vectorised epilogue, the same operations
-        finish_row(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
-      else
-        finish_row_any(acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
+      finish_row_isa((int)p.isa, acc + m * Np, nullptr, off, am, l.scale127, b0 * BLK, n1, 0, y + m * N, nullptr);
     }
     return;
   }
-  if (p.isa == 2) blocks4(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
-  else blocks4_avx2(l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
+  blocks4_isa((int)p.isa, l.w, a.xq.data(), a.gsum.data(), M, round_up(K, G4), b0, b1, facc, Np);
   for (int64_t m = 0; m < M; ++m) {
     const float am = a.amax[m] * (1.0f / 127.0f);
-    if (p.isa == 2) finish_row(nullptr, facc + m * Np, 0, am, nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
-    else finish_row_any(nullptr, facc + m * Np, 0, am, nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
+    finish_row_isa((int)p.isa, nullptr, facc + m * Np, 0, am, nullptr, b0 * BLK, n1, 0, y + m * N, nullptr);
   }
 }
 
@@ -1020,7 +1012,7 @@ int ttsf_stack_step(const int64_t* dims, float eps, const int64_t* layers, const
                 dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
   fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
   if (M < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16) ||
-      ((p.wbits == 8 || p.wbits == 4) && (p.isa < 1 || p.isa > ttsx_isa())))
+      ((p.wbits == 8 || p.wbits == 4) && !isa_ok((int)p.isa)))
     return -1;
   if (p.wbits == 16 && (p.isa < 1 || p.isa > ttsf_bf16_isa() || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
                         ((p.H + 2 * p.Hkv) * p.hd) % fstep::R4))

@@ -209,8 +209,8 @@ class StackPlan:
         if not self.wbits:
             raise ValueError(f"the stack's layers are {type(first).__name__} "
                              f"({getattr(getattr(first, 'weight', None), 'dtype', '')}), not W8A8 / W4A8 / bf16")
-        isa = cpu_ext._state.get("isa", 0)   # W8A8 / W4A8: 2 AVX-512 VNNI, 1 AVX2 (cpu_ext.cpp ttsx_isa)
-        if self.wbits in (4, 8) and isa not in (1, 2):
+        isa = cpu_ext._state.get("isa", 0)   # W8A8 / W4A8: 2 AVX-512 VNNI, 3 AVX-512 no VNNI, 1 AVX2 (ttsx_isa)
+        if self.wbits in (4, 8) and isa not in (1, 2, 3):
             raise ValueError("our W8A8 / W4A8 kernels do not run here")
         if self.wbits == 16:   # fused_step.cpp's bf16 matmul path: 3 AVX-512 BF16, 2 AVX-512F, 1 AVX2 + FMA
             isa = library().ttsf_bf16_isa()

@@ -29,8 +29,8 @@ numbers up to float summation order:
           "int8pack_a8" (the int8 activation, exact in bf16, through the weight-only int8 kernel),
           "vnni" (our own fused kernel, `cpu_ext`: quantise, VNNI int8 dot products, scale, one call; its weights
           are the same int8 values in a blocked layout, `cpu_ext.pack`; a candidate only where it builds; on a
-          CPU without AVX-512 VNNI the same candidate runs its AVX2 path, `cpu_ext.isa()`),
-          "own_avx2" (that AVX2 path on a CPU that has VNNI too, timed beside it; same layout)
+          CPU without AVX-512 VNNI the same candidate runs its AVX-512BW or AVX2 path, `cpu_ext.isa()`),
+          "own_avx2" (the AVX2 path on a CPU with AVX-512 (VNNI or not), timed beside it; same layout)
   "int4"  aten's packed int4 + bf16 (scale, zero) per group: "int4pack" (aten._weight_int4pack_mm_for_cpu)
   "w4a8"  int4 + bf16 (scale, zero) per group of 64 in our kernel's layout, activations rounded to int8 per row:
           "vnni" (`cpu_ext.w4a8`: AVX-512 VNNI, or the AVX2 path on a CPU without VNNI, the same bits; the
@@ -226,7 +226,7 @@ def w8a8_vnni(x, packed, scale127, scale127_bf16=None):
 
 
 def w8a8_own_avx2(x, packed, scale127, scale127_bf16=None):
-    """`w8a8_vnni`'s AVX2 code path (16-bit products) on a CPU that also has VNNI: timed beside it."""
+    """`w8a8_vnni`'s AVX2 code path (16-bit products) on a CPU with AVX-512 (VNNI or not): timed beside it."""
     return cpu_ext.w8a8(x, packed, scale127, scale127.numel(), path=1)
 
 
@@ -307,7 +307,7 @@ def register_cpu_ext() -> str | None:
         return None
     cands.setdefault("vnni", w8a8_vnni)
     layouts.setdefault("vnni", (_w8a8_packed_view, cpu_ext.packed_bytes))
-    if cpu_ext.isa() == "avx512-vnni" and {"avx2", "fma"} <= set(cpu_identity()["flags"]):
+    if cpu_ext.isa() in ("avx512-vnni", "avx512bw") and {"avx2", "fma"} <= set(cpu_identity()["flags"]):
         cands.setdefault("own_avx2", w8a8_own_avx2)
         layouts.setdefault("own_avx2", (_w8a8_packed_view, cpu_ext.packed_bytes))
     else:

@@ -464,7 +464,7 @@ int ttsp_frame_team(const int64_t* dims, float eps, const int64_t* layers, const
                 dims[fstep::I_], dims[fstep::WBITS_], dims[fstep::ISA_], eps, layers, inv_freq, final_norm};
   fstep::Cache c{kc, vc, cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_is_bf16};
   if (B < 1 || V < 1 || books < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16) ||
-      ((p.wbits == 8 || p.wbits == 4) && (p.isa < 1 || p.isa > ttsx_isa())))
+      ((p.wbits == 8 || p.wbits == 4) && !isa_ok((int)p.isa)))
     return -1;
   if (p.wbits == 16 && (p.isa < 1 || p.isa > ttsf_bf16_isa() || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
                         ((p.H + 2 * p.Hkv) * p.hd) % fstep::R4 || V % fstep::R4 || (proj[pframe::PROJ_W] &&

@@ -146,7 +146,7 @@ int ttst_version() { return 1; }
 static int ttst_check(const fstep::Plan& p, const fstep::Cache& c, int64_t B, const int64_t* r, const int64_t* pos,
                       const int64_t* codes, int64_t books, const int64_t* offsets, int64_t table_rows) {
   if (B < 1 || p.hd % 2 || p.H % p.Hkv || (p.wbits != 8 && p.wbits != 4 && p.wbits != 16) ||
-      ((p.wbits == 8 || p.wbits == 4) && (p.isa < 1 || p.isa > ttsx_isa())))
+      ((p.wbits == 8 || p.wbits == 4) && !isa_ok((int)p.isa)))
     return -1;
   if (p.wbits == 16 && (p.isa < 1 || p.isa > ttsf_bf16_isa() || p.D % 32 || (p.H * p.hd) % 32 || p.I % 32 ||
                         ((p.H + 2 * p.Hkv) * p.hd) % fstep::R4))
