@@ -1,0 +1,113 @@
+"""The plain large read: the memory floor that every CPU benchmark compares weight reads with (issue 14's "bandwidth
+the benchmark measures for a plain large read on the same machine"), defined once here and used by bench_peers,
+bench_talker_step, bench_predictor_frame, bench_fused_profile and bench_matmuls.
+
+Definition: one pass over a buffer of `buffer_bytes()` (1 GiB, or 32x the last-level cache where that is larger, so
+at most ~3 % of it can be served from the L3), filled with non-repeating bytes (no two pages alike: a constant fill
+could be served by shared or zero pages), written once when the buffer is made and never between reads, read with
+64-byte loads split over torch's threads (`cpu_ext.read_bytes`, the loads our weight kernels use; torch's sum of the
+buffer as float32 where the extension is not built). GB/s = bytes / wall time of one pass.
+
+How a bench uses it: make one `PlainRead()` and call `.sample()` BETWEEN its own timings (part, read, part, read, ...)
+so that a ratio compares reads taken at the same moment of a shared machine; report `.spread()` (min / median / max
+and the count), never one best read, and compare a part's GB/s with the median of the reads taken beside it
+(`percent`). On a cloud VM the floor itself moves (docs/benchmarks.md, "the plain read"); the spread shows by how much.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+GIB = 1 << 30
+L3_MULTIPLE = 32   # the buffer is at least this many last-level caches
+
+
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest cache size sysfs lists for CPU 0 (the L3 on x86), 0 when unknown."""
+    best = 0
+    for idx in Path(sysfs).glob("index*"):
+        try:
+            text = (idx / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best
+
+
+def buffer_bytes(llc: int | None = None) -> int:
+    """Bytes of the plain read's buffer: 1 GiB, or L3_MULTIPLE x the last-level cache where that is more."""
+    llc = last_level_cache_bytes() if llc is None else llc
+    return max(GIB, L3_MULTIPLE * llc)
+
+
+def _fill(buf: torch.Tensor) -> None:
+    """Non-repeating bytes: an int64 counter times an odd constant (every 8-byte word distinct; no two pages alike)."""
+    words = buf.view(torch.int64)
+    torch.arange(words.numel(), dtype=torch.int64, out=words)
+    words.mul_(0x9E3779B97F4A7C15 - (1 << 64))   # wraps: a bijection on 64-bit words
+
+
+class PlainRead:
+    """The buffer and the reads taken so far. `reader`: "cpu_ext" (default where built) or "torch_sum"."""
+
+    def __init__(self, nbytes: int | None = None, reader: str | None = None):
+        from .model import cpu_ext
+
+        self.nbytes = (buffer_bytes() if nbytes is None else int(nbytes)) // 64 * 64
+        if reader is None:
+            reader = "cpu_ext" if cpu_ext.available() else "torch_sum"
+        if reader not in ("cpu_ext", "torch_sum"):
+            raise ValueError(f"unknown reader {reader!r}")
+        self.reader = reader
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        _fill(self.buf)
+        self._f32 = self.buf.view(torch.float32)
+        self.samples: list[float] = []
+        self.read_once()   # the first pass after the fill is not a sample (page tables, caches)
+
+    def read_once(self) -> float:
+        """One pass over the buffer -> seconds (not recorded)."""
+        from .model import cpu_ext
+
+        t0 = time.perf_counter()
+        if self.reader == "cpu_ext":
+            cpu_ext.read_bytes(self.buf)
+        else:
+            self._f32.sum()
+        return time.perf_counter() - t0
+
+    def sample(self) -> float:
+        """One pass, recorded -> GB/s."""
+        gbs = self.nbytes / self.read_once() / 1e9
+        self.samples.append(gbs)
+        return gbs
+
+    def mark(self) -> int:
+        """The number of samples so far: `spread(since=mark)` covers only the reads taken after it."""
+        return len(self.samples)
+
+    def spread(self, since: int = 0) -> dict:
+        """{"min", "median", "max", "n"} GB/s of the samples taken since `since` (sample once when there are none)."""
+        xs = self.samples[since:] or [self.sample()]
+        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+    def describe(self, since: int = 0) -> str:
+        s = self.spread(since)
+        return (f"plain read {s['median']:.1f} GB/s median ({s['min']:.1f}-{s['max']:.1f}, {s['n']} reads of "
+                f"{self.nbytes / GIB:.0f} GiB interleaved, {self.reader}, {torch.get_num_threads()} threads)")
+
+    def close(self) -> None:
+        self.buf = self._f32 = None
+
+
+def percent(gbs: float | None, floor: dict | float | None) -> float | None:
+    """100 x gbs / the plain read (a spread's median, or a number); None when either is unknown."""
+    f = floor["median"] if isinstance(floor, dict) else floor
+    return None if not gbs or not f else 100.0 * gbs / f
