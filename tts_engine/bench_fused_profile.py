@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--talker-pos", type=int, default=60, help="the talker's cache position (prompt + frames)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--rotate-mb", type=int, default=320, help="the matmuls alone rotate over at least this much weight")
+    ap.add_argument("--read-mb", type=int, help="the plain read's buffer in MiB (default: plain_read.py's, 1 GiB or "
+                    "32x the L3; smaller only for tests)")
     ap.add_argument("--config", help="the model's config.json (default: the bench's random 0.6b checkpoint's)")
     ap.add_argument("--out", help="write the tables here (markdown)")
     a = ap.parse_args(argv)
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
     device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     lib = fused_step.library()
     paths = a.paths.split(",")
-    pr = PlainRead()
+    pr = PlainRead(None if a.read_mb is None else a.read_mb << 20)
     head = [f"### Fused step profile ({device}, load {os.getloadavg()[0]:.2f})", "",
             f"`python -m tts_engine.bench_fused_profile --modes {a.modes} --stacks {a.stacks} --paths {a.paths} "
             f"--rounds {a.rounds} --frames {a.frames}`: best round of {a.rounds}, {a.frames} frames per path per "
