@@ -138,3 +138,21 @@ def test_interleave_samples_the_read_after_every_run_and_gives_it_to_the_profile
     assert len(fl.samples) == len(runs) == 4
     assert [r.extra["plain_read_gbs"] for r in runs] == fl.samples
     assert e.floors == [fl, fl] and len(profiles["w8a8"]) == 2
+
+
+def test_our_engine_profile_reads_between_its_frames(tiny_cv_folder):
+    """The peers bench's profile of our engine (bench.profile_frame) samples the plain read once after each
+    frame's parts and returns their spread beside the parts."""
+    from tts_engine.peers.ours import OurEngine
+
+    e = OurEngine(tiny_cv_folder, None, 16)
+    try:
+        pr = PlainRead(4 << 20, reader="torch_sum")
+        pr.sample()
+        prof = e.profile(3, pr)
+        assert prof["talker_ms"] > 0 and prof["code_predictor_ms"] > 0
+        assert prof["plain_read"]["n"] == 3 and len(pr.samples) == 4       # the earlier sample is not in its spread
+        assert prof["plain_read"]["median"] == pytest.approx(sorted(pr.samples[1:])[1])
+        assert "plain_read" not in e.profile(2)
+    finally:
+        e.close()
