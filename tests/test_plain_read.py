@@ -52,6 +52,8 @@ def test_samples_and_spread(reader):
     s, since = pr.spread(), pr.spread(m)
     assert s["n"] == 4 and since["n"] == 1 and since["median"] == pr.samples[-1]
     assert s["min"] <= s["median"] <= s["max"]
+    assert len(pr.cpu_shares) == 4 and all(0 <= c <= 1.5 for c in pr.cpu_shares)
+    assert s["full_cpu"] == sum(c >= plain_read.FULL_CPU for c in pr.cpu_shares)
     assert f"{reader}" in pr.describe() and "median" in pr.describe()
     with pytest.raises(ValueError):
         PlainRead(1 << 20, reader="memcpy")
@@ -156,3 +158,12 @@ def test_our_engine_profile_reads_between_its_frames(tiny_cv_folder):
         assert "plain_read" not in e.profile(2)
     finally:
         e.close()
+
+
+def test_survey_interleaves_readers_and_thread_counts():
+    lines = []
+    prs = plain_read.survey(0.0, [1, 2], ["torch_sum"], 2 << 20, say=lines.append)
+    assert list(prs) == [("torch_sum", 1), ("torch_sum", 2)]
+    assert len(lines) == 1 and "torch_sum/1t" in lines[0] and "torch_sum/2t" in lines[0]   # one round at least
+    assert all(len(pr.samples) == 1 for pr in prs.values())
+    assert "2 threads" in prs[("torch_sum", 2)].describe()

@@ -15,6 +15,7 @@ and the count), never one best read, and compare a part's GB/s with the median o
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 
 GIB = 1 << 30
 L3_MULTIPLE = 32   # the buffer is at least this many last-level caches
+FULL_CPU = 0.9     # a read whose threads held their cores (process CPU time / (wall x threads)) at least this much
 
 
 def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
@@ -66,27 +68,36 @@ class PlainRead:
         if reader not in ("cpu_ext", "torch_sum"):
             raise ValueError(f"unknown reader {reader!r}")
         self.reader = reader
+        self.threads = torch.get_num_threads()   # at the latest read
         self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
         _fill(self.buf)
         self._f32 = self.buf.view(torch.float32)
         self.samples: list[float] = []
+        self.cpu_shares: list[float] = []   # per sample: process CPU time / (wall x threads), ~1 = held the cores
         self.read_once()   # the first pass after the fill is not a sample (page tables, caches)
 
     def read_once(self) -> float:
         """One pass over the buffer -> seconds (not recorded)."""
+        return self._timed()[0]
+
+    def _timed(self) -> tuple[float, float]:
         from .model import cpu_ext
 
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if self.reader == "cpu_ext":
             cpu_ext.read_bytes(self.buf)
         else:
             self._f32.sum()
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        self.threads = torch.get_num_threads()
+        return wall, (time.process_time() - c0) / (wall * self.threads)
 
     def sample(self) -> float:
         """One pass, recorded -> GB/s."""
-        gbs = self.nbytes / self.read_once() / 1e9
+        wall, share = self._timed()
+        gbs = self.nbytes / wall / 1e9
         self.samples.append(gbs)
+        self.cpu_shares.append(share)
         return gbs
 
     def mark(self) -> int:
@@ -96,12 +107,14 @@ class PlainRead:
     def spread(self, since: int = 0) -> dict:
         """{"min", "median", "max", "n"} GB/s of the samples taken since `since` (sample once when there are none)."""
         xs = self.samples[since:] or [self.sample()]
-        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+        full = sum(s >= FULL_CPU for s in self.cpu_shares[since:])
+        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs), "full_cpu": full}
 
     def describe(self, since: int = 0) -> str:
         s = self.spread(since)
         return (f"plain read {s['median']:.1f} GB/s median ({s['min']:.1f}-{s['max']:.1f}, {s['n']} reads of "
-                f"{self.nbytes / GIB:.0f} GiB interleaved, {self.reader}, {torch.get_num_threads()} threads)")
+                f"{self.nbytes >> 20} MiB interleaved, {s['full_cpu']} of them with every thread on its core, "
+                f"{self.reader}, {self.threads} threads)")
 
     def close(self) -> None:
         self.buf = self._f32 = None
@@ -111,3 +124,57 @@ def percent(gbs: float | None, floor: dict | float | None) -> float | None:
     """100 x gbs / the plain read (a spread's median, or a number); None when either is unknown."""
     f = floor["median"] if isinstance(floor, dict) else floor
     return None if not gbs or not f else 100.0 * gbs / f
+
+
+def survey(seconds: float, threads: list[int], readers: list[str], nbytes: int | None = None,
+           say=print) -> dict:
+    """The plain read over time: every (reader, threads) in turn, round after round, for `seconds`; one line per
+    round (each read's GB/s and its threads' CPU share) -> {(reader, threads): PlainRead}. A time series shows
+    whether the floor moves with the moment (every config fast or slow together) or with the buffer or reader."""
+    saved = torch.get_num_threads()
+    prs = {}
+    try:
+        for r in readers:
+            for t in threads:
+                torch.set_num_threads(t)
+                prs[(r, t)] = PlainRead(nbytes, reader=r)
+        t_end = time.perf_counter() + seconds
+        k = 0
+        while k == 0 or time.perf_counter() < t_end:   # one round at least
+            cells = []
+            for (r, t), pr in prs.items():
+                torch.set_num_threads(t)
+                g = pr.sample()
+                cells.append(f"{r}/{t}t {g:5.1f} ({pr.cpu_shares[-1]:.2f})")
+            k += 1
+            say(f"{time.strftime('%H:%M:%S', time.gmtime())} load {os.getloadavg()[0]:.2f} | " + " | ".join(cells))
+    finally:
+        torch.set_num_threads(saved)
+    return prs
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tts_engine.plain_read",
+                                description="the plain large read over time, per reader and thread count, interleaved")
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--readers", default="cpu_ext,torch_sum")
+    p.add_argument("--mib", type=int, help="buffer MiB (default: buffer_bytes())")
+    a = p.parse_args(argv)
+    prs = survey(a.seconds, [int(x) for x in a.threads.split(",")], a.readers.split(","),
+                 None if a.mib is None else a.mib << 20)
+    from .cpu_info import cpu_info
+
+    print(f"\nCPU: {cpu_info().name}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    for (r, t), pr in prs.items():
+        full = [g for g, s in zip(pr.samples, pr.cpu_shares) if s >= FULL_CPU]
+        extra = (f"; reads with every thread on its core: median {statistics.median(full):.1f} "
+                 f"({min(full):.1f}-{max(full):.1f})") if full else ""
+        print(f"{r}, {t} thread(s): {pr.describe()}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
