@@ -37,11 +37,11 @@ def test_fill_repeats_no_word_and_no_page():
     assert (pages != 0).any(dim=1).all()              # no zero page either
 
 
-@pytest.mark.parametrize("reader", ["torch_sum", "cpu_ext"])
+@pytest.mark.parametrize("reader", ["torch_sum", "cpu_ext", "cpu_ext_claim"])
 def test_samples_and_spread(reader):
     from tts_engine.model import cpu_ext
 
-    if reader == "cpu_ext" and not cpu_ext.available():
+    if reader.startswith("cpu_ext") and not cpu_ext.available():
         pytest.skip(f"cpu_ext: {cpu_ext.why_unavailable()}")
     pr = PlainRead(8 << 20, reader=reader)
     assert pr.samples == []                            # the first pass after the fill is not a sample
@@ -167,3 +167,27 @@ def test_survey_interleaves_readers_and_thread_counts():
     assert len(lines) == 1 and "torch_sum/1t" in lines[0] and "torch_sum/2t" in lines[0]   # one round at least
     assert all(len(pr.samples) == 1 for pr in prs.values())
     assert "2 threads" in prs[("torch_sum", 2)].describe()
+
+
+def test_claimed_read_reads_every_chunk():
+    """ttsx_read_claim: the threads claim 1 MiB chunks; every chunk is read once whatever the thread count: the
+    result (an XOR over the chunks' values) is the same at 1 and 2 threads and changes with any chunk's bytes."""
+    from tts_engine.model import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip(f"cpu_ext: {cpu_ext.why_unavailable()}")
+    buf = torch.empty(8 << 20, dtype=torch.uint8)
+    plain_read._fill(buf)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ext.read_bytes(buf, claim=True)
+        torch.set_num_threads(2)
+        assert cpu_ext.read_bytes(buf, claim=True) == one
+        for chunk in range(8):
+            buf[(chunk << 20) + 4096] ^= 0x10
+            assert cpu_ext.read_bytes(buf, claim=True) != one, chunk
+            buf[(chunk << 20) + 4096] ^= 0x10
+    finally:
+        torch.set_num_threads(saved)
+    assert PlainRead(1 << 20).reader == "cpu_ext_claim"

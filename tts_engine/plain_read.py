@@ -5,8 +5,12 @@ bench_talker_step, bench_predictor_frame, bench_fused_profile and bench_matmuls.
 Definition: one pass over a buffer of `buffer_bytes()` (1 GiB, or 32x the last-level cache where that is larger, so
 at most ~3 % of it can be served from the L3), filled with non-repeating bytes (no two pages alike: a constant fill
 could be served by shared or zero pages), written once when the buffer is made and never between reads, read with
-64-byte loads split over torch's threads (`cpu_ext.read_bytes`, the loads our weight kernels use; torch's sum of the
-buffer as float32 where the extension is not built). GB/s = bytes / wall time of one pass.
+64-byte loads on torch's threads, the threads claiming 1 MiB chunks (`cpu_ext.read_bytes(claim=True)`, the loads our
+weight kernels use; torch's sum of the buffer as float32 where the extension is not built). GB/s = bytes / wall time
+of one pass. Claimed, not split in fixed halves: on a VM the two vCPUs read at different rates (17-27 GB/s each,
+changing by the minute), and a fixed split takes threads x the SLOWER one's rate (the 34 vs 56-62 GB/s that one
+session saw from the same function), while claimed chunks take the sum of the rates: the floor of what the memory
+gives the threads at that moment, which a kernel that claims its work (fused_step's claim team) can reach.
 
 How a bench uses it: make one `PlainRead()` and call `.sample()` BETWEEN its own timings (part, read, part, read, ...)
 so that a ratio compares reads taken at the same moment of a shared machine; report `.spread()` (min / median / max
@@ -24,6 +28,7 @@ import torch
 
 GIB = 1 << 30
 L3_MULTIPLE = 32   # the buffer is at least this many last-level caches
+READERS = ("cpu_ext", "cpu_ext_claim", "torch_sum")
 FULL_CPU = 0.9     # a read whose threads held their cores (process CPU time / (wall x threads)) at least this much
 
 
@@ -57,15 +62,16 @@ def _fill(buf: torch.Tensor) -> None:
 
 
 class PlainRead:
-    """The buffer and the reads taken so far. `reader`: "cpu_ext" (default where built) or "torch_sum"."""
+    """The buffer and the reads taken so far. `reader`: "cpu_ext_claim" (default where built: the threads claim 1 MiB
+    chunks, so a faster core reads more), "cpu_ext" (each thread its fixed half) or "torch_sum" (fixed halves too)."""
 
     def __init__(self, nbytes: int | None = None, reader: str | None = None):
         from .model import cpu_ext
 
         self.nbytes = (buffer_bytes() if nbytes is None else int(nbytes)) // 64 * 64
         if reader is None:
-            reader = "cpu_ext" if cpu_ext.available() else "torch_sum"
-        if reader not in ("cpu_ext", "torch_sum"):
+            reader = "cpu_ext_claim" if cpu_ext.available() else "torch_sum"
+        if reader not in READERS:
             raise ValueError(f"unknown reader {reader!r}")
         self.reader = reader
         self.threads = torch.get_num_threads()   # at the latest read
@@ -86,6 +92,8 @@ class PlainRead:
         c0, t0 = time.process_time(), time.perf_counter()
         if self.reader == "cpu_ext":
             cpu_ext.read_bytes(self.buf)
+        elif self.reader == "cpu_ext_claim":
+            cpu_ext.read_bytes(self.buf, claim=True)
         else:
             self._f32.sum()
         wall = time.perf_counter() - t0
