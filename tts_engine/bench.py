@@ -97,9 +97,10 @@ def run_concurrency(engine: TTSEngine, c: int, frames: int, first_chunk: int) ->
             "audio_s": sum(r[2] for r in results), "wall_s": wall}
 
 
-def profile_frame(engine: TTSEngine, frames: int) -> dict:
+def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
     """Per-frame time split at batch 1, measured around each part with device synchronisation. The codec
-    decodes the frames in the engine's chunks (2, 4, 8, 12, 12, ...), as a stream does."""
+    decodes the frames in the engine's chunks (2, 4, 8, 12, 12, ...), as a stream does. `between`: called after
+    each frame's parts, outside the timings (bench_peers: the plain read, interleaved with the parts)."""
     runner, model = engine.runner, engine.model
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
@@ -145,6 +146,8 @@ def profile_frame(engine: TTSEngine, frames: int) -> dict:
                 c = time.perf_counter()
             acc["code_predictor_ms"] += 1000 * (b - a)
             acc["talker_ms"] += 1000 * (c - b)
+            if between is not None:
+                between()
         runner.release(row)
     out = {k: v / frames for k, v in acc.items()}
     if runner.graphs is None:   # the parts are what the frame ran: the rest is sampling and host work

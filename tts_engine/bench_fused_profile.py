@@ -9,7 +9,8 @@ W4A8 or bf16, as the engine quantises them) and times, in one process and interl
   - the matmuls alone (`ttsf_matmuls`: the stack's matmuls in order, nothing between them) over weights of the same
     shapes rotating over > 300 MB (several copies of the predictor's stack), to separate a kernel below the memory
     floor ("busy": the slower thread's time in the kernel) from the hand-offs between kernels and the other stages;
-  - the plain read (`cpu_ext.read_bytes` of 512 MB), the floor everything is compared with.
+  - the plain read (`plain_read.py`, one pass after each path's frames, interleaved), the floor everything is
+    compared with: GB/s figures against the median of the reads taken in the same table's rounds.
 Paths (fused_step.team_setting): "split" (one at::parallel_for per matmul, small ops in the caller), "claim" and
 "barrier" (the whole stack in one parallel region, fused_step.cpp run_team). Prints a table per mode and stack (best of --rounds for each figure's
 call) and writes it to --out. Generation-step only: no sampling, no embeddings, no heads.
@@ -66,22 +67,11 @@ def weight_bytes(stack) -> dict[str, int]:
     return out
 
 
-def plain_read_gbps(mb: int = 512, reps: int = 5) -> float:
-    from .model import cpu_ext
-
-    buf = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        cpu_ext.read_bytes(buf)
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() / best / 1e9
-
-
-def end_report(out: list[str], path: str | None, read_mb: int = 512) -> int:
-    """The report's last line (the load average and the plain read again, printed), then the report written to
-    `path` (--out) where one is given -> 0, main's exit status."""
-    out.append(f"load average after: {os.getloadavg()[0]:.2f}; plain read again {plain_read_gbps(read_mb):.1f} GB/s")
+def end_report(out: list[str], path: str | None, pr) -> int:
+    """The report's last line (the load average and the plain reads `pr` took over the whole run, printed; `pr` is
+    closed), then the report written to `path` (--out) where one is given -> 0, main's exit status."""
+    out.append(f"load average after: {os.getloadavg()[0]:.2f}; over the whole run: {pr.describe()}")
+    pr.close()
     print(out[-1])
     if path:
         with open(path, "w", encoding="utf-8") as f:
@@ -165,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--talker-pos", type=int, default=60, help="the talker's cache position (prompt + frames)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--rotate-mb", type=int, default=320, help="the matmuls alone rotate over at least this much weight")
-    ap.add_argument("--read-mb", type=int, default=512, help="the plain read's size")
+    ap.add_argument("--read-mb", type=int, help="the plain read's buffer in MiB (default: plain_read.py's, 1 GiB or "
+                    "32x the L3; smaller only for tests)")
     ap.add_argument("--config", help="the model's config.json (default: the bench's random 0.6b checkpoint's)")
     ap.add_argument("--out", help="write the tables here (markdown)")
     a = ap.parse_args(argv)
@@ -175,6 +166,7 @@ def main(argv=None) -> int:
     from .cpu_info import cpu_info
     from .model import fused_step
     from .model.layers import KVCache
+    from .plain_read import PlainRead
 
     if a.config is None:
         from .bench import checkpoint_for
@@ -185,7 +177,7 @@ def main(argv=None) -> int:
     device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     lib = fused_step.library()
     paths = a.paths.split(",")
-    floor = plain_read_gbps(a.read_mb)
+    pr = PlainRead(None if a.read_mb is None else a.read_mb << 20)
     head = [f"### Fused step profile ({device}, load {os.getloadavg()[0]:.2f})", "",
             f"`python -m tts_engine.bench_fused_profile --modes {a.modes} --stacks {a.stacks} --paths {a.paths} "
             f"--rounds {a.rounds} --frames {a.frames}`: best round of {a.rounds}, {a.frames} frames per path per "
@@ -209,23 +201,27 @@ def main(argv=None) -> int:
                 measure(lib, fused_step, plans, caches, x, calls, p, 1, False)
                 measure(lib, fused_step, plans, caches, x, calls, p, 1, True)
             best: dict = {}
+            mark = pr.mark()
             for r in range(a.rounds):
                 for p in (paths if r % 2 == 0 else paths[::-1]):
                     ns, _ = measure(lib, fused_step, plans, caches, x, calls, p, a.frames, False)
                     mo, _ = measure(lib, fused_step, plans, caches, x, calls, p, a.frames, True)
                     ns = {k: v / a.frames for k, v in ns.items()}
                     mo = {k: v / a.frames for k, v in mo.items()}
+                    pr.sample()
                     b = best.setdefault(p, [None, None])
                     if b[0] is None or ns["call"] < b[0]["call"]:
                         b[0] = ns
                     if b[1] is None or mo["call"] < b[1]["call"]:
                         b[1] = mo
             fused_step.set_team(fused_step.team_setting())
-            lines = table(name, mode, {p: tuple(best[p]) for p in paths}, wb, floor, len(calls), len(plans))
+            lines = table(name, mode, {p: tuple(best[p]) for p in paths}, wb, pr.spread(mark)["median"], len(calls),
+                          len(plans))
+            lines.insert(1, f"({pr.describe(mark)})")
             print("\n".join(lines), flush=True)
             out += lines
             del stack, extra, plans
-    return end_report(out, a.out, a.read_mb)
+    return end_report(out, a.out, pr)
 
 
 if __name__ == "__main__":

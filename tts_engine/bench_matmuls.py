@@ -7,7 +7,7 @@ the frame the kernel choice decides, without the rest of the engine. Loads one m
 `python -m tts_engine.bench_matmuls gbps [ROUNDS] [ROWS[,ROWS...]] [--base DIR]`: the int8 kernels alone, in GB/s
 of weight read: the talker's per-layer shapes (fused q/k/v, o, fused gate/up, down) x 28 layers of random int8
 weights (~430 MB, more than any L3), one call each, ROWS input rows (default 1; several streams decode several rows),
-candidates interleaved round by round: a plain read of the same bytes (the floor, `cpu_ext.read_bytes`),
+candidates interleaved round by round: the plain read (the floor, `plain_read.py`), a read of the same weights,
 `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
 and our own fused kernel (`kernels.w8a8_vnni`), with its lower code paths where this CPU runs a higher one
 (`w8a8_own_avx512bw_path`: AVX-512 without VNNI, `w8a8_own_avx2_path`: AVX2; the same bits). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
@@ -39,6 +39,7 @@ from . import bench
 from .engine.model_runner import aten_bf16_gemv
 from .model import quant
 from .model.qwen3_tts import Qwen3TTSModel
+from .plain_read import PlainRead
 
 LINEARS = (nn.Linear, quant.Int8Linear, quant.W8A8Linear, quant.Int4Linear, quant.W4A8Linear)
 
@@ -94,7 +95,9 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
              "w8a8_int_mm": lambda: [kernels.w8a8_int_mm(xs[w.shape[1]], w, s) for w, s in zip(W, S)]}
     if cpu_ext.available():
         P = [cpu_ext.pack(w) for w in W]
-        cands = {"plain read": lambda: [cpu_ext.read_bytes(w) for w in W], **cands,
+        pr = PlainRead()
+        cands = {"plain read": pr.read_once, "read of the same weights": lambda: [cpu_ext.read_bytes(w) for w in W],
+                 **cands,
                  "w8a8_vnni": lambda: [kernels.w8a8_vnni(xs[w.shape[1]], p, s) for w, p, s in zip(W, P, S)]}
         lower = {"avx512-vnni": (3, 1), "avx512bw": (1,)}.get(cpu_ext.isa(), ())   # cpu_ext.ISA_NAMES
         for path in lower:   # the lower code paths of the same kernel (what a CPU without VNNI / AVX-512 runs)
@@ -130,7 +133,7 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
     print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds, "
           f"{rows} row(s), {total / 1e6:.0f} MB of int8 weights rotated ({len(W)} matmuls)")
     for n, v in times.items():
-        v, b = sorted(v), (bytes4 if "int4" in n else total)
+        v, b = sorted(v), (bytes4 if "int4" in n else pr.nbytes if n == "plain read" else total)
         print(f"{n}: best {b / v[0] / 1e9:.1f} GB/s, median {b / v[len(v) // 2] / 1e9:.1f} GB/s, "
               f"best {1e3 * v[0]:.1f} ms")
 
@@ -162,10 +165,10 @@ def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
         P4.append(cpu_ext.pack4(q4, torch.rand(k // INT4_GROUP, n, 2, generator=g).to(torch.bfloat16)))
         if i < len(shapes) // 2:
             W16.append(torch.randn(n, k, generator=g).to(torch.bfloat16))
-    big = torch.full((512 << 20,), 7, dtype=torch.uint8)
-    nbytes = {"plain read": big.numel(), "w8a8": sum(p.numel() for p in P8), "w4a8": sum(p.numel() for p in P4),
+    pr = PlainRead()
+    nbytes = {"plain read": pr.nbytes, "w8a8": sum(p.numel() for p in P8), "w4a8": sum(p.numel() for p in P4),
               "bf16": sum(w.numel() * 2 for w in W16)}
-    calls = {"plain read": lambda: cpu_ext.read_bytes(big),
+    calls = {"plain read": pr.read_once,   # at each level: cpu_ext's reader follows it (AVX2 loads at avx2)
              "w8a8": lambda: [kernels.w8a8_vnni(xs[p_k], p, s) for p, s, p_k in zip(P8, S8, (k for _, k in shapes))],
              "w4a8": lambda: [cpu_ext.w4a8(xs[k], p, n) for (n, k), p in zip(shapes, P4)],
              "bf16": lambda: [fused_step.bf16_matmul(w, xf[w.shape[1]], lib16.ttsf_bf16_isa()) for w in W16]}
@@ -196,7 +199,7 @@ def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
             cells.append(f"{nbytes[n] / v[0] / 1e9:.1f} ({nbytes[n] / v[len(v) // 2] / 1e9:.1f})")
         lines.append(f"| {cpu_ext.LEVEL_NAMES[lv]}{' (native)' if lv == lvls[-1] else ''} | {paths[lv][0]} | "
                      f"{bf16_names.get(paths[lv][1], paths[lv][1])} | " + " | ".join(cells) + " |")
-    lines.append(f"bytes per sweep: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in nbytes.items()))
+    lines.append("bytes per sweep: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in nbytes.items()))
     print("\n".join(lines))
     return lines
 

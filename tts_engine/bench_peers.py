@@ -8,8 +8,9 @@ repeat, so a noisy neighbour on a shared machine slows every engine alike instea
 
 Engines: ours at the dtype it picks on this CPU and at every `--quantize` mode it offers; the C engine
 (`tts_engine.peers.c_engine`) in bf16 / int8 / int4; vox (`tts_engine.peers.vox`) in q8 / q4. A peer that cannot
-be set up is skipped with a line that says why. Also measured: a plain large memory read (GB/s) and, for each of
-our precisions, the weight bytes a frame reads over the bench's per-part profile -> effective GB/s.
+be set up is skipped with a line that says why. Also measured: the plain large memory read (`plain_read.py`, taken
+after every run and between the profiles' frames; its min / median / max) and, for each of our precisions, the
+weight bytes a frame reads over the bench's per-part profile -> effective GB/s and % of the reads beside them.
 
 Prints one table (x real time and first audio per engine and precision; our ratio to the best peer in each
 precision class and overall) and writes it to docs/benchmarks.md ("CPU: side by side with the peers", one
@@ -33,6 +34,7 @@ import torch
 from .cache_paths import cache_root
 from .peers import machine
 from .peers.ours import weight_bytes, weight_counts
+from .plain_read import PlainRead
 from .peers.table import OURS, Run, markdown, ratios, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,10 +154,12 @@ def setup_engines(a, ckpt: Path, info: dict, skipped: list[str], notes: list[str
     return engines
 
 
-def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: int) -> tuple[list[Run], dict]:
+def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: int,
+               floor=None) -> tuple[list[Run], dict]:
     """Ours and the peers' precisions, mixed (ours, C engine, vox, ours, ...), timed in the schedule's order;
     after each repeat, the bench's per-part profile of each of our precisions (so it too sees every phase of a
-    shared machine). Returns (runs, {our precision: [profile per repeat]})."""
+    shared machine). floor: a `plain_read.PlainRead`, sampled after every run and after each profiled frame (its
+    spread over a profile goes in the profile's "plain_read"). Returns (runs, {our precision: [profile per repeat]})."""
     per_engine = [[(e, p) for p in e.precisions] for e in engines]
     configs = []
     while any(per_engine):
@@ -169,6 +173,8 @@ def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: 
         t0 = time.perf_counter()
         r = eng.run(prec, frames, rep)
         r.extra["load_average"] = _loadavg()
+        if floor is not None:
+            r.extra["plain_read_gbs"] = round(floor.sample(), 2)
         runs.append(r)
         what = (f"{r.x_real_time:.3f}x real time, first audio {r.first_audio_s or float('nan'):.2f} s, "
                 f"{r.frames:g} frames" if r.ok else f"FAILED: {r.error}")
@@ -178,7 +184,7 @@ def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: 
             for e in engines:
                 if e.name == OURS and profile_frames:
                     try:
-                        prof = e.profile(profile_frames)
+                        prof = e.profile(profile_frames) if floor is None else e.profile(profile_frames, floor)
                     except Exception as ex:  # noqa: BLE001 - the profile is informative only
                         print(f"profile of {e.precision} failed: {ex}", file=sys.stderr)
                         continue
@@ -212,18 +218,20 @@ def main(argv=None) -> int:
     info = machine.cpuinfo()
     key = machine.machine_key(info)
     print(f"{key}; SIMD flags: {machine.simd_flags(info)}; {a.threads} threads", file=sys.stderr)
-    bw = machine.best_read_bandwidth(a.threads)
-    print(f"plain large read: {bw['read_gbs']:.1f} GB/s ({bw['threads']} threads)", file=sys.stderr)
+    floor = PlainRead()
+    for _ in range(3):
+        floor.sample()
+    print(floor.describe(), file=sys.stderr)
 
     ckpt = checkpoint(a.peers_dir)
     skipped, notes = [], []
     engines = setup_engines(a, ckpt, info, skipped, notes)
     for line in skipped:
         print(f"skipped: {line}", file=sys.stderr)
-    runs, profiles = interleave(engines, a.frames, a.repeats, a.profile_frames)
+    runs, profiles = interleave(engines, a.frames, a.repeats, a.profile_frames, floor)
 
     # per-part split (least per part over the repeats' profiles) and weight bytes: ours measured, peers estimated
-    parts, wbytes, counts = {}, {}, None
+    parts, wbytes, counts, part_floors = {}, {}, None, {}
     for e in engines:
         if e.name != OURS:
             continue
@@ -231,6 +239,8 @@ def main(argv=None) -> int:
             ps = profiles[e.precision]
             parts[(OURS, e.precision)] = (min(x["talker_ms"] for x in ps), min(x["code_predictor_ms"] for x in ps),
                                           min(x.get("sampling_and_host_ms", 0.0) for x in ps))
+            part_floors[(OURS, e.precision)] = [(x["talker_ms"], x["code_predictor_ms"], x["plain_read"]["median"])
+                                                for x in ps if "plain_read" in x]
         wbytes[(OURS, e.precision)] = weight_bytes(e.engine)
         counts = counts or weight_counts(e.engine)
         e.close()
@@ -240,10 +250,14 @@ def main(argv=None) -> int:
                 b = e.weight_bytes(counts, prec)
                 if b:
                     wbytes[(e.name, prec)] = b
-    bw_end = machine.best_read_bandwidth(a.threads)
-    bw = max(bw, bw_end, key=lambda r: r["read_gbs"])
+    for _ in range(3):
+        floor.sample()
+    bw = {"reader": floor.reader, "bytes": floor.nbytes, "threads": torch.get_num_threads(), **floor.spread(),
+          "samples": [round(x, 2) for x in floor.samples]}
+    print(floor.describe(), file=sys.stderr)
+    floor.close()
 
-    summaries = summarize(runs, parts, wbytes)
+    summaries = summarize(runs, parts, wbytes, part_floors, bw["median"])
     table = markdown(summaries, skipped, a.frames)
     minutes = (time.perf_counter() - t_start) / 60
     loads = [float(x) for x in [load_start, _loadavg(), *(r.extra.get("load_average") for r in runs)]
@@ -294,8 +308,10 @@ def _doc_body(a, info, key, started, minutes, bw, notes, table, loads, argv) -> 
              "",
              f"Command: `{cmd}`",
              "",
-             f"Plain large memory read on this machine: **{bw['read_gbs']:.1f} GB/s** (sum of a {bw['mib']} MiB "
-             f"float32 tensor, best of 5, {bw['threads']} thread(s); copy {bw['copy_gbs']:.1f} GB/s read + write).",
+             f"Plain large memory read on this machine (`tts_engine/plain_read.py`: {bw['bytes'] / 2**30:.0f} GiB, "
+             f"{bw['reader']}, {bw['threads']} threads, {bw['n']} reads interleaved with the runs and the profiles' "
+             f"frames): **median {bw['median']:.1f} GB/s** (min {bw['min']:.1f}, max {bw['max']:.1f}). A part's % of "
+             "plain read compares it with the reads taken between the frames of its own profiles.",
              "",
              table,
              "",

@@ -12,8 +12,8 @@ is timed) in W8A8, W4A8 or bf16, a model runner over it with the fused step and 
     switch, `run`), wall time and the main thread's CPU time;
   - with --base: the same three of another checkout (A, e.g. main; its own library built from its sources, the same
     random weights), interleaved with this one (B).
-Sampling as the engine's default (sub-talker top-k 50, temperature 0.9). Also the plain read (`cpu_ext.read_bytes`
-of 512 MB) and the GB/s of the predictor's weights per frame (15 stack passes and 15 heads). Prints a table per
+Sampling as the engine's default (sub-talker top-k 50, temperature 0.9). Also the plain read (`plain_read.py`, one pass
+after every frame series, interleaved; % of the median of those taken in the same table's rounds) and the GB/s of the predictor's weights per frame (15 stack passes and 15 heads). Prints a table per
 mode and row count (best of --rounds of the median frame), writes it to --out.
 """
 from __future__ import annotations
@@ -134,8 +134,9 @@ def main(argv=None) -> int:
     _env()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from .bench_fused_profile import end_report, plain_read_gbps
+    from .bench_fused_profile import end_report
     from .cpu_info import cpu_info
+    from .plain_read import PlainRead
     from .model import predictor_frame
 
     pkgs = [("B", "tts_engine", predictor_frame)]
@@ -147,9 +148,9 @@ def main(argv=None) -> int:
         load_checkout("tts_base", a.base)
         pkgs.insert(0, ("A", "tts_base", importlib.import_module("tts_base.model.predictor_frame")))
     rows = [int(x) for x in a.rows.split(",")]
-    floor = plain_read_gbps()
+    pr = PlainRead()
     device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    out = [f"### Code predictor frame ({device}, load {os.getloadavg()[0]:.2f}, plain read {floor:.1f} GB/s)", "",
+    out = [f"### Code predictor frame ({device}, load {os.getloadavg()[0]:.2f}, {pr.describe()} before)", "",
            f"`python -m tts_engine.bench_predictor_frame --modes {a.modes} --rows {a.rows} --rounds {a.rounds} "
            f"--frames {a.frames}{' --base ' + a.base if a.base else ''}{' --teams ' + a.teams if a.teams else ''}"
            f"{' --threads ' + str(a.threads) if a.threads else ''}`: ms per frame, best round's median"
@@ -176,15 +177,18 @@ def main(argv=None) -> int:
             for v in built.values():
                 one(v, B, 2)   # warm-up
             best: dict = {}
+            mark = pr.mark()
             for rd in range(a.rounds):
                 order = list(built) if rd % 2 == 0 else list(built)[::-1]
                 for name in order:
                     res = one(built[name], B, a.frames)
+                    pr.sample()   # the plain read, interleaved with the frames
                     if name not in best or res["call"] < best[name]["call"]:
                         best[name] = res
+            floor = pr.spread(mark)["median"]
             names = list(best)
             lines = [f"#### {mode}, {B} row(s): {wb / 1e6:.0f} MB of predictor weights per frame, load "
-                     f"{os.getloadavg()[0]:.2f}", "",
+                     f"{os.getloadavg()[0]:.2f}, {pr.describe(mark)}: % of its median", "",
                      "| | " + " | ".join(f"{n} ms | {n} GB/s (% of plain read)" for n in names) + " |",
                      "|---|" + "---|---|" * len(names)]
 
@@ -211,7 +215,7 @@ def main(argv=None) -> int:
             print("\n".join(lines), flush=True)
             out += lines
         del built
-    return end_report(out, a.out)
+    return end_report(out, a.out, pr)
 
 
 if __name__ == "__main__":

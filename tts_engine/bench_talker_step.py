@@ -9,7 +9,8 @@ then, frame after frame (the code predictor's codes of each frame from `ModelRun
   - "split": the Python path split into its parts: embeddings (frame_embed + trailing vector), the stack call
     (`DecoderStack.run`, the fused step), codec head (+ .float()), sampling (`C0Processor`), state updates (pos, seen,
     step, hidden, c0) and the rest (the caller's bookkeeping, aten_bf16_gemv);
-  - "plain read" (`cpu_ext.read_bytes` of 512 MB) for the memory floor, and the talker weights' bytes per frame.
+  - the plain read (`plain_read.PlainRead`, once per frame) for the memory floor, and the talker weights' bytes per
+    frame; read_GBps is its median (min-max), *_pct the median over frames of a path's GB/s / the same frame's read.
 Both paths advance the same runner, so they see the same lengths. Medians over --frames per path. The device and the
 load average go with the table.
 """
@@ -81,7 +82,7 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     from .bench_step import build_talker, make_runner
     from .checkpoint import read_json
     from .config import ModelConfig
-    from .model import cpu_ext
+    from .plain_read import PlainRead, percent
 
     cfg = ModelConfig.from_dict(read_json(checkpoint_for(arch, torch.bfloat16) / "config.json"))
     dtype = torch.bfloat16
@@ -92,8 +93,7 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     rows = [0]
     out = {"mode": mode, "fused": r.fused_status.get("talker"), "talker_step": r.talker_step_status}
     step = r.talker_step
-    buf = torch.ones(512 << 20, dtype=torch.uint8)
-    cpu_ext.read_bytes(buf)
+    floor = PlainRead()
     variants = ["python", "split"] + (["step"] if step is not None else [])
     res: dict[str, list] = {v: [] for v in variants + ["read"]}
     for k in range(frames):
@@ -108,18 +108,19 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
             r.advance(rows, codes)
             res[which].append(time.perf_counter() - t0)
             r.talker_step = step
-        t0 = time.perf_counter()
-        cpu_ext.read_bytes(buf)
-        res["read"].append(time.perf_counter() - t0)
-    del buf
+        res["read"].append(floor.sample())
+    floor.close()
     med = statistics.median
     wb = talker_weight_bytes(t)
     out["weights_MB"] = round(wb / 1e6, 1)
-    out["read_GBps"] = round((512 << 20) / med(res["read"]) / 1e9, 1)
+    sp = floor.spread()
+    out["read_GBps"] = f"{sp['median']:.1f} ({sp['min']:.1f}-{sp['max']:.1f})"
     for v in ("python", "step"):
         if res.get(v):
             out[f"{v}_ms"] = round(1e3 * med(res[v]), 2)
             out[f"{v}_GBps"] = round(wb / med(res[v]) / 1e9, 1)
+            # % of the plain read taken in the same frame, median over the frames
+            out[f"{v}_pct"] = round(med(percent(wb / s / 1e9, g) for s, g in zip(res[v], res["read"])))
     for p in ("total", "embed", "stack", "head", "sampling", "state", "rest"):
         out[f"split_{p}_ms"] = round(1e3 * med(x[p] for x in res["split"]), 2)
     out["stack_GBps"] = round(wb / med(x["stack"] for x in res["split"]) / 1e9, 1)
@@ -148,9 +149,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     head = ["mode", "python_ms", "step_ms", "split_total_ms", "split_embed_ms", "split_stack_ms", "split_head_ms",
             "split_sampling_ms", "split_state_ms", "split_rest_ms", "weights_MB", "python_GBps", "step_GBps",
-            "stack_GBps", "read_GBps", "talker_step"]
+            "stack_GBps", "read_GBps", "python_pct", "step_pct", "talker_step"]
     lines = [f"Talker step at one row, {a.arch}, {_device()}, {torch.get_num_threads()} threads, load average "
-             f"{os.getloadavg()[0]:.2f} (medians of {a.frames} frames per path)", "",
+             f"{os.getloadavg()[0]:.2f} (medians of {a.frames} frames per path; read_GBps: the plain read, "
+             "plain_read.py, once per frame: median (min-max); *_pct: median over frames of GB/s / that frame's read)",
+             "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r.get(h, "")) for h in head) + " |" for r in rows]
     text = "\n".join(lines)

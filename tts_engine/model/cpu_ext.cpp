@@ -16,6 +16,7 @@
 #include <string.h>
 #include <math.h>
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -898,6 +899,23 @@ int64_t ttsx_read(const uint8_t* p, int64_t n) {
   std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);
   at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) part[c] = level() >= 2 ? read_chunk(p + c * chunk, chunk) : read_chunk_avx2(p + c * chunk, chunk);
+  });
+  int64_t s = 0;
+  for (int64_t v : part) s ^= v;
+  return s;
+}
+
+// ttsx_read with the chunks CLAIMED by the threads (an atomic counter, 1 MiB each) instead of split in fixed halves:
+// a thread on a faster core reads more, so the pass takes (sum of the threads' rates) instead of (threads x the
+// slowest's) when the vCPUs read at different rates (plain_read.py, docs/benchmarks.md "the plain read").
+int64_t ttsx_read_claim(const uint8_t* p, int64_t n) {
+  const int64_t chunk = 1 << 20, nc = n / chunk;
+  std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);
+  std::atomic<int64_t> next{0};
+  const int nt = at::get_num_threads();
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < nc; c = next.fetch_add(1))
+      part[c] = level() >= 2 ? read_chunk(p + c * chunk, chunk) : read_chunk_avx2(p + c * chunk, chunk);
   });
   int64_t s = 0;
   for (int64_t v : part) s ^= v;

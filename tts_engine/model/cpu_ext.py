@@ -143,6 +143,7 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
     lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
     lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P, I], None
     lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
+    lib.ttsx_read_claim.argtypes, lib.ttsx_read_claim.restype = [P, I64], I64
     return lib
 
 
@@ -372,11 +373,13 @@ def w8a8(x: torch.Tensor, packed: torch.Tensor, scale127: torch.Tensor, N: int,
     return y
 
 
-def read_bytes(buf: torch.Tensor) -> int:
-    """A plain read of a contiguous tensor's bytes with 64-byte loads on torch's threads (the memory floor)."""
+def read_bytes(buf: torch.Tensor, claim: bool = False) -> int:
+    """A plain read of a contiguous tensor's bytes with 64-byte loads on torch's threads (the memory floor): in fixed
+    halves (one per thread), or with claim=True in 1 MiB chunks the threads claim (a faster core reads more)."""
     lib = library()
     assert lib is not None and buf.is_contiguous()
-    return lib.ttsx_read(buf.data_ptr(), buf.numel() * buf.element_size())
+    f = lib.ttsx_read_claim if claim else lib.ttsx_read
+    return f(buf.data_ptr(), buf.numel() * buf.element_size())
 
 
 # --- the W4A8 layer (int4 weights of quant.Int4Linear x int8 activation rows) -------------------------------------

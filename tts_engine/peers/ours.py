@@ -89,11 +89,17 @@ class OurEngine:
         return Run(OURS, self.precision, frames, frames=r["audio_s"] / 0.08, wall_s=r["wall_s"],
                    first_audio_s=r["ttfa_p50_ms"] / 1000, rep=rep)
 
-    def profile(self, frames: int) -> dict:
-        """The bench's per-part split (talker, code predictor, codec, ms per frame) at one stream."""
+    def profile(self, frames: int, floor=None) -> dict:
+        """The bench's per-part split (talker, code predictor, codec, ms per frame) at one stream. floor: a
+        `plain_read.PlainRead` sampled after each frame's parts; its spread over this profile goes in "plain_read"."""
         from ..bench import profile_frame
 
-        return profile_frame(self.engine, frames)
+        if floor is None:
+            return profile_frame(self.engine, frames)
+        mark = floor.mark()
+        out = profile_frame(self.engine, frames, between=floor.sample)
+        out["plain_read"] = floor.spread(mark)
+        return out
 
     def close(self) -> None:
         self.engine.close()

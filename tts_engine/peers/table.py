@@ -74,6 +74,8 @@ class Summary:
     other_ms: float | None = None   # ours: the rest of the frame (sampling, host work), from the profile
     talker_gbs: float | None = None
     cp_gbs: float | None = None
+    talker_pct: float | None = None  # % of the plain read taken beside the part (plain_read.py)
+    cp_pct: float | None = None
     errors: list = field(default_factory=list)
 
 
@@ -87,13 +89,17 @@ def _least(xs):
     return min(xs) if xs else None
 
 
-def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | None = None) -> list[Summary]:
+def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | None = None,
+              part_floors: dict | None = None, read_floor: float | None = None) -> list[Summary]:
     """One Summary per (engine, precision), in the order first seen. Talker / code predictor ms per frame: the
     least over the runs (like x real time, the best the machine allowed); parts: {(engine, precision): (talker_ms,
     cp_ms[, other_ms])} from a separate profile (ours: `bench.profile_frame`, each part timed alone with nothing beside
     it; other_ms: the rest of that frame, sampling and host work), used where the runs carry no split; weight_bytes: {(engine, precision):
-    (talker bytes, code predictor bytes) read per frame} -> effective GB/s = bytes / time."""
-    parts, weight_bytes = parts or {}, weight_bytes or {}
+    (talker bytes, code predictor bytes) read per frame} -> effective GB/s = bytes / time.
+    % of the plain read (plain_read.py): part_floors {(engine, precision): [(talker_ms, cp_ms, plain read GB/s median)
+    per profile]}, each profile's parts against the reads taken between its frames, the median over the profiles;
+    else (the peers: no profile of ours beside them) the part's GB/s against `read_floor`, the run's median read."""
+    parts, weight_bytes, part_floors = parts or {}, weight_bytes or {}, part_floors or {}
     keys: list[tuple[str, str]] = []
     for r in runs:
         if (r.engine, r.precision) not in keys:
@@ -123,6 +129,12 @@ def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | N
             tb, cb = weight_bytes[key]
             s.talker_gbs = tb / (talker * 1e6) if talker else None      # bytes / (ms * 1e-3) / 1e9
             s.cp_gbs = cb / (cp * 1e6) if cp else None
+            if part_floors.get(key):
+                s.talker_pct = _median(100 * tb / (t * 1e6) / f for t, _, f in part_floors[key] if t and f)
+                s.cp_pct = _median(100 * cb / (c * 1e6) / f for _, c, f in part_floors[key] if c and f)
+            elif read_floor:
+                s.talker_pct = 100 * s.talker_gbs / read_floor if s.talker_gbs else None
+                s.cp_pct = 100 * s.cp_gbs / read_floor if s.cp_gbs else None
         out.append(s)
     return out
 
@@ -182,7 +194,7 @@ def markdown(summaries: list[Summary], skipped: list[str], lengths: list[int]) -
     head = ["engine", "precision", "class"]
     head += [f"x real time, {f} frames: best (median, runs)" for f in lengths]
     head += ["first audio s (median)", "talker / code predictor (/ rest of our frame) ms per frame",
-             "weights read GB/s talker / code predictor"]
+             "weights read GB/s talker / code predictor", "% of plain read talker / code predictor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         cells = [s.engine, s.precision, s.cls]
@@ -198,6 +210,7 @@ def markdown(summaries: list[Summary], skipped: list[str], lengths: list[int]) -
         cells.append((f"{_f(s.talker_ms, 0)} / {_f(s.cp_ms, 0)}" + (f" / {_f(s.other_ms, 1)}" if s.other_ms is not None
                                                                      else "")) if (s.talker_ms or s.cp_ms) else "–")
         cells.append(f"{_f(s.talker_gbs, 1)} / {_f(s.cp_gbs, 1)}" if (s.talker_gbs or s.cp_gbs) else "–")
+        cells.append(f"{_f(s.talker_pct, 0)} / {_f(s.cp_pct, 0)}" if (s.talker_pct or s.cp_pct) else "–")
         lines.append("| " + " | ".join(cells) + " |")
     rs = ratios(summaries)
     f = rs[0].frames if rs else 0
