@@ -127,23 +127,19 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
     engine's; another checkout's source is loaded here by `bench_matmuls gbps --base`)."""
     lib = ctypes.CDLL(str(build() if source is None else build(source=source)))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ttsx_supported.restype = I
-    lib.ttsx_isa.restype = I
-    lib.ttsx_isa_clamp.argtypes, lib.ttsx_isa_clamp.restype = [I], I
-    lib.ttsx_cpu_level.restype = I
-    lib.ttsx_level.restype = I
-    lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [I], I
-    lib.ttsx_version.restype = I
-    lib.ttsx_packed_bytes.argtypes, lib.ttsx_packed_bytes.restype = [I64, I64], I64
-    lib.ttsx_pack.argtypes, lib.ttsx_pack.restype = [P, I64, I64, I64, P], None
-    lib.ttsx_unpack.argtypes, lib.ttsx_unpack.restype = [P, I64, I64, P], None
-    lib.ttsx_w8a8.argtypes = [P, I, I64, I64, I64, P, P, I64, P, P, I]
-    lib.ttsx_w8a8.restype = None
-    lib.ttsx_packed4_bytes.argtypes, lib.ttsx_packed4_bytes.restype = [I64, I64], I64
-    lib.ttsx_pack4.argtypes, lib.ttsx_pack4.restype = [P, P, I64, I64, P], None
-    lib.ttsx_w4a8.argtypes, lib.ttsx_w4a8.restype = [P, I, I64, I64, I64, P, I64, P, I], None
-    lib.ttsx_read.argtypes, lib.ttsx_read.restype = [P, I64], I64
-    lib.ttsx_read_claim.argtypes, lib.ttsx_read_claim.restype = [P, I64], I64
+    types = {   # name: (argtypes, restype)
+        "ttsx_supported": ([], I), "ttsx_isa": ([], I), "ttsx_isa_clamp": ([I], I), "ttsx_cpu_level": ([], I),
+        "ttsx_level": ([], I), "ttsx_set_level": ([I], I), "ttsx_version": ([], I),
+        "ttsx_packed_bytes": ([I64, I64], I64), "ttsx_pack": ([P, I64, I64, I64, P], None),
+        "ttsx_unpack": ([P, I64, I64, P], None), "ttsx_w8a8": ([P, I, I64, I64, I64, P, P, I64, P, P, I], None),
+        "ttsx_packed4_bytes": ([I64, I64], I64), "ttsx_pack4": ([P, P, I64, I64, P], None),
+        "ttsx_w4a8": ([P, I, I64, I64, I64, P, I64, P, I], None), "ttsx_read": ([P, I64], I64),
+        "ttsx_read_claim": ([P, I64], I64)}
+    for name, (args, res) in types.items():
+        if source is not None and not hasattr(lib, name):
+            continue   # an older checkout's source (bench_matmuls --base) lacks the newer functions
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
