@@ -32,15 +32,14 @@ def path_for(folder: str, key: dict, prefix: str = "") -> Path:
     return cache_root() / folder / f"{prefix}{digest}.json"
 
 
-def recall(path: Path, key: dict, choices: tuple[str, ...] | None) -> dict | None:
-    """{"choice": one of `choices` (None: any string, the caller checks it), "why": ...} remembered for exactly `key`
-    at `path`, else None (no file, another key, an unknown choice or a damaged file)."""
+def recall(path: Path, key: dict, choices: tuple[str, ...]) -> dict | None:
+    """{"choice": one of `choices`, "why": ...} remembered for exactly `key` at `path`, else None (no file, another
+    key, an unknown choice or a damaged file)."""
     try:
         got = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(got, dict) or got.get("key") != key or not isinstance(got.get("choice"), str) or (
-            choices is not None and got.get("choice") not in choices):
+    if not isinstance(got, dict) or got.get("key") != key or got.get("choice") not in choices:
         return None
     return {"choice": got["choice"], "why": got.get("why", "")}
 
