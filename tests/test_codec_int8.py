@@ -67,7 +67,7 @@ def test_int8_conv_is_within_tolerance_of_fp32(c_in, c_out, k, dil, dtype):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(c_out, c_in, k, generator=g) / (c_in * k) ** 0.5
     b = torch.randn(c_out, generator=g) * 0.1
-    x = torch.randn(3, c_in, 50 + (k - 1) * dil, generator=g)
+    x = torch.randn(3, c_in, 150 + (k - 1) * dil, generator=g)   # (>= MIN_POSITIONS per row: the int8 path)
     ref = F.conv1d(x, w, b, dilation=dil)
     conv = int8_conv.Int8Conv(w.to(dtype), b.to(dtype), dil, 1, 10_000)
     add = torch.randn(ref.shape, generator=g)

@@ -43,7 +43,22 @@ def test_overlapped_decode_gives_the_serial_audio(engines):
     assert overlap.worker.codec.decoded_chunks > before                     # the later chunks went there
 
 
-def test_order_kept_for_concurrent_requests(engines):
+def _cut_as_alone_or_on_shared_frames(chunks_g, chunks_a, first=1, aligned=True):
+    """A concurrent stream's chunk sizes against its alone run's: the same with `worker.align_chunks` off; with it on
+    (chunks cut on frames shared with other streams) the same first chunk, the same total, and no chunk longer than
+    its place in the schedule (1, 2, 4, 8, 12, ...)."""
+    from tts_engine.engine.request import chunk_schedule
+
+    g, a = [len(c) for c in chunks_g], [len(c) for c in chunks_a]
+    if not aligned:
+        assert g == a
+        return
+    sizes = chunk_schedule(first, 12)
+    assert g[0] == a[0] and sum(g) == sum(a) and all(n <= 1920 * next(sizes) for n in g), (g, a)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_order_kept_for_concurrent_requests(engines, aligned):
     serial, overlap = engines
     texts = [TEXT, "A second sentence, generated alongside the first one.", "And a third, shorter one."]
     alone = [_run(serial, 10 + i, t, frames=24) for i, t in enumerate(texts)]
@@ -52,15 +67,59 @@ def test_order_kept_for_concurrent_requests(engines):
     def client(i):
         got[i] = _run(overlap, 10 + i, texts[i], frames=24)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    overlap.worker.align_chunks = aligned
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        overlap.worker.align_chunks = True
     for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
         assert torch.equal(codes_a, codes_g)
-        assert [len(c) for c in chunks_g] == [len(c) for c in chunks_a]
+        _cut_as_alone_or_on_shared_frames(chunks_g, chunks_a, aligned=aligned)
         np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-4)
+
+
+def test_streams_started_frames_apart_decode_their_later_chunks_as_one_batch(tiny_cv_folder, monkeypatch):
+    """Chunks on a shared frame clock (`EngineWorker.align_chunks`): B starts 3 frames after A; from B's third chunk on
+    both cut their chunks on the same frames and each such pair decodes in one call of two rows, with each stream's
+    codes and audio those of its run alone. With the alignment off they never share a call."""
+    from tts_engine.engine import worker as worker_mod
+
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=3)
+    try:
+        eng.drive_in_caller()       # (the test steps the frames: B joins exactly 3 frames after A)
+        full = {"ignore_eos": True}   # (30 frames each whatever the random weights say)
+        alone = [_run(eng, 70, frames=30, sampling=full),
+                 _run(eng, 71, "A second sentence, a little longer than that.", frames=30, sampling=full)]
+        real, calls = worker_mod.decode_group, []
+
+        def spy(codec, items):
+            calls.append((items[0][1].shape[0], len(items)))
+            return real(codec, items)
+
+        monkeypatch.setattr(worker_mod, "decode_group", spy)
+        for aligned in (True, False):
+            eng.worker.align_chunks, calls[:] = aligned, []
+            a = eng.stream(TEXT, voice="ryan", seed=70, max_new_tokens=30, first_chunk_frames=1, sampling=full)
+            for _ in range(3):
+                eng.worker.step()
+            b = eng.stream("A second sentence, a little longer than that.", voice="ryan", seed=71,
+                           max_new_tokens=30, first_chunk_frames=1, sampling=full)
+            got = [(list(a), a.codes), (list(b), b.codes)]
+            pairs = [n for n, rows in calls if rows == 2]
+            if aligned:
+                assert len(pairs) >= 2 and max(pairs) >= 4, calls      # e.g. 4 and 8 frames, each as one batch
+            else:
+                assert not pairs, calls
+            for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
+                assert torch.equal(codes_a, codes_g)
+                _cut_as_alone_or_on_shared_frames(chunks_g, chunks_a, aligned=aligned)
+                np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-5)
+    finally:
+        eng.close()
 
 
 def test_a_codec_failure_fails_that_request_only(engines, monkeypatch):
@@ -144,7 +203,7 @@ def test_streams_mode_overlaps_only_concurrent_requests(engines):
         assert codec.decoded_chunks > 0                               # the later chunks of concurrent streams
         for (chunks_a, codes_a), (chunks_g, codes_g) in zip(alone, got):
             assert torch.equal(codes_a, codes_g)
-            assert [len(c) for c in chunks_g] == [len(c) for c in chunks_a]
+            _cut_as_alone_or_on_shared_frames(chunks_g, chunks_a)
             np.testing.assert_allclose(np.concatenate(chunks_g), np.concatenate(chunks_a), atol=1e-4)
         with pytest.raises(ValueError):
             overlap.worker.overlap_codec("sometimes")

@@ -9,7 +9,8 @@ adds a variant of B: the same engine switched before its runs (`overlap_codec`, 
 `prefix_cache`, `codec_conv`, `codec_nice`, `codec_threads`, `talker_step`; e.g. `--variant overlap=overlap_codec=1`,
 `--variant nocache=prefix_cache=0`,
 `--variant int8=codec_conv=int8`: the codec decoder's convolution path, `CodecDecoder.set_conv_mode`;
-`--variant pytalker=talker_step=0` with TTS_TALKER_STEP=1: the talker's step on the Python path).
+`--variant pytalker=talker_step=0` with TTS_TALKER_STEP=1: the talker's step on the Python path;
+`--variant noalign=align_chunks=0`: concurrent streams' chunks cut on their own schedules, not on shared frames).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _value(v: str):
 
 
 SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_conv", "codec_nice",
-            "codec_threads", "talker_step")
+            "codec_threads", "talker_step", "align_chunks")
 
 
 def _switch(engine, setting: dict) -> None:
@@ -67,6 +68,8 @@ def _switch(engine, setting: dict) -> None:
         engine.worker.governor = kept
     engine._kept_governor = kept
     engine.worker.split_frames = setting.get("split_frames")
+    if hasattr(engine.worker, "align_chunks"):   # later chunks cut on frames shared with other streams (worker.py)
+        engine.worker.align_chunks = bool(setting.get("align_chunks", True))
     if not hasattr(engine, "_kept_prefix_cache"):
         engine._kept_prefix_cache = getattr(engine.runner, "prefix_cache", None)
     engine.runner.prefix_cache = engine._kept_prefix_cache if setting.get("prefix_cache", True) else None

@@ -127,6 +127,7 @@ class _Packable:
 
     packed = False
     int8 = False   # (with `packed`) this conv runs through `int8_conv.Int8Conv` (set_conv_mode("int8"))
+    int8_min_positions = None   # its int8 calls from this many output positions per row (None: MIN_POSITIONS)
     up = 1
 
     def _packer(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, ctx: int):
@@ -137,6 +138,8 @@ class _Packable:
             conv = Int8Conv if self.int8 else PackedConv
             pk = (key, conv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
             setattr(self, slot, pk)
+        if self.int8:
+            pk[1].min_positions = self.int8_min_positions   # (measured per conv: `int8_threshold`)
         return pk[1]
 
 

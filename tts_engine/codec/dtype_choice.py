@@ -21,6 +21,9 @@ and log-spectral distance on QUALITY_FRAMES frames of fixed codes, measured once
 the entry) meets `quality.MIN_SNR_DB` / `quality.MAX_LSD_DB`. Where oneDNN's int8 convolutions are missing, or any
 call fails, the path is no candidate or falls back to the dtype's own convolutions.
 
+Before any int8 timing, each int8 conv gets the length from which its int8 call beats the packed one on this CPU
+(`int8_threshold`: measured once per machine and remembered; TTS_KERNEL_TUNE=0 keeps `int8_conv.MIN_POSITIONS`).
+
 TTS_CODEC_DTYPE=auto (default) | fp32 | bf16 | model overrides the dtype; TTS_CODEC_CONV=auto (default) | aten |
 packed | int8 the convolution path (for a bf16 model; an override of either still measures the other; int8 forced
 skips the quality check); TTS_CODEC_INT8=0 takes int8 out of the automatic choice.
@@ -39,7 +42,7 @@ import torch
 
 from ..cache_paths import cache_root
 from ..cpu_info import cpu_info
-from . import int8_conv, packed_conv, quality
+from . import int8_conv, int8_threshold, packed_conv, quality
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_DTYPE"
@@ -120,6 +123,8 @@ def choose(dec):
     convs = ["aten", "packed"] + (["int8"] if _int8_ok() else []) if want_conv == "auto" else [want_conv]
     if not packed_conv.available():
         convs = ["aten"]
+    if "int8" in convs:   # from how many positions each int8 conv pays (measured once per machine, remembered)
+        int8_threshold.apply(dec, torch.bfloat16 if "bf16" in dtypes else torch.float32)
     if len(dtypes) == len(convs) == 1:                      # both forced: nothing to measure
         out = _fp32(dec) if dtypes[0] == "fp32" else dec
         out.set_conv_mode(convs[0])

@@ -6,7 +6,14 @@ bf16's rate. An `Int8Conv` holds the weight quantised once (int8, symmetric, one
 prepacked by oneDNN; each call quantises its input to uint8 (one scale and zero point for the whole tensor, from
 its min/max: `cpu_ext.quant_u8`, or aten's ops where our kernels do not build) and runs `onednn.qconv_pointwise`,
 which gives the output in the input's dtype (int32 accumulation, scaled, + the bias in fp32). Small calls (fewer than
-MIN_POSITIONS output positions) take the packed conv of the model's dtype instead.
+`min_positions` output positions per row: measured per conv on the CPU at hand, `int8_threshold`, else MIN_POSITIONS)
+take the packed conv of the model's dtype instead.
+
+Row by row: each row of a batch is quantised and convolved on its own (one oneDNN call per row), so a stream's audio
+does not depend on which other streams' chunks it was decoded with (one scale for the whole batch would make it
+depend on their loudness, and a batch's total length would pick the path): decoding in a batch gives the samples
+of decoding alone. The convolutions are compute bound at the lengths that take this path, so the calls per row
+cost about what one batched call does.
 
 Lossy: its error against the fp32 decoder is measured (`codec.quality`) before it may be chosen automatically
 (`dtype_choice`). Any failure of the oneDNN calls (a torch without these ops) turns the conv's int8 path off for good
@@ -64,18 +71,22 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-# Output positions (rows x samples) of one call below which the int8 convolution is not used (the call takes the
+# Output positions (samples of one row) of one call below which the int8 convolution is not used (the call takes the
 # packed bf16/fp32 conv instead): on a 2-core Zen 4 (1 thread, torch 2.13) oneDNN's u8 x s8 conv took 2x the packed
 # bf16 conv's time at 32 positions (a one-stream first chunk in the first decoder block) and 0.75x at 160, 0.5x at
 # 1700 and more (the weight-read-bound small calls gain nothing from int8 here; the compute-bound large ones do).
+# The default where nothing was measured (`int8_threshold`: TTS_KERNEL_TUNE=0, or before it ran).
 MIN_POSITIONS = 128
 
 
 class Int8Conv:
     """One conv1d (weight [C_out, C_in/groups, k], stride 1, no padding) in int8. `__call__(x [B, C_in, L])` ->
     [B, C_out, L - (k-1)*dilation] in x's dtype (channels-last strides), or None. `bias` may be replaced (fp32 kept).
-    Calls of fewer than MIN_POSITIONS output positions, and every call after an int8 failure, go to `fallback` (a
-    `packed_conv.PackedConv` of the same weight in its own dtype)."""
+    Calls of fewer than `min_positions` output positions per row (None: MIN_POSITIONS), and every call after an int8
+    failure, go to `fallback` (a `packed_conv.PackedConv` of the same weight in its own dtype). Rows are quantised
+    and convolved one by one (the module's doc)."""
+
+    min_positions: int | None = None   # set from the measured threshold of this conv (`int8_threshold`)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, max_len: int):
         from .packed_conv import PackedConv
@@ -117,20 +128,25 @@ class Int8Conv:
         if x.shape[-1] > self.max_len or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         k = self.qw4.shape[-1]
-        if self.broken or x.shape[0] * (x.shape[-1] - (k - 1) * self.dilation) < MIN_POSITIONS:
+        least = MIN_POSITIONS if self.min_positions is None else self.min_positions
+        if self.broken or x.shape[-1] - (k - 1) * self.dilation < least:
             return self.fallback(x, add)
         try:
             x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)   # [B, C, 1, L], time-major
-            q, scale, zp = quantize_input(x4)
-            y = torch.ops.onednn.qconv_pointwise(
-                q, scale, zp, self._weight(), self.w_scales, self.w_zps, self._bias, [1, 1], [0, 0],
-                [1, self.dilation], self.groups, 1.0, 0, x.dtype, "none", [], "")
+            rows = [self.int8_row(x4[i:i + 1]) for i in range(x4.shape[0])]      # each row on its own
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
             log.warning("codec: int8 oneDNN convolution unavailable (%s); using the %s path", e, x.dtype)
             self.broken = True
             return self.fallback(x, add)
-        y = y.squeeze(2)
+        y = (rows[0] if len(rows) == 1 else torch.cat(rows)).squeeze(2)          # (channels-last kept)
         return y if add is None else y + add
+
+    def int8_row(self, x4: torch.Tensor) -> torch.Tensor:
+        """One row [1, C_in, 1, L] (channels-last) -> [1, C_out, 1, L_out] in its dtype, through oneDNN in int8."""
+        q, scale, zp = quantize_input(x4)
+        return torch.ops.onednn.qconv_pointwise(
+            q, scale, zp, self._weight(), self.w_scales, self.w_zps, self._bias, [1, 1], [0, 0],
+            [1, self.dilation], self.groups, 1.0, 0, x4.dtype, "none", [], "")
 
     def __deepcopy__(self, memo):
         return None   # (like PackedConv: a copied decoder packs its own weights)

@@ -40,7 +40,8 @@ class Sequence:
     # worker-side state while running
     pending: list = field(default_factory=list)             # [(codes [16] device tensor, done [] device bool)]
     chunk_sizes: object = None
-    target: int = 0
+    target: int = 0                                         # frames of the current chunk (when it goes out)
+    chunk_frames: int = 0                                   # the schedule's size of it (0: the first chunk)
     decoder_state: object = None
     finishing: bool = False                                 # end-of-speech seen in the current chunk
     codec_error: Exception | None = None                    # set by the codec thread when a decode failed

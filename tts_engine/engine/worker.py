@@ -16,6 +16,14 @@ sequences run (one stream decodes here, as with it off): the codec's share of a 
 second core beside the next frame's generation. With `overlap_codec("auto")` a `codec_choice.CodecChoice` decides at
 each emission, per batch size, by the measured cost of a frame each way (the codec thread, or here with all the
 process's threads), and the last chunks of a batch that leaves nothing else to generate decode here with all threads.
+
+Chunks on a shared frame clock (`align_chunks`, on): a sequence's chunks after its first follow its schedule (doubling
+up to `max_chunk_frames`), but a chunk is cut earlier, at the frame where the current chunk of another running
+sequence with the same scheduled size ends, when that frame comes within it. Streams that started a few frames apart
+then cut their chunks on the same frames from their second or third chunk on, and those decode as one batch (one
+codec call for all, instead of e.g. 1 + 3 rows a frame apart). A first chunk is never cut (first audio as soon as
+possible), no chunk is made longer, a lone stream keeps its schedule, and a batch decodes each row as it would alone
+(`codec_thread.decode_group`).
 """
 from __future__ import annotations
 
@@ -57,6 +65,8 @@ class EngineWorker:
         self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
         self._default_threads = torch.get_num_threads()
         self._split_frames: bool | None = None   # None: `split_frames` decides by the device
+        self.frame = 0              # frames run so far (the shared clock that chunks are cut on)
+        self.align_chunks = True    # later chunks cut on frames shared with other streams (the module's doc)
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -280,6 +290,7 @@ class EngineWorker:
         active.sort(key=lambda s: s.row)
         rows = [s.row for s in active]
         box: dict = {}
+        self.frame += 1
         if self.split_frames:
             self.runner.on_frame_codes = lambda codes: self._between_halves(active, codes, box)
         try:
@@ -374,12 +385,31 @@ class EngineWorker:
                     else:
                         self._fail(s, e)
                 continue
+        going_on = []
         for s in ready:
             if s.status is Status.RUNNING:
                 if s.finishing:
                     self._end(s)
                 else:
-                    s.target = next(s.chunk_sizes)
+                    going_on.append(s)
+        self._next_chunks(going_on)
+
+    def _next_chunks(self, seqs: list[Sequence]) -> None:
+        """The next chunk of each of `seqs` (whose chunk just went out): the schedule's next size, cut at the last
+        frame within it where the current chunk of another running sequence of that scheduled size ends
+        (`align_chunks`, the module's doc)."""
+        for s in seqs:
+            s.chunk_frames = s.target = next(s.chunk_sizes)
+        if not self.align_chunks or not seqs:
+            return
+        ends: dict[int, set] = defaultdict(set)   # scheduled size -> frames where such chunks of the others end
+        for o in self.scheduler.running:
+            if o.chunk_frames and o.status is Status.RUNNING and o not in seqs:
+                ends[o.chunk_frames].add(self.frame - len(o.pending) + o.target)
+        for s in seqs:
+            shared = [e for e in ends.get(s.chunk_frames, ()) if self.frame < e < self.frame + s.target]
+            if shared:
+                s.target = max(shared) - self.frame
 
     def _nothing_after(self, ready: list[Sequence], flags: torch.Tensor) -> bool:
         """Every running sequence ends with the chunks of `ready` (their end flags are in `flags`, their pending
