@@ -10,7 +10,8 @@ adds a variant of B: the same engine switched before its runs (`overlap_codec`, 
 `--variant nocache=prefix_cache=0`,
 `--variant int8=codec_conv=int8`: the codec decoder's convolution path, `CodecDecoder.set_conv_mode`;
 `--variant pytalker=talker_step=0` with TTS_TALKER_STEP=1: the talker's step on the Python path;
-`--variant noalign=align_chunks=0`: concurrent streams' chunks cut on their own schedules, not on shared frames).
+`--variant noalign=align_chunks=0`: concurrent streams' chunks cut on their own schedules, not on shared frames;
+`--variant t128=int8_threshold=128`: every int8 codec conv used from 128 positions per row, not the measured pick).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _value(v: str):
 
 
 SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "codec_conv", "codec_nice",
-            "codec_threads", "talker_step", "align_chunks")
+            "codec_threads", "talker_step", "align_chunks", "int8_threshold")
 
 
 def _switch(engine, setting: dict) -> None:
@@ -77,6 +78,10 @@ def _switch(engine, setting: dict) -> None:
     if not hasattr(engine, "_kept_codec_conv"):
         engine._kept_codec_conv = dec.conv_mode   # (the path chosen at load)
     dec.set_conv_mode(setting.get("codec_conv", engine._kept_codec_conv))
+    if not hasattr(engine, "_kept_int8_threshold"):   # per conv, as measured at load (codec/int8_threshold.py)
+        engine._kept_int8_threshold = [m.int8_min_positions for m in dec.int8_convs()]
+    for m, kept in zip(dec.int8_convs(), engine._kept_int8_threshold):
+        m.int8_min_positions = setting.get("int8_threshold", kept)
     if not hasattr(engine, "_kept_talker_step"):   # the talker's step in one call (model/talker_step.py), where attached
         engine._kept_talker_step = getattr(engine.runner, "talker_step", None)
     engine.runner.talker_step = engine._kept_talker_step if setting.get("talker_step", True) else None
