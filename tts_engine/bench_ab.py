@@ -16,7 +16,6 @@ adds a variant of B: the same engine switched before its runs (`overlap_codec`, 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -24,13 +23,7 @@ import torch
 
 from .bench import checkpoint_for, device_name, run_concurrency
 from .bench_step import load_checkout
-
-
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "load average n/a"
+from .bench_timing import load_average as _load
 
 
 def _value(v: str):

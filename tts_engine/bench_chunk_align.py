@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 
 from .bench import checkpoint_for, device_name
+from .bench_timing import load_average as _load
 
 
 def cut(starts: list[int], frames: int, align: bool, first: int = 1, cap: int = 12) -> list[tuple[int, list]]:
@@ -79,13 +80,6 @@ def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int]:
                     st[i] = s if len(rows) == 1 else s.select(torch.tensor([k]))
                     pos[i] += n
     return time.perf_counter() - t0, calls
-
-
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "load average n/a"
 
 
 def main(argv=None) -> int:

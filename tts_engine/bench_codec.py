@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .bench import checkpoint_for, device_name, run_concurrency
+from .bench_timing import load_average as _load
 from .engine.engine import TTSEngine
 
 
@@ -47,13 +47,6 @@ def codec_ms_per_frame(dec, frames: int, first: int, threads: int, cap: int = 12
             return 1000 * (time.perf_counter() - t0) / frames
     finally:
         torch.set_num_threads(prev)
-
-
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "load average n/a"
 
 
 def main(argv=None) -> int:

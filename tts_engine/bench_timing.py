@@ -2,7 +2,16 @@
 machine shared with other programs) of each part of a sequence of calls."""
 from __future__ import annotations
 
+import os
 import time
+
+
+def load_average() -> str:
+    """"load average 1.23 0.98 0.87" (or "load average n/a"), printed beside a benchmark's figures."""
+    try:
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average n/a"
 
 
 class Laps:
