@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tts_engine import TTSEngine
-from tts_engine.engine.threads import MATMUL, ThreadGovernor, serial_between_matmuls
+from tts_engine.engine.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, serial_between_matmuls, situation
 from tts_engine.tiny import make_tiny
 
 
@@ -117,3 +117,54 @@ def test_governed_engine_gives_the_same_codes(folder):
             e.close()
     finally:
         torch.set_num_threads(prev)
+
+
+class _ByPart(ThreadGovernor):
+    """A governor that answers by the situation's part (predictor half: 1 thread; talker half: 2; whole frame: 2)."""
+
+    def choose(self, key):
+        super().choose(key)
+        return 1 if key[-1] == PREDICTOR else 2
+
+
+def test_split_frame_halves_are_chosen_and_timed_apart(folder):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="bf16", max_batch=2, govern_threads=True)
+        w, r = engine.worker, engine.runner
+        assert w.split_frames
+        w.governor = _ByPart(2, matmul_option=True)
+        seen = {"predictor": [], "talker": []}
+        pred, adv = r._predict_residuals, r._advance
+
+        def predict(*a, **k):
+            seen["predictor"].append(torch.get_num_threads())
+            return pred(*a, **k)
+
+        def advance(*a, **k):
+            seen["talker"].append(torch.get_num_threads())
+            return adv(*a, **k)
+
+        r._predict_residuals, r._advance = predict, advance
+        s = engine.stream("Hello there, a governed test.", voice="ryan", max_new_tokens=12, seed=1,
+                          sampling={"ignore_eos": True})
+        list(s)
+        frames = len(s.codes)
+        assert frames >= 10
+        assert seen["predictor"] == [1] * frames          # each half ran with its own part's choice
+        assert seen["talker"] == [2] * frames
+        snap = engine.thread_choice
+        parts = {k[2] for k in snap}
+        assert parts == {PREDICTOR, TALKER}               # no whole-frame keys for split frames
+        per_part = {p: sum(n for k, opts in snap.items() if k[2] == p for _, n in opts.values()) for p in parts}
+        assert per_part[PREDICTOR] == per_part[TALKER] == frames   # every frame's two halves timed
+        assert torch.get_num_threads() == 2
+        engine.close()
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_situation_keys():
+    assert situation(1, False) == (1, False) and situation(3, True) == (4, True)
+    assert situation(2, True, TALKER) == (1, True, TALKER)

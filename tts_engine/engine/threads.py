@@ -52,10 +52,17 @@ class _Situation:
     turn: int = 0                               # which non-best option the next exploration tries
 
 
-def situation(rows: int, codec_busy: bool) -> tuple[int, bool]:
-    """The governor's situation key: the batch as 1-2 rows or more (the kernels' row buckets), and whether the
-    engine's codec thread is decoding meanwhile."""
-    return (1 if rows <= 2 else 4, bool(codec_busy))
+PREDICTOR, TALKER = "predictor", "talker"   # the halves of a split frame, chosen and timed apart
+
+
+def situation(rows: int, codec_busy: bool, part: str | None = None) -> tuple:
+    """The governor's situation key: the batch as 1-2 rows or more (the kernels' row buckets), whether the
+    engine's codec thread is decoding meanwhile, and (a split frame) which half: PREDICTOR or TALKER. A whole frame
+    is (rows, busy); a half is (rows, busy, part). The halves are governed apart because the worker hands chunks to
+    the codec thread between them: a frame that starts with the codec idle often runs its talker step beside a
+    decode, and that step's best threads (and its time) are the busy situation's, not the frame's."""
+    key = (1 if rows <= 2 else 4, bool(codec_busy))
+    return key if part is None else key + (part,)
 
 
 class ThreadGovernor:

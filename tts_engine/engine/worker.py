@@ -41,7 +41,7 @@ from .codec_choice import HERE, THREAD, CodecChoice
 from .codec_thread import CodecThread, decode_group
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status
-from .threads import MATMUL, ThreadGovernor, situation
+from .threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
 
@@ -64,6 +64,7 @@ class EngineWorker:
         self.governor: ThreadGovernor | None = None   # CPU: the frames' OpenMP threads, chosen by measuring them
         self.matmul_threads = None    # threads.MatmulThreads of the runner's model (the governor's "matmul" option)
         self._default_threads = torch.get_num_threads()
+        self._governing = None   # (governor, rows) while a governed split frame runs: its talker half is chosen apart
         self._split_frames: bool | None = None   # None: `split_frames` decides by the device
         self.frame = 0              # frames run so far (the shared clock that chunks are cut on)
         self.align_chunks = True    # later chunks cut on frames shared with other streams (the module's doc)
@@ -172,12 +173,16 @@ class EngineWorker:
         if g is None:
             return self._step_with(None, None)
         n_rows = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.runner.rows)
-        key = situation(n_rows, self.codec is not None and self.codec.busy)
+        # a split frame: this choice is its predictor half's; the talker half's is made between the halves
+        split = self.split_frames
+        key = situation(n_rows, self.codec is not None and self.codec.busy, PREDICTOR if split else None)
         option = g.choose(key)
         self._use_threads(option)
+        self._governing = (g, n_rows) if split else None
         try:
             self._step_with(g, (key, option))
         finally:
+            self._governing = None
             self._use_threads(self._default_threads)
             if self.matmul_threads is not None:
                 self.matmul_threads.set(False)
@@ -197,16 +202,34 @@ class EngineWorker:
         n_active = len(active)
         busy = self.codec is not None and self.codec.busy
         t0 = time.perf_counter()
-        between = self._decode(active)   # whole frames, or (CPU) halves with the completed chunks between them
-        spent = time.perf_counter() - t0 - between
+        box: dict = {}
+        between = self._decode(active, box)   # whole frames, or (CPU) halves with the completed chunks between them
+        t1 = time.perf_counter()
+        spent = t1 - t0 - between
         if self.codec_choice is not None:
             self.codec_choice.record_frame(n_active, busy, spent)
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
         if ready:
             self._emit(ready)
-        if g is not None and choice[0] == situation(n_active, choice[0][1]):   # (the batch it was keyed by)
-            g.record(choice[0], choice[1], spent)
+        if g is not None:
+            self._record_threads(g, n_active, choice, box, t0, t1, spent)
         self.steps += 1
+
+    @staticmethod
+    def _record_threads(g: ThreadGovernor, n_active: int, choice, box: dict, t0: float, t1: float,
+                        spent: float) -> None:
+        """The frame's time to the governor: a split frame's halves each under its own situation and option (the
+        predictor half from the frame's start to the hand-over, the talker half from the end of the hand-over to
+        the frame's end), else the whole frame's; only where the batch is the one the choice was keyed by."""
+        key, option = choice
+        if len(key) == 3 and "talker" not in box:   # (not split after all: the frame's rows changed, a failure)
+            return
+        if key == situation(n_active, key[1], key[2] if len(key) == 3 else None):
+            g.record(key, option, box["t_in"] - t0 if len(key) == 3 else spent)
+        if "talker" in box:
+            tkey, topt = box["talker"]
+            if tkey == situation(n_active, tkey[1], TALKER):
+                g.record(tkey, topt, t1 - box["t_out"])
 
     @property
     def split_frames(self) -> bool:
@@ -225,7 +248,7 @@ class EngineWorker:
         """`ModelRunner.on_frame_codes` of a split frame: this frame's codes join each row's pending frames (its end
         flag is known after the talker step) and the chunks now complete are decoded. No row may end here (the
         talker step of these rows follows): a decode that raises marks its rows' `codec_error`."""
-        t0 = time.perf_counter()
+        t0 = box["t_in"] = time.perf_counter()
         box["codes"] = codes
         unknown = torch.zeros((), dtype=torch.bool)
         for i, s in enumerate(active):
@@ -233,7 +256,14 @@ class EngineWorker:
         full = [s for s in active if len(s.pending) >= s.target]
         if full:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
             self._emit(full, defer_failures=True)
-        box["s"] = time.perf_counter() - t0
+        if self._governing is not None:   # the talker half's threads, for the situation it starts in
+            g, n_rows = self._governing
+            key = situation(n_rows, self.codec is not None and self.codec.busy, TALKER)
+            option = g.choose(key)
+            self._use_threads(option)
+            box["talker"] = (key, option)
+        box["t_out"] = time.perf_counter()
+        box["s"] = box["t_out"] - t0
 
     def _after_halves(self, active: list[Sequence], done: torch.Tensor) -> None:
         """After a split frame's talker step: a row whose frame was its last ends now (its pending frames emitted,
@@ -284,12 +314,12 @@ class EngineWorker:
             self.primed.put(key, state.clone())
         return state
 
-    def _decode(self, active: list[Sequence]) -> float:
+    def _decode(self, active: list[Sequence], box: dict | None = None) -> float:
         """One frame for every sequence in `active`; -> seconds spent between the halves (decoding chunks) of a
-        split frame, else 0."""
+        split frame, else 0. box: filled by a split frame's hand-over (`_between_halves`)."""
         active.sort(key=lambda s: s.row)
         rows = [s.row for s in active]
-        box: dict = {}
+        box = {} if box is None else box
         self.frame += 1
         if self.split_frames:
             self.runner.on_frame_codes = lambda codes: self._between_halves(active, codes, box)
