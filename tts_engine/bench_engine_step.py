@@ -19,7 +19,10 @@ run round by round in a rotating order, with a plain read (`plain_read.PlainRead
   alone_no_predictor  the talker step alone, step after step, no predictor frame between (warm caches and TLB).
 Reported per engine and variant: the step's median ms, GB/s of the talker's weights (`bench_talker_step.
 talker_weight_bytes`), % of the plain reads taken beside that block, the median of the C++ call inside it, the
-wait (wall - CPU) and the options the frames ran with (count and median ms each). Nothing is written to
+wait (wall - CPU: the calling thread's own CPU only, so at N threads it also counts the time the caller waits for its
+team) and the options the steps ran with (count and median ms each; "busy": the codec thread was decoding at the step's
+start), and beside them the predictor frames' median ms per option (`ModelRunner._predict_residuals`: not slowed?).
+Nothing is written to
 docs/benchmarks.md (--out FILE writes the table there). The device and the load average go with the table.
 """
 from __future__ import annotations
@@ -138,7 +141,8 @@ def alone(engine, frames: int, predictor: bool) -> None:
             runner.release(0)
 
 
-def run_block(engine, timer: StepTimer, name: str, frames: int, first_chunk: int) -> list[dict]:
+def run_block(engine, timer: StepTimer, name: str, frames: int, first_chunk: int) -> tuple[list, list]:
+    """One variant's block -> (the talker steps' records, the predictor frames' records)."""
     from .bench import run_concurrency
 
     with timer.recording() as recs, variant_state(engine, name):
@@ -148,7 +152,7 @@ def run_block(engine, timer: StepTimer, name: str, frames: int, first_chunk: int
             run_concurrency(engine, 1, frames, first_chunk)
             if engine.worker.codec is not None:
                 engine.worker.codec.drain(30)
-        return list(recs)
+        return list(recs), list(timer.predictor)
 
 
 def summarize(recs: list[dict], wbytes: int, reads: list[float]) -> dict:
