@@ -220,7 +220,8 @@ class EngineWorker:
                         spent: float) -> None:
         """The frame's time to the governor: a split frame's halves each under its own situation and option (the
         predictor half from the frame's start to the hand-over, the talker half from the end of the hand-over to
-        the frame's end), else the whole frame's; only where the batch is the one the choice was keyed by."""
+        the talker step's return, not a last chunk's decode after it), else the whole frame's; only where the batch
+        is the one the choice was keyed by."""
         key, option = choice
         if len(key) == 3 and "talker" not in box:   # (not split after all: the frame's rows changed, a failure)
             return
@@ -229,7 +230,7 @@ class EngineWorker:
         if "talker" in box:
             tkey, topt = box["talker"]
             if tkey == situation(n_active, tkey[1], TALKER):
-                g.record(tkey, topt, t1 - box["t_out"])
+                g.record(tkey, topt, box.get("t_end", t1) - box["t_out"])
 
     @property
     def split_frames(self) -> bool:
@@ -343,6 +344,7 @@ class EngineWorker:
             return 0.0
         finally:
             self.runner.on_frame_codes = None
+        box["t_end"] = time.perf_counter()   # (the talker half's end: before a last chunk's decode below)
         if "codes" in box:
             self._after_halves(active, done)
             return box.get("s", 0.0)
