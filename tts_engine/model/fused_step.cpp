@@ -192,12 +192,22 @@ __attribute__((always_inline)) inline void rms_norm_row_body(const float* x, con
 TTSX_ISA_VARIANTS(void, rms_norm_row, (const float* x, const float* w, int64_t n, float eps, float* out),
                   (x, w, n, eps, out))
 
-// x[hd] <- x rotated by RoPE at `pos` (rotate-half: pairs (i, i + hd/2) share frequency inv_freq[i])
-void rope_row(float* x, int64_t hd, const float* inv_freq, int64_t pos) {
+// RoPE's angles at `pos`: cs[i] = cos, cs[hd/2 + i] = sin of pos * inv_freq[i] (fp32, as layers.rope_cos_sin).
+// They depend on the position only: rope_cache takes them once per entry for all its heads.
+void rope_angles(int64_t hd, const float* inv_freq, int64_t pos, float* cs) {
   const int64_t half = hd / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float f = (float)pos * inv_freq[i];   // fp32, as layers.rope_cos_sin
-    const float c = std::cos(f), s = std::sin(f);
+    const float f = (float)pos * inv_freq[i];
+    cs[i] = std::cos(f);
+    cs[half + i] = std::sin(f);
+  }
+}
+
+// x[hd] <- x rotated by the angles cs (rotate-half: pairs (i, i + hd/2) share frequency inv_freq[i])
+void rope_apply(float* x, int64_t hd, const float* cs) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = cs[i], s = cs[half + i];
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
@@ -509,11 +519,17 @@ void mm_range(const Plan& p, const Lin& l, const Act& a, int64_t M, int64_t b0, 
   }
 }
 
-// y[M, N] = x[M, K] @ W^T, the units split over torch's threads with at::parallel_for; `st`: its profile stage
+// bytes of weight per unit (a block of BLK output rows; bf16: a group of R4)
+inline int64_t unit_bytes_of(const Plan& p, const Lin& l) {
+  return p.wbits == 16 ? R4 * l.K * 2 : p.wbits == 8 ? BLK * round_up(l.K, KU) : round_up(l.K, G4) / G4 * GBYTES;
+}
+
+// y[M, N] = x[M, K] @ W^T, the units shared over torch's threads as cpu_ext.cpp's share_units says (split with
+// at::parallel_for, or claimed chunks: the same bits); `st`: its profile stage
 void linear(const Plan& p, const Lin& l, const float* x, int64_t M, float* y, Scratch& s, int st, int64_t& t0) {
   prep(p, l.K, x, M, s.x);
   lap(P_QUANT, t0);
-  at::parallel_for(0, units(p, l), grain_of(p, l, M), [&](int64_t b0, int64_t b1) {
+  share_units(units(p, l), grain_of(p, l, M), unit_bytes_of(p, l), [&](int64_t b0, int64_t b1) {
     const int64_t b = g_prof ? now_ns() : 0;
     mm_range(p, l, s.x, M, b0, b1, y, s.acc.data(), s.facc.data());
     if (g_prof) g_busy[std::min(at::get_thread_num(), MAX_THREADS - 1)] += now_ns() - b;
@@ -535,17 +551,23 @@ void rope_cache(const Plan& p, int64_t l, const Cache& c, const int64_t* row, co
   const float* kn = p.ptr<float>(l, K_NORM);
   C* kl = (C*)c.k + l * c.layer_stride;
   C* vl = (C*)c.v + l * c.layer_stride;
+  std::vector<float> cs(hd);
+  int64_t cs_pos = -1;
   for (int64_t e = 0; e < M; ++e) {
     float* qkv = qkv_all + e * W;
+    if (pos[e] != cs_pos) {   // the angles of this entry's position (entries of one position share them)
+      rope_angles(hd, p.inv_freq, pos[e], cs.data());
+      cs_pos = pos[e];
+    }
     for (int64_t j = j0 * g; j < j1 * g; ++j) {   // q heads: normed in place, then rotated
       float* x = qkv + j * hd;
       rms_norm_row(x, qn, hd, p.eps, x);
-      rope_row(x, hd, p.inv_freq, pos[e]);
+      rope_apply(x, hd, cs.data());
     }
     for (int64_t j = j0; j < j1; ++j) {           // k heads, the same; k and v to the cache
       float* x = qkv + (H + j) * hd;
       rms_norm_row(x, kn, hd, p.eps, x);
-      rope_row(x, hd, p.inv_freq, pos[e]);
+      rope_apply(x, hd, cs.data());
       const int64_t at = row[e] * c.row_stride + j * c.head_stride + pos[e] * hd;
       store_row<C>(kl + at, x, hd);
       store_row<C>(vl + at, qkv + (H + Hkv + j) * hd, hd);
@@ -769,9 +791,7 @@ struct Sync {
 
 // units per claim: about 8 claims per thread and stage, at least 64 KB of weight each
 inline int64_t chunk_of(const Plan& p, const Lin& l, int64_t U, int nt) {
-  const int64_t unit_bytes = p.wbits == 16 ? R4 * l.K * 2 : p.wbits == 8 ? BLK * round_up(l.K, KU)
-                                                                           : round_up(l.K, G4) / G4 * GBYTES;
-  return std::max<int64_t>({1, (U + 8 * nt - 1) / (8 * nt), (64 * 1024 + unit_bytes - 1) / unit_bytes});
+  return claim_chunk(U, unit_bytes_of(p, l), nt);
 }
 
 // k0, cp0: the call's first stage and consume point in `sy` (predictor_frame.cpp runs 15 stacks and their heads
