@@ -19,6 +19,12 @@ bf16 matmul) at every CPU level this CPU runs (TTS_CPU_ISA's levels: avx2, avx51
 interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB of weights, served from the L3:
 each path's compute ceiling, which a busy machine's memory contention does not hide).
 
+`python -m tts_engine.bench_matmuls share [ROUNDS] [ROWS[,ROWS...]] [LAYERS]`: our W8A8 and W4A8 calls with their output
+blocks split in fixed halves and claimed (`cpu_ext.set_share`: each thread its own part in order, then what is left
+of the other's) at every CPU level this CPU runs, the talker's per-layer shapes x LAYERS (default 28: weights far
+beyond the L3), interleaved with the plain read (`plain_read.py`); GB/s best (median) and % of the plain read's
+median in the same rounds (`share`).
+
 `python -m tts_engine.bench_matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
 1 and 4 rows, one thread (`ceilings`).
 
@@ -204,6 +210,72 @@ def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
     return lines
 
 
+def share(rounds: int = 7, rows_list=(1, 4), layers: int = 28) -> list[str]:
+    """`share` (module doc) -> the table's lines (also printed)."""
+    import statistics
+
+    from .model import cpu_ext
+    from .model.quant import INT4_GROUP
+
+    if not cpu_ext.available():
+        print(f"own kernels not available: {cpu_ext.why_unavailable()}")
+        return []
+    D, Dq, Dkv, inter = 1024, 2048, 1024, 3072        # the 0.6B talker (the code predictor's layers are the same)
+    shapes = [(Dq + 2 * Dkv, D), (D, Dq), (2 * inter, D), (D, inter)] * layers
+    g = torch.Generator().manual_seed(0)
+    P8, S8, P4 = [], [], []
+    for n, k in shapes:
+        P8.append(cpu_ext.pack(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)))
+        S8.append(torch.rand(n, generator=g) * 1e-4)
+        q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        P4.append(cpu_ext.pack4(q4, torch.rand(k // INT4_GROUP, n, 2, generator=g).to(torch.bfloat16)))
+    pr = PlainRead()
+    nbytes = {"w8a8": sum(p.numel() for p in P8), "w4a8": sum(p.numel() for p in P4)}
+    lvls = list(range(1, cpu_ext.cpu_level() + 1))
+    was_level, was_share = cpu_ext.level(), cpu_ext.share()
+    times: dict = {}
+    reads = []
+    try:
+        with torch.inference_mode():
+            for rows in rows_list:
+                xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
+                calls = {"w8a8": lambda: [cpu_ext.w8a8(xs[k], p, s, n) for (n, k), p, s in zip(shapes, P8, S8)],
+                         "w4a8": lambda: [cpu_ext.w4a8(xs[k], p, n) for (n, k), p in zip(shapes, P4)]}
+                for r in range(rounds):
+                    for lv in lvls:
+                        cpu_ext.set_level(lv)
+                        for name, f in calls.items():
+                            modes = ("split", "claim") if (r + lv) % 2 == 0 else ("claim", "split")
+                            for mode in modes:
+                                cpu_ext.set_share(mode)
+                                t0 = time.perf_counter()
+                                f()
+                                times.setdefault((rows, lv, name, mode), []).append(time.perf_counter() - t0)
+                    cpu_ext.set_level(was_level)
+                    reads.append(pr.sample())
+    finally:
+        cpu_ext.set_level(was_level)
+        cpu_ext.set_share(was_share)
+    floor = statistics.median(reads)
+    lines = [f"{bench.device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
+             f"{os.getloadavg()[0]:.1f}; {rounds} rounds, levels, modes and the plain read interleaved; plain read "
+             f"{floor:.1f} GB/s median ({min(reads):.1f}-{max(reads):.1f}); GB/s best (median), % of the plain read's "
+             f"median; `python -m tts_engine.bench_matmuls share {rounds} {','.join(map(str, rows_list))} {layers}`",
+             "", "| rows | level | W8A8 split | W8A8 claim | W4A8 split | W4A8 claim |", "|---|---|---|---|---|---|"]
+    for rows in rows_list:
+        for lv in lvls:
+            cells = []
+            for name in ("w8a8", "w4a8"):
+                for mode in ("split", "claim"):
+                    v = sorted(times[(rows, lv, name, mode)])
+                    best, med = nbytes[name] / v[0] / 1e9, nbytes[name] / v[len(v) // 2] / 1e9
+                    cells.append(f"{best:.1f} ({med:.1f}) {100 * med / floor:.0f} %")
+            lines.append(f"| {rows} | {cpu_ext.LEVEL_NAMES[lv]} | " + " | ".join(cells) + " |")
+    lines.append("bytes per sweep: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in nbytes.items()))
+    print("\n".join(lines))
+    return lines
+
+
 def ceilings(rounds: int = 5, calls: int = 200) -> list[str]:
     """Each kernel's compute ceiling at every CPU level this CPU runs: weights resident in L2 (int8 768 x 1024,
     int4 1024 x 1024, bf16 384 x 1024; a core's private cache, so neither memory nor another process's L3 traffic
@@ -328,6 +400,12 @@ def main(argv=None) -> int:
     if argv and argv[0] == "quant_u8":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
         quant_u8_ab(int(argv[1]) if len(argv) > 1 else 15, base)
+        return 0
+    if argv and argv[0] == "share":
+        torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
+        share(int(argv[1]) if len(argv) > 1 else 7,
+              tuple(int(r) for r in argv[2].split(",")) if len(argv) > 2 else (1, 4),
+              int(argv[3]) if len(argv) > 3 else 28)
         return 0
     if argv and argv[0] == "ceilings":
         torch.set_num_threads(int(os.environ.get("TTS_THREADS", "1")))

@@ -1,5 +1,5 @@
 """Where the code predictor's frame in one call spends its time: `python -m tts_engine.bench_predictor_frame
-[--modes w8a8,w4a8,bf16] [--rows 1,4] [--base /work/main] [--out /tmp/x.md]`.
+[--modes w8a8,w4a8,bf16] [--rows 1,4] [--base /work/main] [--shares split,claim] [--out /tmp/x.md]`.
 
 Builds the talker of the random-weight 0.6b architecture (its own stack cut to one layer: only the code predictor
 is timed) in W8A8, W4A8 or bf16, a model runner over it with the fused step and the predictor frame forced on
@@ -90,9 +90,13 @@ class _NoProfile:
 def one(variant, B: int, frames: int) -> dict:
     """Medians over `frames` frames of one variant: call (profile), plan.run, runner, runner CPU; and the profile
     sums per frame."""
-    pkg, t, r, sp, pf, team = variant
+    pkg, t, r, sp, pf, team, share = variant
     if team is not None:   # "claim-pass": a team mode, one region per pass
         pf.set_team(team.split("-")[0], not team.endswith("-pass"))
+    if share is not None:   # how each matmul shares its blocks between threads (cpu_ext.set_share)
+        from .model import cpu_ext
+
+        cpu_ext.set_share(share)
     h, c0, fi, rp = inputs(r, sp, B)
     h = (torch.randn(h.shape, generator=torch.Generator().manual_seed(B)) * 0.5).to(h.dtype)
     frame = t.code_predictor.frame
@@ -129,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--teams", default="", help="comma list of split / barrier / claim (the whole frame in one "
                     "parallel region) / barrier-pass / claim-pass (one per pass): this checkout's frame once per team "
                     "mode (predictor_frame.set_team), interleaved; default: as TTS_FUSED_TEAM says")
+    ap.add_argument("--shares", default="", help="comma list of split / claim: this checkout's frame once per way "
+                    "its matmuls share their blocks between threads (cpu_ext.set_share), interleaved; default: as "
+                    "TTS_MATMUL_SHARE / the remembered trial say")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     _env()
@@ -165,11 +172,12 @@ def main(argv=None) -> int:
             if t.code_predictor.frame is None or t.code_predictor.frame.state != "on":
                 print(f"{name} {mode}: the predictor frame does not serve ({st}); skipped", flush=True)
                 continue
-            if name == "B" and a.teams:
-                for team in a.teams.split(","):
-                    built[f"B-{team}"] = (pkg, t, r, sp, pf, team)
-            else:
-                built[name] = (pkg, t, r, sp, pf, None)
+            teams = a.teams.split(",") if name == "B" and a.teams else [None]
+            shares = a.shares.split(",") if name == "B" and a.shares else [None]
+            for team in teams:
+                for share in shares:
+                    label = "-".join([name] + [v for v in (team, share) if v])
+                    built[label] = (pkg, t, r, sp, pf, team, share)
         if not built:
             continue
         wb = weight_bytes(next(iter(built.values()))[1])

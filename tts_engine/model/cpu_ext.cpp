@@ -812,11 +812,71 @@ inline void group_sums(const int8_t* xr, int64_t ng, int32_t* gs) {
   }
 }
 
+// ---- how one call shares its output blocks between torch's threads (ttsx_w8a8 / ttsx_w4a8 here, the fused step's
+// split matmuls): SHARE_SPLIT, at::parallel_for's fixed parts (halves at two threads), or SHARE_CLAIM, chunks of
+// units claimed from a counter, so that the thread on the faster (or less busy) vCPU does more and neither waits
+// for the other's fixed half. A unit's results never depend on which thread computes it or in which chunk (exact
+// integer sums, then one fp32 epilogue per output): both give the same bits. cpu_ext.py sets the mode
+// (ttsx_set_share) from TTS_MATMUL_SHARE or from its trial on this machine (`choose_share`); split until then.
+constexpr int SHARE_SPLIT = 0, SHARE_CLAIM = 1;
+int g_share = SHARE_SPLIT;
+
+// units per claim: about 8 claims per thread, at least 64 KB of weight each (the fused step's team claims the same)
+inline int64_t claim_chunk(int64_t U, int64_t unit_bytes, int nt) {
+  return std::max<int64_t>({1, (U + 8 * nt - 1) / (8 * nt), (64 * 1024 + unit_bytes - 1) / std::max<int64_t>(1, unit_bytes)});
+}
+
+// f(u0, u1) over units [0, U): split (grain as at::parallel_for's) or claimed. Claimed: thread t owns the t-th of
+// nt equal parts and claims it front to back in chunks of claim_chunk units, then claims what is left of the other
+// parts (from the next thread's on) the same way. A part's chunks are claimed in memory order, so each thread reads
+// one continuous stream until it runs out of its own (claims scattered over the whole weight restarted the hardware
+// prefetch at every chunk: 8 claims per thread measured 15-30 % slower than the split on a Zen 4; owned parts with
+// stealing lose nothing there).
+template <class F>
+void share_units(int64_t U, int64_t grain, int64_t unit_bytes, const F& f) {
+  const int nt = at::get_num_threads();
+  if (g_share != SHARE_CLAIM || nt < 2 || U < 2 || at::in_parallel_region()) {
+    at::parallel_for(0, U, grain, f);
+    return;
+  }
+  const int64_t chunk = claim_chunk(U, unit_bytes, nt);
+  if (chunk >= U) {   // one chunk: the caller alone, as at::parallel_for with a grain >= U
+    f(0, U);
+    return;
+  }
+  constexpr int MAXT = 64;
+  const int parts = std::min(nt, MAXT);
+  struct alignas(64) Part { std::atomic<int64_t> next; int64_t end; };
+  Part part[MAXT];
+  for (int t = 0; t < parts; ++t) {
+    part[t].next.store(U * t / parts, std::memory_order_relaxed);
+    part[t].end = U * (t + 1) / parts;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int i = 0; i < parts; ++i) {
+        Part& q = part[(t + i) % parts];
+        for (int64_t u0 = q.next.fetch_add(chunk, std::memory_order_relaxed); u0 < q.end;
+             u0 = q.next.fetch_add(chunk, std::memory_order_relaxed))
+          f(u0, std::min(q.end, u0 + chunk));
+      }
+  });
+}
+
 }  // namespace
 
 extern "C" {
 
 int ttsx_version() { return 1; }
+
+// How ttsx_w8a8 / ttsx_w4a8 (and the fused step's split matmuls) share work between threads: 0 split, 1 claimed
+// chunks (share_units); returns the mode before. ttsx_claim_chunk: the units per claim for U units of unit_bytes.
+int ttsx_set_share(int mode) {
+  const int was = g_share;
+  g_share = mode == SHARE_CLAIM ? SHARE_CLAIM : SHARE_SPLIT;
+  return was;
+}
+int64_t ttsx_claim_chunk(int64_t U, int64_t unit_bytes, int nt) { return claim_chunk(U, unit_bytes, nt); }
 
 // The CPU level (the comment at level_of_cpu): what cpuid says, what the kernels run at (TTS_CPU_ISA may lower it),
 // and a setter (tests, cpu_ext.py: clamped to cpuid's; returns the level before)
@@ -875,7 +935,7 @@ void ttsx_w8a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
   const int64_t grain = std::max<int64_t>(1, (int64_t)(64 * 1024) / (BLK * Kp * std::max<int64_t>(1, M / 4)));
   int32_t* accp = acc.data();
   const int8_t* xqp = xq.data();
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+  share_units(nb, grain, BLK * Kp, [&](int64_t b0, int64_t b1) {
     blocks_isa(isa, packed, xqp, M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const int32_t off = 128 * xsum[m];
@@ -931,7 +991,7 @@ void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
   }
   float* accp = acc.data();
   const int64_t grain = std::max<int64_t>(1, (int64_t)(32 * 1024) / (ng * GBYTES * std::max<int64_t>(1, M / 4)));
-  at::parallel_for(0, Np / BLK, grain, [&](int64_t b0, int64_t b1) {
+  share_units(Np / BLK, grain, ng * GBYTES, [&](int64_t b0, int64_t b1) {
     blocks4_isa(isa, packed, xq.data(), gsum.data(), M, Kp, b0, b1, accp, Np);
     for (int64_t m = 0; m < M; ++m) {
       const float am = amax[m] * (1.0f / 127.0f);

@@ -134,7 +134,7 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
         "ttsx_unpack": ([P, I64, I64, P], None), "ttsx_w8a8": ([P, I, I64, I64, I64, P, P, I64, P, P, I], None),
         "ttsx_packed4_bytes": ([I64, I64], I64), "ttsx_pack4": ([P, P, I64, I64, P], None),
         "ttsx_w4a8": ([P, I, I64, I64, I64, P, I64, P, I], None), "ttsx_read": ([P, I64], I64),
-        "ttsx_read_claim": ([P, I64], I64)}
+        "ttsx_read_claim": ([P, I64], I64), "ttsx_set_share": ([I], I), "ttsx_claim_chunk": ([I64, I64, I], I64)}
     for name, (args, res) in types.items():
         if source is not None and not hasattr(lib, name):
             continue   # an older checkout's source (bench_matmuls --base) lacks the newer functions
@@ -161,10 +161,14 @@ def asked_level() -> int | None:
 def sync_level(lib: ctypes.CDLL) -> None:
     """Give another library built from this source (fused_step, predictor_frame, any file that includes
     cpu_ext.cpp) the level the kernels run at here, now and after every `set_level`, so one process never mixes
-    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA).
-    A loader calls it once, right after loading the library."""
+    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA), and the
+    way its matmuls share work between threads (`set_share`). A loader calls it once, right after loading the
+    library."""
     lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [ctypes.c_int], ctypes.c_int
     lib.ttsx_set_level(int(_state.get("level", 99)))
+    if hasattr(lib, "ttsx_set_share"):   # and the way its matmuls share work between threads (`set_share`)
+        lib.ttsx_set_share.argtypes, lib.ttsx_set_share.restype = [ctypes.c_int], ctypes.c_int
+        lib.ttsx_set_share(SHARES[_state.get("share", "split")])
     if all(other is not lib for other in _synced):
         _synced.append(lib)
 
@@ -279,6 +283,8 @@ def library() -> ctypes.CDLL | None:
                     _state["why"] = f"{type(e).__name__}: {e}"[:300]
                     log.warning("tts_engine: own CPU kernels not used (%s); aten's kernels serve", _state["why"])
             _state["lib"] = lib
+    if _state["lib"] is not None and "share" not in _state:
+        _choose_share()
     return _state["lib"]
 
 
@@ -315,6 +321,120 @@ def reset() -> None:
     """Forget the loaded state (tests: a later `library()` tries again)."""
     with _lock:
         _state.clear()
+
+
+# --- how a call shares its output blocks between torch's threads ---------------------------------------------------
+# cpu_ext.cpp share_units: "split" (at::parallel_for's fixed parts: halves at two threads) or "claim" (chunks of
+# ~1/8 of a thread's share, at least 64 KB of weight, claimed from a counter: the thread on the faster or less busy
+# vCPU does more). Both give the same bits. It applies to ttsx_w8a8 / ttsx_w4a8 and to the matmuls of the fused
+# step, talker step and predictor frame where they split one matmul at a time (their team modes claim anyway).
+SHARE_ENV = "TTS_MATMUL_SHARE"   # split / claim (also 0 / 1) force one; auto (default): measured here (`_choose_share`)
+SHARES = {"split": 0, "claim": 1}
+SHARE_ROUNDS = 5                 # sweeps per mode in the trial (alternating which goes first)
+SHARE_SHAPE = (2048, 1024)       # N, K of the trial's weights (W8A8 2 MiB, W4A8 1.1 MiB each), 1 and 4 rows
+
+
+def share_setting() -> str:
+    """"split", "claim" or "auto" (env TTS_MATMUL_SHARE; 0/off/no/false: split, 1/on/yes/true: claim)."""
+    v = os.environ.get(SHARE_ENV, "auto").strip().lower()
+    v = {"0": "split", "off": "split", "no": "split", "false": "split",
+         "1": "claim", "on": "claim", "yes": "claim", "true": "claim"}.get(v, v)
+    return v if v in SHARES else "auto"
+
+
+def share() -> str:
+    """The way W8A8 / W4A8 calls share work between threads in this process: "split" or "claim"."""
+    library()
+    return _state.get("share", "split")
+
+
+def set_share(mode: str) -> str:
+    """Share work as `mode` ("split" / "claim") from now on, in this library and every library built beside it
+    (benchmarks' A/B, tests, the trial) -> the mode before."""
+    lib = library()
+    assert lib is not None and mode in SHARES
+    was = _state.get("share", "split")
+    _state["share"] = mode
+    lib.ttsx_set_share(SHARES[mode])
+    _sync_loaded()
+    return was
+
+
+def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) -> dict[str, float]:
+    """{"split": s, "claim": s}: the fastest of `rounds` sweeps (modes alternating which goes first) over W8A8 and
+    W4A8 weights of SHARE_SHAPE rotated over `total_bytes` (default: the kernel table's, more than the L3), one and
+    four activation rows each, so every call reads its weight from memory. The mode is restored afterwards."""
+    from . import kernels
+
+    N, K = SHARE_SHAPE
+    w8, w4 = packed_bytes(N, K), packed4_bytes(N, K)
+    n = max(4, (total_bytes or kernels.rotate_bytes()) // (w8 + w4))
+    buf = torch.full((n * (w8 + w4),), 0x3C, dtype=torch.uint8)   # touched once: no page faults in the sweeps
+    weights = [(buf[i * (w8 + w4): i * (w8 + w4) + w8], buf[i * (w8 + w4) + w8: (i + 1) * (w8 + w4)]) for i in range(n)]
+    s127 = torch.full((N,), 1e-4)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(m, K, generator=g) for m in (1, 4)]
+    best = {m: float("inf") for m in SHARES}
+    was = _state.get("share", "split")
+    try:
+        with torch.inference_mode():
+            for r in range(rounds):
+                for mode in (list(SHARES) if r % 2 == 0 else list(SHARES)[::-1]):
+                    set_share(mode)
+                    t0 = time.perf_counter()
+                    for p8, p4 in weights:
+                        for x in xs:
+                            w8a8(x, p8, s127, N)
+                            w4a8(x, p4, N)
+                    best[mode] = min(best[mode], time.perf_counter() - t0)
+    finally:
+        set_share(was)
+    return best
+
+
+def _share_key() -> dict:
+    from . import kernels
+
+    return {"machine": kernels.machine_key(), "shape": list(SHARE_SHAPE)}
+
+
+def _choose_share() -> None:
+    """The process's share mode (`share`): TTS_MATMUL_SHARE where it forces one; else what was measured before on
+    this machine (remembered_choice, key: the kernel table's machine key), else the trial now (`measure_share`,
+    ~0.1-0.3 s once per machine) when kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
+    with _share_lock:
+        if "share" in _state:
+            return
+        _state["share"] = "split"
+        mode, why = share_setting(), f"{SHARE_ENV}={os.environ.get(SHARE_ENV, '')}"
+        try:
+            from .. import remembered_choice
+            from . import kernels
+
+            if mode == "auto":
+                mode, why = "split", f"not measured ({kernels.TUNE_ENV}=0)"
+                if torch.get_num_threads() < 2:
+                    why = "one thread"
+                elif kernels.tuning_enabled():
+                    key = _share_key()
+                    path = remembered_choice.path_for("matmul_share", key)
+                    got = remembered_choice.recall(path, key, tuple(SHARES))
+                    if got is not None:
+                        mode, why = got["choice"], f"measured before: {got['why']}"
+                    else:
+                        t = measure_share()
+                        mode = "claim" if t["claim"] < t["split"] else "split"
+                        why = f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep"
+                        remembered_choice.remember(path, key, mode, why)
+                        log.info("tts_engine: W8A8/W4A8 calls share work by %s (%s)", mode, why)
+        except Exception as e:   # the trial must never take the kernels down: split, as before
+            mode, why = "split", f"trial failed: {type(e).__name__}: {e}"[:200]
+            log.warning("tts_engine: %s", why)
+        set_share(mode)
+        _state["share_why"] = why
+
+
+_share_lock = threading.RLock()
 
 
 # --- the W8A8 layer -----------------------------------------------------------------------------------------------
