@@ -21,8 +21,10 @@ and takes the packed conv of the model's dtype from then on.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
@@ -71,12 +73,46 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+# --- a batch in one call: each row with its own scale and zero point, the same bits as row by row ---------------
+ROWS_SOURCE = Path(cpu_ext.__file__).with_name("codec_int8_rows.cpp")
+
+
+def _declare(lib) -> None:
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ttsc_quant_rows.argtypes, lib.ttsc_quant_rows.restype = [P, I, I64, I64, P, P, I], None
+    lib.ttsc_int8_epilogue.argtypes = [P, I64, I64, I64, P, P, P, P, P, I, P, P, P, I]
+    lib.ttsc_int8_epilogue.restype = None
+    lib.ttsx_snake_isa.restype = I
+
+
+rows_library = cpu_ext.Beside(ROWS_SOURCE, _declare)
+_rows_state: dict = {}
+
+
+def batched_available() -> bool:
+    """Whether one call can convolve a batch with per-row scales here (our epilogue kernel builds and oneDNN's int8
+    convolution exists); False for good after a failure."""
+    if "ok" not in _rows_state:
+        try:
+            lib = rows_library() if available() else None
+            _rows_state["isa"] = None if lib is None else int(lib.ttsx_snake_isa())
+            _rows_state["ok"] = lib is not None
+        except Exception as e:   # noqa: BLE001 - no compiler, a CPU without AVX2: the row-by-row calls stay
+            log.info("codec: int8 convolutions stay row by row (%s)", e)
+            _rows_state["ok"] = False
+    return _rows_state["ok"]
+
+
 # Output positions (samples of one row) of one call below which the int8 convolution is not used (the call takes the
 # packed bf16/fp32 conv instead): on a 2-core Zen 4 (1 thread, torch 2.13) oneDNN's u8 x s8 conv took 2x the packed
 # bf16 conv's time at 32 positions (a one-stream first chunk in the first decoder block) and 0.75x at 160, 0.5x at
 # 1700 and more (the weight-read-bound small calls gain nothing from int8 here; the compute-bound large ones do).
 # The default where nothing was measured (`int8_threshold`: TTS_KERNEL_TUNE=0, or before it ran).
 MIN_POSITIONS = 128
+
+# Output positions per row up to which a call of several rows runs as ONE oneDNN call (`Int8Conv.int8_batch`), above
+# which row by row. Placeholder until measured.
+BATCH_UP_TO = 1 << 30
 
 
 class Int8Conv:
@@ -87,6 +123,7 @@ class Int8Conv:
     and convolved one by one (the module's doc)."""
 
     min_positions: int | None = None   # set from the measured threshold of this conv (`int8_threshold`)
+    batch_max_positions: int | None = None   # a batch in one call up to this many positions per row (None: BATCH_UP_TO)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, max_len: int):
         from .packed_conv import PackedConv
@@ -99,6 +136,7 @@ class Int8Conv:
         self.bias = bias
         self.dilation, self.groups, self.max_len = int(dilation), int(groups), int(max_len)
         self._packed = None
+        self._ones = self._sumw = None          # (int8_batch: unit scales, and each output channel's weight sum)
         self._lock = threading.Lock()
         self.broken = False
 
@@ -131,8 +169,14 @@ class Int8Conv:
         least = MIN_POSITIONS if self.min_positions is None else self.min_positions
         if self.broken or x.shape[-1] - (k - 1) * self.dilation < least:
             return self.fallback(x, add)
+        x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)       # [B, C, 1, L], time-major
+        if x.shape[0] > 1 and x.shape[-1] - (k - 1) * self.dilation <= self.batch_up_to() and batched_available():
+            try:
+                return self.int8_batch(x4, add)
+            except Exception as e:   # noqa: BLE001 - never fatal: the row-by-row calls from now on
+                log.warning("codec: int8 convolution of a batch in one call failed (%s); row by row", e)
+                _rows_state["ok"] = False
         try:
-            x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)   # [B, C, 1, L], time-major
             rows = [self.int8_row(x4[i:i + 1]) for i in range(x4.shape[0])]      # each row on its own
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
             log.warning("codec: int8 oneDNN convolution unavailable (%s); using the %s path", e, x.dtype)
@@ -140,6 +184,45 @@ class Int8Conv:
             return self.fallback(x, add)
         y = (rows[0] if len(rows) == 1 else torch.cat(rows)).squeeze(2)          # (channels-last kept)
         return y if add is None else y + add
+
+    def batch_up_to(self) -> int:
+        """Output positions per row up to which a batch takes one call (`int8_batch`), else row by row."""
+        return BATCH_UP_TO if self.batch_max_positions is None else self.batch_max_positions
+
+    def int8_batch(self, x4: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [B, C_in, 1, L] (channels-last) -> conv [B, C_out, L_out] (+ add) in x4's dtype, in ONE oneDNN call
+        with each row's own scale and zero point: the same bits as `int8_row` row by row (codec_int8_rows.cpp)."""
+        lib, isa = rows_library(), _rows_state["isa"]
+        B, C, _, L = x4.shape
+        bf16 = int(x4.dtype == torch.bfloat16)
+        q = torch.empty_like(x4, dtype=torch.uint8)                              # (x4's channels-last strides)
+        sz = torch.empty(B, 2, dtype=torch.float32)                              # per row: scale, zero point
+        lib.ttsc_quant_rows(x4.data_ptr(), bf16, B, C * L, q.data_ptr(), sz.data_ptr(), isa)
+        zps = sz[:, 1].to(torch.int32)
+        z = int(zps.median())                                                    # the call's one zero point
+        if self._ones is None:
+            self._ones = torch.ones(self.c_out, dtype=torch.float32)
+            self._sumw = self.qw4.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32).contiguous()
+        f = torch.ops.onednn.qconv_pointwise(   # int32 sums of (q - z) * w as fp32 (scales 1, no bias)
+            q, 1.0, z, self._weight(), self._ones, self.w_zps, None, [1, 1], [0, 0], [1, self.dilation],
+            self.groups, 1.0, 0, torch.float32, "none", [], "")
+        f = f.contiguous(memory_format=torch.channels_last)                      # [B, C_out, 1, L_out]
+        lo = f.shape[-1]
+        y = torch.empty(B, lo, self.c_out, dtype=x4.dtype)                      # time-major
+        fused = add is not None and add.dtype == x4.dtype and add.shape == (B, self.c_out, lo) and \
+            add.transpose(1, 2).is_contiguous()
+        dz = (z - zps).contiguous()
+        scales = sz[:, 0].contiguous()
+        bad = torch.zeros(B, dtype=torch.int32)
+        b = self._bias
+        lib.ttsc_int8_epilogue(f.data_ptr(), B, lo, self.c_out, dz.data_ptr(), scales.data_ptr(),
+                               self._sumw.data_ptr(), self.w_scales.data_ptr(), None if b is None else b.data_ptr(),
+                               bf16, add.data_ptr() if fused else None, y.data_ptr(), bad.data_ptr(), isa)
+        y = y.transpose(1, 2)                                                    # [B, C_out, L_out]
+        for r in bad.nonzero().flatten().tolist():   # a sum beyond fp32's exact integers: this row alone
+            yr = self.int8_row(x4[r:r + 1]).squeeze(2)
+            y[r:r + 1].copy_(yr if not fused else yr + add[r:r + 1])
+        return y if add is None or fused else y + add
 
     def int8_row(self, x4: torch.Tensor) -> torch.Tensor:
         """One row [1, C_in, 1, L] (channels-last) -> [1, C_out, 1, L_out] in its dtype, through oneDNN in int8."""
