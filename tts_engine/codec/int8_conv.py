@@ -12,8 +12,13 @@ take the packed conv of the model's dtype instead.
 Row by row: each row of a batch is quantised and convolved on its own (one oneDNN call per row), so a stream's audio
 does not depend on which other streams' chunks it was decoded with (one scale for the whole batch would make it
 depend on their loudness, and a batch's total length would pick the path): decoding in a batch gives the samples
-of decoding alone. The convolutions are compute bound at the lengths that take this path, so the calls per row
-cost about what one batched call does.
+of decoding alone. The rows of a batch run either in one oneDNN call per row, or in ONE call for the batch
+(`int8_batch`): each row quantised with its own scale and zero point, oneDNN's int32 sums of all rows given as fp32
+with scales 1 and one zero point, and our epilogue (`model/codec_int8_rows.cpp`) finishing each row with its own
+zero point, scale and bias in the very fp32 operations of oneDNN's epilogue: the same bits as the row's own call (a
+row whose sums pass 2^24, beyond fp32's exact integers, is redone with its own call). Which way is faster depends on
+the call's size (the row calls' fixed costs against the fp32 sums' memory traffic) and on the CPU, so each conv
+measures both as it runs (`PathClock`; TTS_CODEC_INT8_BATCH=rows|batched forces one).
 
 Lossy: its error against the fp32 decoder is measured (`codec.quality`) before it may be chosen automatically
 (`dtype_choice`). Any failure of the oneDNN calls (a torch without these ops) turns the conv's int8 path off for good
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -110,9 +117,71 @@ def batched_available() -> bool:
 # The default where nothing was measured (`int8_threshold`: TTS_KERNEL_TUNE=0, or before it ran).
 MIN_POSITIONS = 128
 
-# Output positions per row up to which a call of several rows runs as ONE oneDNN call (`Int8Conv.int8_batch`), above
-# which row by row. Placeholder until measured.
-BATCH_UP_TO = 1 << 30
+# Which way a call of several rows runs: "auto" (default) measures both per conv as the decoder runs (`PathClock`),
+# "rows" always one oneDNN call per row, "batched" always one call for the batch (where it can run here).
+BATCH_ENV = "TTS_CODEC_INT8_BATCH"
+
+
+def batch_setting() -> str:
+    v = os.environ.get(BATCH_ENV, "auto").strip().lower()
+    return v if v in ("rows", "batched") else "auto"
+
+
+class PathClock:
+    """Per conv: whether a call of B rows x L output positions runs faster row by row or as one batched call,
+    measured as the decoder runs (both give the same bits, so a switch changes nothing but time). Calls are keyed by
+    (B, L's power of two) and timed per output position; each way is timed WARM times first, then the faster (running
+    average, weight ALPHA) is taken, and the other is timed again every `interval` calls of the key (EXPLORE, doubled
+    up to MAX_INTERVAL while it stays slower). On a 2-core Zen 4 (one thread, bf16, four rows) one call took 0.5-0.7x
+    the row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32
+    sums of all rows no longer stay in the cache)."""
+
+    WARM, EXPLORE, MAX_INTERVAL, ALPHA = 2, 8, 64, 0.3
+
+    def __init__(self):
+        self._keys: dict = {}
+
+    @staticmethod
+    def key(rows: int, positions: int) -> tuple:
+        return rows, int(positions).bit_length()
+
+    def batched(self, key: tuple) -> bool:
+        """Run this call as one batched call?"""
+        s = self._keys.get(key)
+        if s is None:
+            s = self._keys[key] = {"ema": [None, None], "n": [0, 0], "calls": 0, "interval": self.EXPLORE,
+                                   "next": self.EXPLORE}
+        s["calls"] += 1
+        for way in (1, 0):
+            if s["n"][way] < self.WARM:
+                return bool(way)
+        best = self._best(s)
+        if s["calls"] >= s["next"]:
+            s["next"] = s["calls"] + s["interval"]
+            return not best
+        return bool(best)
+
+    def record(self, key: tuple, batched: bool, seconds_per_position: float) -> None:
+        s = self._keys.get(key)
+        if s is None:
+            return
+        way, warm = int(batched), min(s["n"]) >= self.WARM
+        before = self._best(s) if warm else None
+        e = s["ema"][way]
+        s["ema"][way] = seconds_per_position if e is None else e + self.ALPHA * (seconds_per_position - e)
+        s["n"][way] += 1
+        if before is not None and way != before:   # an exploration: soon again if it won, else less often
+            s["interval"] = self.EXPLORE if self._best(s) == way else min(2 * s["interval"], self.MAX_INTERVAL)
+
+    @staticmethod
+    def _best(s: dict) -> int:
+        return 1 if s["ema"][1] <= s["ema"][0] else 0
+
+    def snapshot(self) -> dict:
+        """{(rows, L bit length): {"rows_ns": .., "batched_ns": .. per output position, "calls": ..}} (benchmarks)."""
+        ns = lambda v: None if v is None else round(1e9 * v, 3)   # noqa: E731
+        return {k: {"rows_ns": ns(s["ema"][0]), "batched_ns": ns(s["ema"][1]), "calls": s["calls"]}
+                for k, s in self._keys.items()}
 
 
 class Int8Conv:
@@ -123,7 +192,6 @@ class Int8Conv:
     and convolved one by one (the module's doc)."""
 
     min_positions: int | None = None   # set from the measured threshold of this conv (`int8_threshold`)
-    batch_max_positions: int | None = None   # a batch in one call up to this many positions per row (None: BATCH_UP_TO)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int, max_len: int):
         from .packed_conv import PackedConv
@@ -137,6 +205,7 @@ class Int8Conv:
         self.dilation, self.groups, self.max_len = int(dilation), int(groups), int(max_len)
         self._packed = None
         self._ones = self._sumw = None          # (int8_batch: unit scales, and each output channel's weight sum)
+        self.clock = PathClock()                # a batch's calls: row by row or in one call, measured
         self._lock = threading.Lock()
         self.broken = False
 
@@ -170,24 +239,31 @@ class Int8Conv:
         if self.broken or x.shape[-1] - (k - 1) * self.dilation < least:
             return self.fallback(x, add)
         x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)       # [B, C, 1, L], time-major
-        if x.shape[0] > 1 and x.shape[-1] - (k - 1) * self.dilation <= self.batch_up_to() and batched_available():
-            try:
-                return self.int8_batch(x4, add)
-            except Exception as e:   # noqa: BLE001 - never fatal: the row-by-row calls from now on
-                log.warning("codec: int8 convolution of a batch in one call failed (%s); row by row", e)
-                _rows_state["ok"] = False
+        rows, positions = x.shape[0], x.shape[-1] - (k - 1) * self.dilation
+        way = batch_setting() if rows > 1 and batched_available() else "rows"
+        if way != "rows":
+            key = self.clock.key(rows, positions)
+            if way == "batched" or self.clock.batched(key):
+                try:
+                    t0 = time.perf_counter()
+                    y = self.int8_batch(x4, add)
+                    self.clock.record(key, True, (time.perf_counter() - t0) / (rows * positions))
+                    return y
+                except Exception as e:   # noqa: BLE001 - never fatal: the row-by-row calls from now on
+                    log.warning("codec: int8 convolution of a batch in one call failed (%s); row by row", e)
+                    _rows_state["ok"] = False
+        t0 = time.perf_counter()
         try:
-            rows = [self.int8_row(x4[i:i + 1]) for i in range(x4.shape[0])]      # each row on its own
+            out = [self.int8_row(x4[i:i + 1]) for i in range(rows)]               # each row on its own
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
             log.warning("codec: int8 oneDNN convolution unavailable (%s); using the %s path", e, x.dtype)
             self.broken = True
             return self.fallback(x, add)
-        y = (rows[0] if len(rows) == 1 else torch.cat(rows)).squeeze(2)          # (channels-last kept)
-        return y if add is None else y + add
-
-    def batch_up_to(self) -> int:
-        """Output positions per row up to which a batch takes one call (`int8_batch`), else row by row."""
-        return BATCH_UP_TO if self.batch_max_positions is None else self.batch_max_positions
+        y = (out[0] if rows == 1 else torch.cat(out)).squeeze(2)                 # (channels-last kept)
+        y = y if add is None else y + add
+        if way == "auto":
+            self.clock.record(key, False, (time.perf_counter() - t0) / (rows * positions))
+        return y
 
     def int8_batch(self, x4: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [B, C_in, 1, L] (channels-last) -> conv [B, C_out, L_out] (+ add) in x4's dtype, in ONE oneDNN call
