@@ -80,24 +80,25 @@ def test_a_row_beyond_fp32_integers_is_redone_row_by_row(monkeypatch):
     assert torch.equal(conv(x), got)
 
 
-def test_auto_takes_the_faster_way_and_keeps_timing_the_other():
+@pytest.mark.parametrize("prior", [True, False])
+def test_auto_takes_the_faster_way_and_keeps_timing_the_other(prior):
     clock = PathClock()
     key = clock.key(4, 1000)
     assert key == clock.key(4, 1023) != clock.key(4, 1024) != clock.key(2, 1000)
     seen = []
     for _ in range(200):
-        b = clock.batched(key)
+        b = clock.batched(key, prior)
         seen.append(b)
         clock.record(key, b, 1.0 if b else 2.0)    # batched twice as fast
-    assert seen[:2 * PathClock.WARM].count(True) == seen[:2 * PathClock.WARM].count(False) == PathClock.WARM
-    late = seen[2 * PathClock.WARM:]
+    assert seen[:PathClock.EXPLORE - 1] == [prior] * (PathClock.EXPLORE - 1)   # the prior first
+    late = seen[2 * PathClock.EXPLORE:]
     assert 0 < late.count(False) <= len(late) // 8   # row by row now and then only
     snap = clock.snapshot()[key]
     assert snap["batched_ns"] < snap["rows_ns"] and snap["calls"] == 200
     for _ in range(100):                           # the machine changes: row by row becomes faster
-        b = clock.batched(key)
+        b = clock.batched(key, prior)
         clock.record(key, b, 3.0 if b else 2.0)
-    assert not clock.batched(key)
+    assert not clock.batched(key, prior)
 
 
 def test_auto_mode_runs_both_ways_with_the_same_bits(monkeypatch):
@@ -105,7 +106,7 @@ def test_auto_mode_runs_both_ways_with_the_same_bits(monkeypatch):
     monkeypatch.setenv(BATCH_ENV, "auto")
     conv = _conv(64, 48, 7, 1, torch.bfloat16)
     x = _rows_input(64, 120, torch.bfloat16)
-    outs = [conv(x) for _ in range(2 * PathClock.WARM + 2)]
+    outs = [conv(x) for _ in range(2 * PathClock.EXPLORE)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     snap = conv.clock.snapshot()[PathClock.key(4, 114)]
     assert snap["rows_ns"] is not None and snap["batched_ns"] is not None

@@ -130,13 +130,15 @@ def batch_setting() -> str:
 class PathClock:
     """Per conv: whether a call of B rows x L output positions runs faster row by row or as one batched call,
     measured as the decoder runs (both give the same bits, so a switch changes nothing but time). Calls are keyed by
-    (B, L's power of two) and timed per output position; each way is timed WARM times first, then the faster (running
-    average, weight ALPHA) is taken, and the other is timed again every `interval` calls of the key (EXPLORE, doubled
-    up to MAX_INTERVAL while it stays slower). On a 2-core Zen 4 (one thread, bf16, four rows) one call took 0.5-0.7x
-    the row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32
-    sums of all rows no longer stay in the cache)."""
+    (B, L's power of two) and timed per output position. A key starts with the way `prior` says, and times the other
+    one every `interval` calls (EXPLORE, doubled up to MAX_INTERVAL while it stays slower); the faster running average
+    (weight ALPHA) is taken. On a 2-core Zen 4 (one thread, bf16, four rows, under load) one call took 0.5-0.8x the
+    row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32 sums
+    of all rows no longer stay in the cache): the prior is the batched call while those sums take at most
+    PRIOR_BYTES."""
 
-    WARM, EXPLORE, MAX_INTERVAL, ALPHA = 2, 8, 64, 0.3
+    EXPLORE, MAX_INTERVAL, ALPHA = 4, 64, 0.3
+    PRIOR_BYTES = 16 << 20
 
     def __init__(self):
         self._keys: dict = {}
@@ -145,16 +147,13 @@ class PathClock:
     def key(rows: int, positions: int) -> tuple:
         return rows, int(positions).bit_length()
 
-    def batched(self, key: tuple) -> bool:
-        """Run this call as one batched call?"""
+    def batched(self, key: tuple, prior: bool) -> bool:
+        """Run this call as one batched call? (`prior`: the guess for a key not timed yet.)"""
         s = self._keys.get(key)
         if s is None:
             s = self._keys[key] = {"ema": [None, None], "n": [0, 0], "calls": 0, "interval": self.EXPLORE,
-                                   "next": self.EXPLORE}
+                                   "next": self.EXPLORE, "prior": int(prior)}
         s["calls"] += 1
-        for way in (1, 0):
-            if s["n"][way] < self.WARM:
-                return bool(way)
         best = self._best(s)
         if s["calls"] >= s["next"]:
             s["next"] = s["calls"] + s["interval"]
@@ -165,17 +164,19 @@ class PathClock:
         s = self._keys.get(key)
         if s is None:
             return
-        way, warm = int(batched), min(s["n"]) >= self.WARM
-        before = self._best(s) if warm else None
+        way, before = int(batched), self._best(s)
         e = s["ema"][way]
         s["ema"][way] = seconds_per_position if e is None else e + self.ALPHA * (seconds_per_position - e)
         s["n"][way] += 1
-        if before is not None and way != before:   # an exploration: soon again if it won, else less often
+        if way != before:   # an exploration: soon again if it won, else less often
             s["interval"] = self.EXPLORE if self._best(s) == way else min(2 * s["interval"], self.MAX_INTERVAL)
 
     @staticmethod
     def _best(s: dict) -> int:
-        return 1 if s["ema"][1] <= s["ema"][0] else 0
+        rows, one = s["ema"]
+        if rows is None or one is None:   # the way timed so far (the prior before either is)
+            return s["prior"] if rows is None and one is None else int(rows is None)
+        return 1 if one <= rows else 0
 
     def snapshot(self) -> dict:
         """{(rows, L bit length): {"rows_ns": .., "batched_ns": .. per output position, "calls": ..}} (benchmarks)."""
@@ -243,7 +244,8 @@ class Int8Conv:
         way = batch_setting() if rows > 1 and batched_available() else "rows"
         if way != "rows":
             key = self.clock.key(rows, positions)
-            if way == "batched" or self.clock.batched(key):
+            prior = rows * positions * self.c_out * 4 <= PathClock.PRIOR_BYTES
+            if way == "batched" or self.clock.batched(key, prior):
                 try:
                     t0 = time.perf_counter()
                     y = self.int8_batch(x4, add)
