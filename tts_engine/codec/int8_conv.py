@@ -127,17 +127,24 @@ def batch_setting() -> str:
     return v if v in ("rows", "batched") else "auto"
 
 
+def _thread_clock():
+    """The clock a call is timed with: this thread's CPU time where its ops run on one intra-op thread (the codec
+    thread's: a busy machine's preemptions then do not count), else the wall clock."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 class PathClock:
     """Per conv: whether a call of B rows x L output positions runs faster row by row or as one batched call,
     measured as the decoder runs (both give the same bits, so a switch changes nothing but time). Calls are keyed by
-    (B, L's power of two) and timed per output position. A key starts with the way `prior` says, and times the other
-    one every `interval` calls (EXPLORE, doubled up to MAX_INTERVAL while it stays slower); the faster running average
+    (B, L's power of two, clock) and timed per output position (`_thread_clock`). A key starts with the way `prior` says, and times the other
+    one every `interval` calls (EXPLORE, doubled up to MAX_INTERVAL while it stays slower, x4 while it takes more
+    than FAR times the other: a short stream must not pay much for timing a way that loses); the faster running average
     (weight ALPHA) is taken. On a 2-core Zen 4 (one thread, bf16, four rows, under load) one call took 0.5-0.8x the
     row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32 sums
     of all rows no longer stay in the cache): the prior is the batched call while those sums take at most
     PRIOR_BYTES."""
 
-    EXPLORE, MAX_INTERVAL, ALPHA = 4, 64, 0.3
+    EXPLORE, MAX_INTERVAL, ALPHA, FAR = 4, 64, 0.3, 1.5
     PRIOR_BYTES = 16 << 20
 
     def __init__(self):
@@ -168,8 +175,10 @@ class PathClock:
         e = s["ema"][way]
         s["ema"][way] = seconds_per_position if e is None else e + self.ALPHA * (seconds_per_position - e)
         s["n"][way] += 1
-        if way != before:   # an exploration: soon again if it won, else less often
-            s["interval"] = self.EXPLORE if self._best(s) == way else min(2 * s["interval"], self.MAX_INTERVAL)
+        if way != before:   # an exploration: soon again if it won, else less often (far less if it lost by far)
+            other = s["ema"][before]
+            grow = 4 if other is not None and s["ema"][way] > self.FAR * other else 2
+            s["interval"] = self.EXPLORE if self._best(s) == way else min(grow * s["interval"], self.MAX_INTERVAL)
 
     @staticmethod
     def _best(s: dict) -> int:
@@ -243,18 +252,19 @@ class Int8Conv:
         rows, positions = x.shape[0], x.shape[-1] - (k - 1) * self.dilation
         way = batch_setting() if rows > 1 and batched_available() else "rows"
         if way != "rows":
-            key = self.clock.key(rows, positions)
+            clock = _thread_clock()                                              # (CPU time at one thread)
+            key = self.clock.key(rows, positions) + (clock is time.thread_time,)
             prior = rows * positions * self.c_out * 4 <= PathClock.PRIOR_BYTES
             if way == "batched" or self.clock.batched(key, prior):
                 try:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     y = self.int8_batch(x4, add)
-                    self.clock.record(key, True, (time.perf_counter() - t0) / (rows * positions))
+                    self.clock.record(key, True, (clock() - t0) / (rows * positions))
                     return y
                 except Exception as e:   # noqa: BLE001 - never fatal: the row-by-row calls from now on
                     log.warning("codec: int8 convolution of a batch in one call failed (%s); row by row", e)
                     _rows_state["ok"] = False
-        t0 = time.perf_counter()
+        t0 = clock() if way == "auto" else 0.0
         try:
             out = [self.int8_row(x4[i:i + 1]) for i in range(rows)]               # each row on its own
         except Exception as e:   # noqa: BLE001 - this torch/CPU cannot: the bf16/fp32 path from now on
@@ -264,7 +274,7 @@ class Int8Conv:
         y = (out[0] if rows == 1 else torch.cat(out)).squeeze(2)                 # (channels-last kept)
         y = y if add is None else y + add
         if way == "auto":
-            self.clock.record(key, False, (time.perf_counter() - t0) / (rows * positions))
+            self.clock.record(key, False, (clock() - t0) / (rows * positions))
         return y
 
     def int8_batch(self, x4: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
