@@ -142,7 +142,8 @@ class PathClock:
     (weight ALPHA) is taken. On a 2-core Zen 4 (one thread, bf16, four rows, under load) one call took 0.5-0.8x the
     row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32 sums
     of all rows no longer stay in the cache): the prior is the batched call while those sums take at most
-    PRIOR_BYTES."""
+    PRIOR_BYTES. The whole 0.6b decoder at four rows then took 7-15 % less CPU time per frame than row by row on
+    chunks of 1-4 frames, the same on 8, and 6 % less on 12 (where always-batched took 17 % more)."""
 
     EXPLORE, MAX_INTERVAL, ALPHA, FAR = 4, 64, 0.3, 1.5
     PRIOR_BYTES = 16 << 20
