@@ -136,8 +136,8 @@ def _thread_clock():
 class PathClock:
     """Per conv: whether a call of B rows x L output positions runs faster row by row or as one batched call,
     measured as the decoder runs (both give the same bits, so a switch changes nothing but time). Calls are keyed by
-    (B, L's power of two, clock) and timed per output position (`_thread_clock`). A key starts with the way `prior` says, and times the other
-    one every `interval` calls (EXPLORE, doubled up to MAX_INTERVAL while it stays slower, x4 while it takes more
+    (B, L's power of two, clock) and timed per output position (`_thread_clock`). A key starts with the way `prior`
+    says, and times the other one every `interval` calls (EXPLORE, doubled up to MAX_INTERVAL while it stays slower, x4 while it takes more
     than FAR times the other: a short stream must not pay much for timing a way that loses); the faster running average
     (weight ALPHA) is taken. On a 2-core Zen 4 (one thread, bf16, four rows, under load) one call took 0.5-0.8x the
     row calls' time up to ~1M outputs per row (the row calls' fixed costs), and 1.2-3.7x above ~1.5M (its fp32 sums
