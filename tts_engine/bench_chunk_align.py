@@ -62,13 +62,14 @@ def cut(starts: list[int], frames: int, align: bool, first: int = 1, cap: int = 
     return out
 
 
-def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int]:
-    """Seconds and calls to decode `plan`'s chunks of `codes` [S, 16, frames] as the worker groups them."""
+def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int, float]:
+    """Seconds, calls and this thread's CPU seconds to decode `plan`'s chunks of `codes` [S, 16, frames] as the
+    worker groups them (CPU time: at one intra-op thread, what a busy machine's preemptions leave out)."""
     from .codec.decoder import CodecDecoderState
 
     st = [dec.init_state(1) for _ in range(codes.shape[0])]
     pos, calls = [0] * codes.shape[0], 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.inference_mode():
         for _, chunks in plan:
             groups = defaultdict(list)
@@ -81,7 +82,7 @@ def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int]:
                 for k, i in enumerate(rows):
                     st[i] = s if len(rows) == 1 else s.select(torch.tensor([k]))
                     pos[i] += n
-    return time.perf_counter() - t0, calls
+    return time.perf_counter() - t0, calls, time.thread_time() - c0
 
 
 def main(argv=None) -> int:
@@ -124,16 +125,18 @@ def main(argv=None) -> int:
     start = _load()
     for r in range(a.rounds):
         for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            s, calls = run(k)
-            res[k].append((s, calls))
-            print(f"round {r} {k}: {s:.2f} s, {calls} calls ({_load()})", file=sys.stderr)
+            s, calls, cpu = run(k)
+            res[k].append((s, calls, cpu))
+            print(f"round {r} {k}: {s:.2f} s, {cpu:.2f} CPU s, {calls} calls ({_load()})", file=sys.stderr)
     print(f"Device: **{device_name(torch.device('cpu'))}** (codec at 1 thread). {a.arch} decoder, conv {a.conv}, "
           f"streams starting at frames {starts}, {a.frames} frames each; {a.rounds} interleaved rounds. {start} at the "
           f"start, {_load()} at the end.\n\nCommand: `python -m tts_engine.bench_chunk_align "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-          "| chunks cut on | codec calls | codec s, median (best) |\n|---|---|---|")
+          "| chunks cut on | codec calls | codec s, median (best) | codec CPU s, median (best) |\n|---|---|---|---|")
     for k, v in res.items():
-        print(f"| {k} | {v[0][1]} | {statistics.median(s for s, _ in v):.2f} ({min(s for s, _ in v):.2f}) |")
+        w, c = [x[0] for x in v], [x[2] for x in v]
+        print(f"| {k} | {v[0][1]} | {statistics.median(w):.2f} ({min(w):.2f}) | {statistics.median(c):.2f} "
+              f"({min(c):.2f}) |")
     return 0
 
 
