@@ -1,6 +1,7 @@
 """A batch of streams decodes each row as it would alone (`CodecDecoder.decode_step` on a joined state): the engine
 batches concurrent streams' chunks (`engine/worker.py`, chunks on shared frames), which must not change any stream's
-samples, in every conv path (aten, packed, int8: the int8 path quantises and convolves each row on its own): the same
+samples, in every conv path (aten, packed, int8: the int8 path quantises each row on its own and convolves the rows
+one by one or, `batched`, in one call with each row's scale: tests/test_codec_int8_batch.py): the same
 bits in bf16 (the CPU engine's dtype), the same up to fp32 rounding in fp32 (the pre-transformer's matrix products
 may sum in another order for another batch size; a row quantised with its batch-mates would differ by ~1e-3)."""
 from __future__ import annotations
@@ -19,20 +20,23 @@ def _dec(dtype):
 
 
 def _paths():
-    out = [("aten", torch.float32)]
+    out = [("aten", torch.float32, "rows")]
     if packed_conv.available():
-        out.append(("packed", torch.float32))
+        out.append(("packed", torch.float32, "rows"))
         if decoder._MKLDNN_BF16:
-            out.append(("packed", torch.bfloat16))
+            out.append(("packed", torch.bfloat16, "rows"))
         if int8_conv.available():
-            out += [("int8", torch.float32)] + ([("int8", torch.bfloat16)] if decoder._MKLDNN_BF16 else [])
+            ways = ["rows"] + (["batched"] if int8_conv.batched_available() else [])
+            out += [("int8", dt, w) for dt in [torch.float32] + ([torch.bfloat16] if decoder._MKLDNN_BF16 else [])
+                    for w in ways]
     return out
 
 
-@pytest.mark.parametrize("mode, dtype", _paths())
+@pytest.mark.parametrize("mode, dtype, way", _paths())
 @pytest.mark.parametrize("n", [2])
-def test_a_batch_decodes_each_row_as_alone(mode, dtype, n, monkeypatch):
+def test_a_batch_decodes_each_row_as_alone(mode, dtype, way, n, monkeypatch):
     monkeypatch.setattr(int8_conv, "MIN_POSITIONS", 0)     # (the tiny decoder's calls are small: int8 for all)
+    monkeypatch.setenv(int8_conv.BATCH_ENV, way)            # int8: a batch's rows in one call each, or all in one
     dec = _dec(dtype)
     dec.set_conv_mode(mode)
     g = torch.Generator().manual_seed(1)

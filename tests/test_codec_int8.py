@@ -105,12 +105,15 @@ def test_a_failing_int8_call_falls_back_to_the_dtypes_convolutions(monkeypatch, 
         raise RuntimeError("no int8 here")
 
     monkeypatch.setattr(int8_conv, "quantize_input", boom)
+    monkeypatch.setattr(int8_conv.Int8Conv, "int8_batch", boom)   # (a batch's rows in one call: fails too)
+    monkeypatch.setitem(int8_conv._rows_state, "ok", int8_conv.batched_available())   # (put back afterwards)
     monkeypatch.setattr(int8_conv, "MIN_POSITIONS", 0)        # (every call of this tiny decoder tries int8)
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         a, b = dec(codes), ref(codes)
     assert torch.allclose(a, b, atol=1e-4)
     assert all(m._pk8[1].broken for m in dec.int8_convs()) and "int8 oneDNN convolution unavailable" in caplog.text
+    assert not int8_conv._rows_state["ok"] or not int8_conv.available()   # the batched way is off for good too
 
 
 # --- the measured choice -----------------------------------------------------------------------------------------

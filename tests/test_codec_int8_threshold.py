@@ -73,6 +73,7 @@ def test_each_conv_takes_int8_from_its_threshold(monkeypatch):
     convs = dec.int8_convs()
     for i, m in enumerate(convs):                    # every other conv: int8 never; the rest: always
         m.int8_min_positions = 1 << 30 if i % 2 else 0
+    monkeypatch.setenv(int8_conv.BATCH_ENV, "rows")   # (the row-by-row calls, counted below)
     calls = []
     real = int8_conv.Int8Conv.int8_row
     monkeypatch.setattr(int8_conv.Int8Conv, "int8_row", lambda self, x4: (calls.append(id(self)), real(self, x4))[1])

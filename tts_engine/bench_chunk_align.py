@@ -6,6 +6,8 @@ own rule (`EngineWorker._next_chunks`, with `align_chunks` on and off) and decod
 chunks that go out at one frame with one size: one batched call) by the codec decoder of the random-weight checkpoint,
 at one intra-op thread (the codec thread's), the two cuttings interleaved round by round. Prints the chunks per
 frame, the calls and the codec seconds of each, with the load average. No model but the decoder is loaded.
+`--int8-ways rows,batched,auto` times each cutting with each way of running a batch's int8 convs (row by row, one
+call, measured per conv: `codec/int8_conv.py`, TTS_CODEC_INT8_BATCH), e.g. `--cuts shared --int8-ways rows,auto`.
 """
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ def cut(starts: list[int], frames: int, align: bool, first: int = 1, cap: int = 
     return out
 
 
-def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int]:
-    """Seconds and calls to decode `plan`'s chunks of `codes` [S, 16, frames] as the worker groups them."""
+def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int, float]:
+    """Seconds, calls and this thread's CPU seconds to decode `plan`'s chunks of `codes` [S, 16, frames] as the
+    worker groups them (CPU time: at one intra-op thread, what a busy machine's preemptions leave out)."""
     from .codec.decoder import CodecDecoderState
 
     st = [dec.init_state(1) for _ in range(codes.shape[0])]
     pos, calls = [0] * codes.shape[0], 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.inference_mode():
         for _, chunks in plan:
             groups = defaultdict(list)
@@ -79,7 +82,7 @@ def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int]:
                 for k, i in enumerate(rows):
                     st[i] = s if len(rows) == 1 else s.select(torch.tensor([k]))
                     pos[i] += n
-    return time.perf_counter() - t0, calls
+    return time.perf_counter() - t0, calls, time.thread_time() - c0
 
 
 def main(argv=None) -> int:
@@ -89,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=60, help="frames per stream")
     p.add_argument("--conv", default="int8", choices=["aten", "packed", "int8"], help="the decoder's conv path")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cuts", default="shared,own", help="comma list: chunks cut on shared frames, on own schedules")
+    p.add_argument("--int8-ways", default="", help="comma list of TTS_CODEC_INT8_BATCH ways (rows, batched, auto)")
     a = p.parse_args(argv)
     starts = [int(x) for x in a.starts.split(",")]
     os.environ.setdefault("TTS_CODEC_DTYPE", "bf16")
@@ -101,22 +106,37 @@ def main(argv=None) -> int:
     dec.set_conv_mode(a.conv)
     codes = torch.randint(0, dec.cfg.codebook_size, (len(starts), 16, a.frames),
                           generator=torch.Generator().manual_seed(0))
-    plans = {"shared frames": cut(starts, a.frames, True), "own schedules": cut(starts, a.frames, False)}
+    cuts = {"shared": ("shared frames", True), "own": ("own schedules", False)}
+    plans = {cuts[c][0]: cut(starts, a.frames, cuts[c][1]) for c in a.cuts.split(",")}
     for k, plan in plans.items():
         print(f"{k}: " + ", ".join(f"{t}: {'+'.join(str(n) for _, n, _ in c)}" for t, c in plan), file=sys.stderr)
-    decode_all(dec, plans["shared frames"], codes)   # warm-up
+    ways = [w for w in a.int8_ways.split(",") if w]
+    runs = {(f"{k}, int8 {w}" if w else k): (plan, w) for k, plan in plans.items() for w in (ways or [""])}
+
+    def run(name):
+        plan, way = runs[name]
+        if way:
+            os.environ["TTS_CODEC_INT8_BATCH"] = way
+        return decode_all(dec, plan, codes)
+
+    for k in runs:   # warm-up
+        run(k)
     res: dict = defaultdict(list)
     start = _load()
     for r in range(a.rounds):
-        for k in (list(plans) if r % 2 == 0 else list(plans)[::-1]):
-            s, calls = decode_all(dec, plans[k], codes)
-            res[k].append((s, calls))
-            print(f"round {r} {k}: {s:.2f} s, {calls} calls ({_load()})", file=sys.stderr)
+        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            s, calls, cpu = run(k)
+            res[k].append((s, calls, cpu))
+            print(f"round {r} {k}: {s:.2f} s, {cpu:.2f} CPU s, {calls} calls ({_load()})", file=sys.stderr)
     print(f"Device: **{device_name(torch.device('cpu'))}** (codec at 1 thread). {a.arch} decoder, conv {a.conv}, "
           f"streams starting at frames {starts}, {a.frames} frames each; {a.rounds} interleaved rounds. {start} at the "
-          f"start, {_load()} at the end.\n\n| chunks cut on | codec calls | codec s, median (best) |\n|---|---|---|")
+          f"start, {_load()} at the end.\n\nCommand: `python -m tts_engine.bench_chunk_align "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+          "| chunks cut on | codec calls | codec s, median (best) | codec CPU s, median (best) |\n|---|---|---|---|")
     for k, v in res.items():
-        print(f"| {k} | {v[0][1]} | {statistics.median(s for s, _ in v):.2f} ({min(s for s, _ in v):.2f}) |")
+        w, c = [x[0] for x in v], [x[2] for x in v]
+        print(f"| {k} | {v[0][1]} | {statistics.median(w):.2f} ({min(w):.2f}) | {statistics.median(c):.2f} "
+              f"({min(c):.2f}) |")
     return 0
 
 
