@@ -66,7 +66,7 @@ def build(app) -> gr.Blocks:
                         _design_tab(c, langs, examples)
             with gr.Column(scale=2, min_width=320):
                 _player_column(app, c, max_frames, default_frames)
-        gr.Markdown(_footer(models))
+        gr.Markdown(lambda: _footer(models))   # (a callable: each page load says what the engines chose by then)
         _wire(app, c)
         # voices uploaded through the API since the page was built appear when it is (re)loaded
         demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
