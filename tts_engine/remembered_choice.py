@@ -1,7 +1,7 @@
 """A choice between two code paths, measured once on this machine and remembered as a small JSON file in the cache
-folder (`cache_paths.cache_root()/<folder>/`): the fused decode step (fused vs eager) and the code predictor's frame in
-one call (frame vs Python loop) each keep theirs per key (machine, code version, model shape), so later engines load
-the answer instead of timing again."""
+folder (`cache_paths.choices_root()/<folder>/`; on a Space with persistent storage under /data): the fused decode
+step (fused vs eager) and the code predictor's frame in one call (frame vs Python loop) each keep theirs per key
+(machine, code version, model shape), so later engines load the answer instead of timing again."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-from .cache_paths import cache_root
+from .cache_paths import choices_root
 
 log = logging.getLogger("tts_engine")
 
@@ -29,7 +29,7 @@ def setting(env: str) -> str:
 def path_for(folder: str, key: dict, prefix: str = "") -> Path:
     """The file of `key` (a JSON-able dict): <cache>/<folder>/<prefix><16 hex digits of its sha1>.json."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / folder / f"{prefix}{digest}.json"
+    return choices_root() / folder / f"{prefix}{digest}.json"
 
 
 def recall(path: Path, key: dict, choices: tuple[str, ...]) -> dict | None:
