@@ -144,12 +144,15 @@ def apply(dec, dtype: torch.dtype) -> int | None:
     or on a copy in `dtype` when `dec` has another, and remembered). -> the threshold, or None (tuning off, int8
     unavailable, or the measurement failed: MIN_POSITIONS stays)."""
     if not tuning_enabled() or not int8_conv.available():
+        if int8_conv.available():
+            remembered_choice.note("codec_int8", str(int8_conv.MIN_POSITIONS), f"default: {TUNE_ENV}=0")
         return None
     key = _key(dec, dtype)
     path = remembered_choice.path_for("codec_int8", key)
     got = remembered_choice.recall(path, key, tuple(str(t) for t in CANDIDATES))
     if got is not None:
         chosen = int(got["choice"])
+        log.info("codec: int8 convolutions from %d positions per row (remembered: %s)", chosen, got["why"])
     else:
         t0 = time.perf_counter()
         try:
@@ -161,6 +164,7 @@ def apply(dec, dtype: torch.dtype) -> int | None:
         except Exception as e:   # noqa: BLE001 - never fatal: the default threshold stays
             log.warning("codec: int8 threshold not measured (%s); MIN_POSITIONS (%d) kept", e,
                         int8_conv.MIN_POSITIONS)
+            remembered_choice.note("codec_int8", str(int8_conv.MIN_POSITIONS), "default: the trial failed")
             return None
         chosen = pick(ms)
         why = f"ms per frame of a stream's first chunks {ms} (measured in {time.perf_counter() - t0:.1f} s)"
