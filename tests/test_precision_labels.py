@@ -125,8 +125,12 @@ def test_the_footer_measures_nothing_while_the_loader_does(cv, tmp_path, monkeyp
     monkeypatch.setattr(ModelLoader, "busy", lambda self, role: True)
     monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: pytest.fail("the page's thread measured"))
     with built_app(cv, tmp_path, quantize="auto") as (a, _):
-        footer = next(b for b in a.build().blocks.values() if roles.MEASURING in str(getattr(b, "value", "")))
+        demo = a.build()
+        footer = next(b for b in demo.blocks.values() if roles.MEASURING in str(getattr(b, "value", "")))
         assert "lossy" not in footer.value
         monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: ("int8", "fastest measured here (int8 9 ms)"))
         eng = a.models.registry.get("custom_voice")                 # the loader's work, done here
         assert eng.lossy and a.models.expected_choice() == (eng.precision, "fastest measured here (int8 9 ms)")
+        on_load = next(f.fn for f in demo.fns.values() if f.api_name == "ui_footer")
+        text = on_load()                                            # a page load after the engine loaded
+        assert f"precision: **{eng.precision}**" in text and "fastest measured here (int8 9 ms)" in text

@@ -67,11 +67,14 @@ def build(app) -> gr.Blocks:
                         _design_tab(c, langs, examples)
             with gr.Column(scale=2, min_width=320):
                 _player_column(app, c, max_frames, default_frames)
-        gr.Markdown(lambda: _footer(models))   # (a callable: each page load says what the engines chose by then)
+        footer = gr.Markdown(_footer(models))
         _wire(app, c)
         # voices uploaded through the API since the page was built appear when it is (re)loaded
         demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
                   queue=False, show_progress="hidden", api_visibility="undocumented")
+        # what the engines chose (measured while they loaded, after the page was first served) on each page load
+        demo.load(lambda: _footer(models), None, footer, api_name="ui_footer", queue=False, show_progress="hidden",
+                  api_visibility="undocumented")
     return demo
 
 
