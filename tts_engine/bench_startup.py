@@ -37,7 +37,8 @@ from .bench_timing import load_average
 TRIALS = (
     ("tiny checkpoints written", "tts_engine.tiny", "make_tiny", ""),
     ("engine load (all of it)", "tts_engine.engine.engine", "TTSEngine.from_pretrained", ""),
-    ("C++ extension build", "tts_engine.model.cpu_ext", "build", "engine load (all of it)"),
+    ("C++ libraries built together (wall)", "tts_engine.model.cpu_build", "build_all", "engine load (all of it)"),
+    ("C++ library builds (each, summed over threads)", "tts_engine.model.cpu_ext", "build", "engine load (all of it)"),
     ("quantize=auto pick", "tts_engine.model.auto_precision", "pick", "engine load (all of it)"),
     ("kernel table (matmul kernels per shape)", "tts_engine.model.kernels", "KernelTable.ensure", ""),
     ("codec conv choice", "tts_engine.codec.dtype_choice", "choose", "engine load (all of it)"),
