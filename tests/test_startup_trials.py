@@ -78,6 +78,7 @@ def test_every_wanted_library_is_built_at_once(monkeypatch):
         return Path("/nonexistent.so")
 
     monkeypatch.setattr(cpu_ext, "build", fake_build)
+    monkeypatch.setattr(cpu_build, "_loaded", lambda src: False)
     monkeypatch.delenv("TTS_CPU_EXT", raising=False)
     for env in ("TTS_FUSED_STEP", "TTS_PREDICTOR_FRAME", "TTS_TALKER_STEP"):
         monkeypatch.delenv(env, raising=False)
@@ -94,6 +95,25 @@ def test_every_wanted_library_is_built_at_once(monkeypatch):
     monkeypatch.setenv("TTS_CPU_EXT", "0")
     built.clear()
     assert cpu_build.build_all() == {} and built == []
+
+
+def test_a_library_this_process_has_is_not_built_again(monkeypatch):
+    built = []
+    monkeypatch.setattr(cpu_ext, "build", lambda force=False, source=None: built.append(Path(source).name))
+    from tts_engine.model import fused_step, predictor_frame, talker_step
+
+    monkeypatch.setattr(cpu_build, "_done", set())
+    monkeypatch.setattr(cpu_ext, "_state", {})                       # (as in a fresh process)
+    for m in (fused_step, predictor_frame, talker_step):
+        monkeypatch.setattr(m.library, "_lib", None)
+    monkeypatch.delenv("TTS_CPU_EXT", raising=False)
+    for env in ("TTS_FUSED_STEP", "TTS_PREDICTOR_FRAME", "TTS_TALKER_STEP"):
+        monkeypatch.delenv(env, raising=False)
+    cpu_build.build_all()
+    assert len(built) == 4
+    built.clear()
+    cpu_build.build_all()               # (another engine; in tests another cache folder): nothing compiled again
+    assert built == []
 
 
 def test_one_compile_per_library_when_threads_ask_at_once(tmp_path, monkeypatch):

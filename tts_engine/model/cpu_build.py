@@ -8,7 +8,9 @@ machine, a Space without persistent storage) each was compiled when first used: 
 once, one compiler per core (`cpu_ext.build` lets one thread compile a library and the others wait for it), and
 returns when all are done, so that the measured choices that follow (kernel table, fused step, predictor frame,
 talker step) are not timed beside a compiler. A library switched off (its environment variable, `TTS_CPU_EXT=0`)
-is not built; a failure is left for the library's own first use to report (nothing here raises)."""
+is not built, nor one this process has already built or loaded (once per process, whatever the cache folder is
+later: tests change it per test); a failure is left for the library's own first use to report (nothing here
+raises)."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +21,23 @@ from concurrent.futures import ThreadPoolExecutor
 from . import cpu_ext
 
 log = logging.getLogger("tts_engine")
+
+
+_done: set = set()   # sources this process built or loaded already (a later engine, another cache folder: skipped)
+
+
+def _loaded(src) -> bool:
+    """This process already has `src`'s library (built here, or loaded on first use)."""
+    if src in _done:
+        return True
+    if src == cpu_ext.SOURCE:
+        return "lib" in cpu_ext._state
+    from . import fused_step, predictor_frame, talker_step
+
+    for m in (fused_step, predictor_frame, talker_step):
+        if src == m.SOURCE:
+            return getattr(m.library, "_lib", None) is not None
+    return False
 
 
 def wanted(includers: bool = True) -> list:
@@ -41,7 +60,7 @@ def wanted(includers: bool = True) -> list:
 def build_all(includers: bool = True, workers: int | None = None) -> dict[str, float]:
     """Build every wanted library not built yet, `workers` compilers at once (default: one per core, at most 4).
     -> {source name: seconds of its build call} (about 0 for those already built; failed ones are left out)."""
-    sources = wanted(includers)
+    sources = [s for s in wanted(includers) if not _loaded(s)]
     if not sources:
         return {}
     took: dict[str, float] = {}
@@ -53,6 +72,7 @@ def build_all(includers: bool = True, workers: int | None = None) -> dict[str, f
         except Exception as e:   # noqa: BLE001 - the library's own first use reports it
             log.debug("tts_engine: %s not built ahead (%s)", src.name, e)
             return
+        _done.add(src)
         took[src.name] = time.perf_counter() - t
 
     t0 = time.perf_counter()
