@@ -10,8 +10,8 @@ Each run starts `python app.py` (in the checkout named, on a port of --port's ra
 folder (`--cache-dir`), `--tiny` or the benchmarks' random-weight 0.6B CustomVoice checkpoint (the one
 `python -m tts_engine.bench --arch 0.6b` builds, only the custom_voice role), polls the page until it answers 200
 ("served"), then sends one streamed `POST /v1/audio/speech` (voice ryan, pcm) and notes the first audio bytes
-("first audio", from process start; the request waits for the model to load and warm up), then a second one
-("warm first audio", from its own request). The trials are timed inside the app's process: a small wrapper
+("first audio", from process start; the request waits for the model to load and warm up; MAX_FRAMES frames at
+most), then a second one ("warm first audio", from its own request). The trials are timed inside the app's process: a small wrapper
 (`PROBE`) times the named functions of TRIALS that exist in that checkout (a trial inside another is listed with
 it, "in"), each counted once at its outermost call. Figures are the median over rounds; the load average is
 printed with them. No figure here is asserted anywhere.
@@ -51,6 +51,7 @@ TRIALS = (
     ("warm-up synthesis", "ui.roles", "Models.warm_up", ""),
 )
 TRIAL_TAG = "@@startup-trial"
+MAX_FRAMES = 24   # frames per request (random weights never end on their own)
 
 # Runs in the app's process (python -c, cwd = the checkout): wraps the functions of TRIALS that exist, then runs
 # app.py as __main__ with the arguments after "--".
@@ -119,7 +120,7 @@ def app_args(arch: str, cache: Path, port: int, checkpoint: Path | None) -> list
 def _first_audio(port: int, timeout: float) -> tuple[float, float]:
     """(seconds to the first audio bytes, seconds to the whole answer) of one streamed request."""
     body = json.dumps({"input": "Hello there, this is a cold start.", "voice": "ryan", "response_format": "pcm",
-                       "stream": True, "seed": 0}).encode()
+                       "stream": True, "seed": 0, "max_new_tokens": MAX_FRAMES}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/speech", data=body,
                                  headers={"Content-Type": "application/json"})
     t = time.perf_counter()
