@@ -14,7 +14,7 @@ conv's packed weight stays in the cache between calls and the packed path looked
 2-core Zen 4 per-conv thresholds from such timings decoded a stream 20 % slower than the old constant). There 64-512
 decoded alike (38-40 ms per frame under load, 32: 44, int8 never: 54), so 128 (`int8_conv.MIN_POSITIONS`) was no
 worse a pick (the timing picked 256 at 26.3 ms per frame against 28.1 for 128); another CPU may differ. Once per
-machine (a warm-up and at least one timed decode of 15 frames per candidate): the choice is remembered per CPU
+machine (two warm-up decodes, WARM_UP, and at least one timed decode of 15 frames per candidate): the choice is remembered per CPU
 model, torch version, decoder shape and dtype in the cache folder (`<cache>/codec_int8/`, `remembered_choice`).
 TTS_KERNEL_TUNE=0 measures nothing: MIN_POSITIONS stays.
 """
@@ -40,6 +40,9 @@ BUSY_LOAD = 1.5                    # load average per core above which a timing 
 TIE = 0.03                         # a larger threshold within 3 % of the fastest wins (fewer lossy calls)
 BEHIND = 0.10                      # after a round, a candidate this much slower than the fastest is timed no more
 BUDGET_S = 3.0                     # no round starts after this many seconds of timed rounds (one always runs)
+# the warm-up decodes with the smallest threshold (every int8 length of any candidate) and the largest (every packed
+# length): each candidate's calls are among theirs
+WARM_UP = (min(CANDIDATES), max(CANDIDATES))
 VERSION = 2
 TUNE_ENV = "TTS_KERNEL_TUNE"
 
@@ -108,7 +111,7 @@ def measure(dec) -> dict:
             try:
                 with torch.inference_mode():
                     dec.set_conv_mode("int8")
-                    for t in CANDIDATES:      # warm-up: oneDNN builds its primitives, packs weights per length
+                    for t in WARM_UP:         # warm-up: oneDNN builds its primitives, packs weights per length
                         set_threshold(dec, t)
                         time_decoder(dec)
                     best = {t: float("inf") for t in CANDIDATES}
