@@ -54,7 +54,10 @@ def test_measured_remembered_and_applied(cache, monkeypatch, fastest):
     before = torch.get_num_threads()
     assert int8_threshold.apply(dec, torch.float32) == fastest
     assert torch.get_num_threads() == before and dec.conv_mode == "aten"           # the caller's state kept
-    assert set(timed) == set(int8_threshold.CANDIDATES) and len(timed) >= 3 * len(int8_threshold.CANDIDATES)
+    # a warm-up (the smallest and largest threshold: every length of every candidate), one timed round each; the
+    # others were more than BEHIND slower: the winner alone, no more rounds
+    assert timed[:2] == [min(int8_threshold.CANDIDATES), max(int8_threshold.CANDIDATES)]
+    assert set(timed) == set(int8_threshold.CANDIDATES) and len(timed) == 2 + len(int8_threshold.CANDIDATES)
     assert all(m.int8_min_positions == fastest for m in dec.int8_convs())
     files = list(cache.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["choice"] == str(fastest)
@@ -64,6 +67,28 @@ def test_measured_remembered_and_applied(cache, monkeypatch, fastest):
     assert all(m.int8_min_positions == fastest for m in again.int8_convs())
     int8_threshold.apply(_dec(), torch.bfloat16)                                  # another dtype: timed again
     assert timed
+
+
+def test_candidates_clearly_behind_are_timed_no_more():
+    best = {64: 28.0, 128: 30.8, 256: 43.3, 512: 70.3}        # the 0.6B codec under load (module doc)
+    assert int8_threshold.still_close(best, [64, 128, 256, 512]) == [64, 128]
+    assert int8_threshold.still_close(best, [128, 256]) == [128]
+    assert int8_threshold.still_close({64: 10.0, 128: 10.9}, [64, 128]) == [64, 128]
+
+
+@needs_int8
+def test_close_candidates_get_every_round_and_the_budget_bounds_them(cache, monkeypatch):
+    timed = []
+    ms = {64: 9.0, 128: 9.2, 256: 9.4, 512: 20.0}            # 64-256 within BEHIND: timed on; 512 dropped
+    _fake_decoder_times(monkeypatch, ms, timed)
+    monkeypatch.setattr(int8_threshold, "_rounds", lambda: 3)
+    assert int8_threshold.apply(_dec(), torch.float32) == 128  # within TIE of the fastest: fewer lossy calls
+    n = len(int8_threshold.CANDIDATES)
+    assert len(timed) == 2 + n + 3 + 3 and timed.count(512) == 2
+    timed.clear()
+    monkeypatch.setattr(int8_threshold, "BUDGET_S", 0.0)      # spent after the first round: it stops there
+    int8_threshold.apply(_dec(), torch.bfloat16)
+    assert len(timed) == 2 + n
 
 
 @needs_int8

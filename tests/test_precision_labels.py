@@ -110,3 +110,27 @@ def test_the_api_labels_precision(tmp_path):
         r = httpx.post(f"{url}/v1/audio/speech", json={"model": "tts", "voice": "ryan", "input": "Hi there."},
                        timeout=120)
         assert r.status_code == 200 and r.headers["x-tts-precision"] == voices[0]["precision"] + " (lossy)"
+
+
+def test_the_footer_measures_nothing_while_the_loader_does(cv, tmp_path, monkeypatch):
+    """With --quantize auto and the models loading in the background, building the page (served at once) times no
+    kernels of its own: the footer says the choice is being measured, and a page load after the engine loaded
+    says what it runs."""
+    from tts_engine.model import auto_precision
+    from ui import roles
+    from ui.model_loader import ModelLoader
+
+    monkeypatch.setenv("TTS_CPU_DTYPE", "auto")
+    monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(ModelLoader, "busy", lambda self, role: True)
+    monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: pytest.fail("the page's thread measured"))
+    with built_app(cv, tmp_path, quantize="auto") as (a, _):
+        demo = a.build()
+        footer = next(b for b in demo.blocks.values() if roles.MEASURING in str(getattr(b, "value", "")))
+        assert "lossy" not in footer.value
+        monkeypatch.setattr(auto_precision, "pick", lambda *a, **k: ("int8", "fastest measured here (int8 9 ms)"))
+        eng = a.models.registry.get("custom_voice")                 # the loader's work, done here
+        assert eng.lossy and a.models.expected_choice() == (eng.precision, "fastest measured here (int8 9 ms)")
+        on_load = next(f.fn for f in demo.fns.values() if f.api_name == "ui_footer")
+        text = on_load()                                            # a page load after the engine loaded
+        assert f"precision: **{eng.precision}**" in text and "fastest measured here (int8 9 ms)" in text

@@ -38,3 +38,19 @@ def test_the_switch_that_forces_a_choice(monkeypatch):
         assert rc.setting("TTS_SOME_CHOICE") == want, v
     monkeypatch.delenv("TTS_SOME_CHOICE")
     assert rc.setting("TTS_SOME_CHOICE") == "auto"
+
+
+def test_each_choice_is_listed_with_how_it_came(tmp_path, monkeypatch):
+    """`made()` (the app's footer): what this process chose, measured now or remembered from an earlier start."""
+    monkeypatch.setenv("TTS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(rc, "_made", {})
+    key = {"k": 1}
+    p = rc.path_for("fused_step", key, prefix="talker-")
+    rc.remember(p, key, "fused", "timed")
+    assert rc.made() == {"fused_step talker": "fused (measured now)"}
+    q = rc.path_for("codec_int8", key)
+    assert rc.recall(q, key, ("64",)) is None and "codec_int8" not in rc.made()
+    rc.remember(q, key, "64", "timed")
+    monkeypatch.setattr(rc, "_made", {})
+    assert rc.recall(q, key, ("64",))["choice"] == "64"
+    assert rc.made() == {"codec_int8": "64 (remembered)"}

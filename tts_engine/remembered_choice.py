@@ -1,7 +1,7 @@
 """A choice between two code paths, measured once on this machine and remembered as a small JSON file in the cache
-folder (`cache_paths.cache_root()/<folder>/`): the fused decode step (fused vs eager) and the code predictor's frame in
-one call (frame vs Python loop) each keep theirs per key (machine, code version, model shape), so later engines load
-the answer instead of timing again."""
+folder (`cache_paths.choices_root()/<folder>/`; on a Space with persistent storage under /data): the fused decode
+step (fused vs eager) and the code predictor's frame in one call (frame vs Python loop) each keep theirs per key
+(machine, code version, model shape), so later engines load the answer instead of timing again."""
 from __future__ import annotations
 
 import hashlib
@@ -10,9 +10,10 @@ import logging
 import os
 from pathlib import Path
 
-from .cache_paths import cache_root
+from .cache_paths import choices_root
 
 log = logging.getLogger("tts_engine")
+_made: dict[str, str] = {}   # what this process chose, for the app's footer and the log (`note`, `made`)
 
 
 def setting(env: str) -> str:
@@ -29,7 +30,7 @@ def setting(env: str) -> str:
 def path_for(folder: str, key: dict, prefix: str = "") -> Path:
     """The file of `key` (a JSON-able dict): <cache>/<folder>/<prefix><16 hex digits of its sha1>.json."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / folder / f"{prefix}{digest}.json"
+    return choices_root() / folder / f"{prefix}{digest}.json"
 
 
 def recall(path: Path, key: dict, choices: tuple[str, ...]) -> dict | None:
@@ -41,12 +42,14 @@ def recall(path: Path, key: dict, choices: tuple[str, ...]) -> dict | None:
         return None
     if not isinstance(got, dict) or got.get("key") != key or got.get("choice") not in choices:
         return None
+    note(_name(path), got["choice"], "remembered")
     return {"choice": got["choice"], "why": got.get("why", "")}
 
 
 def remember(path: Path, key: dict, choice: str, why: str) -> None:
     """Write the choice for `key` to `path` (whole or not at all: a temporary file renamed); a folder that cannot be
     written costs one log line, never an error."""
+    note(_name(path), choice, "measured now")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -54,3 +57,20 @@ def remember(path: Path, key: dict, choice: str, why: str) -> None:
         tmp.replace(path)
     except OSError as err:
         log.info("choice not saved to %s: %s", path, err)
+
+
+def _name(path: Path) -> str:
+    """"fused_step talker" for <cache>/fused_step/talker-<digest>.json, "codec_int8" for <cache>/codec_int8/<digest>."""
+    prefix = path.name[:-len("0123456789abcdef.json")].rstrip("-")
+    return f"{path.parent.name} {prefix}".strip()
+
+
+def note(name: str, choice: str, how: str) -> None:
+    """Record that this process uses `choice` for `name`, and how it came ("measured now", "remembered",
+    "default (...)"): `made()` lists them for the app's footer."""
+    _made[name] = f"{choice} ({how})"
+
+
+def made() -> dict[str, str]:
+    """{name: "choice (how)"} of every choice this process made through here, in the order they were made."""
+    return dict(_made)

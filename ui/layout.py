@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from tts_engine import remembered_choice
 from tts_engine.voices import blend as blendlib
 
 from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
@@ -66,11 +67,14 @@ def build(app) -> gr.Blocks:
                         _design_tab(c, langs, examples)
             with gr.Column(scale=2, min_width=320):
                 _player_column(app, c, max_frames, default_frames)
-        gr.Markdown(_footer(models))
+        footer = gr.Markdown(_footer(models))
         _wire(app, c)
         # voices uploaded through the API since the page was built appear when it is (re)loaded
         demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
                   queue=False, show_progress="hidden", api_visibility="undocumented")
+        # what the engines chose (measured while they loaded, after the page was first served) on each page load
+        demo.load(lambda: _footer(models), None, footer, api_name="ui_footer", queue=False, show_progress="hidden",
+                  api_visibility="undocumented")
     return demo
 
 
@@ -117,6 +121,9 @@ def _footer(models) -> str:
         why = models.expected_choice()[1] if hasattr(models, "expected_choice") else ""
         if why:
             rows.append(f"chosen by `--quantize auto`: {why}")
+    made = remembered_choice.made()   # the code paths this process measured (now or on an earlier start) or defaulted
+    if made:
+        rows.append("choices on this CPU: " + ", ".join(f"{k}: {v}" for k, v in made.items()))
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
             "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")

@@ -20,6 +20,8 @@ from tts_engine.voices.voice import Voice
 from .config import NATIVE, ROLE_LABEL, ROLES, AppConfig
 
 log = logging.getLogger("qwen3_tts_live")
+# the footer's precision while `--quantize auto` is measured in the background (no "weights" in it: not lossy yet)
+MEASURING = "chosen by `--quantize auto` while the models load (measured on this CPU; reload the page to see it)"
 
 
 @dataclass
@@ -157,10 +159,20 @@ class Models:
         return self.expected_choice()[0]
 
     def expected_choice(self) -> tuple[str | None, str]:
-        """(precision label, why): why says what `--quantize auto` measured and chose ("" otherwise)."""
+        """(precision label, why): why says what `--quantize auto` measured and chose ("" otherwise). A loaded
+        engine says what it runs; while the models load in the background with `--quantize auto`, the page's
+        thread measures nothing (the loader does: the page is served at once, and the two would time each other's
+        load) and says so until a page load after the loader finished."""
         if self.cfg.backend:
             return None, ""
+        for role in self.roles:
+            if self.registry.loaded(role):
+                eng = self.registry.get(role)
+                return eng.precision, getattr(getattr(eng, "model", None), "quantize_why", "")
         if getattr(self, "_expected", None) is None:
+            auto = str(self.cfg.quantize or "").strip().lower() == "auto"
+            if auto and any(self.loader.busy(r) for r in self.roles):
+                return MEASURING, ""
             from tts_engine.model.qwen3_tts import expected_choice
 
             folder = next((i.folder for i in self.roles.values()), None)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 
+from .. import remembered_choice
 from . import kernels
 from .quant import available_modes
 
@@ -142,6 +144,7 @@ def pick(dense: torch.dtype, talker_cfg=None, folder: Path | None = None,
     footer and the logs."""
     table = table or kernels.kernel_table()
     talker_cfg = talker_cfg or default_talker_config()
+    timed_before, t0 = table.measured_now, time.perf_counter()
     dense_name = "bf16" if dense == torch.bfloat16 else "fp32"
     records = read_quality(folder)
     speed, rejected = {}, []
@@ -155,11 +158,16 @@ def pick(dense: torch.dtype, talker_cfg=None, folder: Path | None = None,
         if ms is not None:
             speed[mode] = ms
     if not speed:
+        remembered_choice.note("quantize auto", dense_name, "default: no kernel timings")
         return None, "no kernel timings (TTS_KERNEL_TUNE=0?): the checkpoint's own weights"
     best = min(speed, key=speed.get)
     ranked = ", ".join(f"{m or dense_name} {ms:.0f} ms" for m, ms in sorted(speed.items(), key=lambda kv: kv[1]))
     why = f"fastest measured here (matmul time per frame: {ranked})"
     if rejected:
         why += f"; {', '.join(rejected)} left out: quality against fp32 below cosine {min(MIN_COS.values())}"
+    timed = table.measured_now - timed_before
+    how = f"measured now: {timed} kernel shapes in {time.perf_counter() - t0:.1f} s" if timed else "remembered"
+    why += f" ({how})"
+    remembered_choice.note("quantize auto", best or dense_name, how)
     log.info("tts_engine: quantize=auto -> %s: %s", best or dense_name, why)
     return best, why

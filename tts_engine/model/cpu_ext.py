@@ -58,6 +58,8 @@ BLOCK_N, BLOCK_K = 16, 16        # padding of the packed layout (cpu_ext.cpp BLK
 
 _state: dict = {}
 _lock = threading.Lock()
+_build_locks: dict[Path, threading.Lock] = {}
+_build_locks_guard = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -101,6 +103,18 @@ def build(force: bool = False, source: Path | None = None) -> Path:
     out = _cache_dir() / f"{'ttsx' if own else source.stem}-{tag}.so"
     if out.exists() and not force:
         return out
+    with _build_lock(out):   # one compile per library in this process (`cpu_build` starts them all at once)
+        if out.exists() and not force:
+            return out
+        return _compile(cxx, source, out, torch_dir)
+
+
+def _build_lock(out: Path) -> threading.Lock:
+    with _build_locks_guard:   # (not `_lock`: `library()` holds that while it builds)
+        return _build_locks.setdefault(out, threading.Lock())
+
+
+def _compile(cxx: str, source: Path, out: Path, torch_dir: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
     cmd = [cxx, "-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-w", f"-I{torch_dir / 'include'}",

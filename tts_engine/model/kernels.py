@@ -12,9 +12,11 @@ How a shape is timed (DRAM-realistic, robust to a busy machine): weights of that
 buffer larger than the last-level cache (ROTATE_MIN_BYTES, or 3x the L3 where it is larger), visited in order, so
 every call reads its weight from memory as in a running model (and, for 1-2 rows of bf16, with oneDNN off as
 `ModelRunner` runs them); each call is timed alone, each weight's fastest
-call over ROUNDS rounds counts (a call that waited for a descheduled thread does not; candidates interleaved call
-by call, each on a weight it has not read for a whole round), and the lower quartile over the weights is the
-candidate's time (includes everything the layer does per call: for W8A8 quantising the
+call over up to ROUNDS rounds counts (a call that waited for a descheduled thread does not; candidates interleaved
+call by call, each on a weight it has not read for a whole round; after MIN_ROUNDS rounds a candidate DROP times slower
+than the fastest is timed no more, and the rounds stop once one candidate is ahead of every other by CLEAR, or is
+the only one, and no time moved by more than STABLE in the last round), and the lower quartile over the weights
+is the candidate's time (includes everything the layer does per call: for W8A8 quantising the
 activation and scaling the result). A candidate that raises is left out (logged); if all do, the format's default
 stands. `TTS_KERNEL_TUNE=0` measures nothing and uses the defaults.
 
@@ -65,7 +67,11 @@ MAX_DECODE_ROWS = 16                # more rows than this is a prompt prefill: n
 ROTATE_MIN_BYTES = 96 << 20         # weights visited per timing: more than most L3s (3x the L3 where larger)
 ROTATE_MAX_BYTES = 384 << 20
 MAX_COPIES = 256
-ROUNDS = 3                          # rounds over the weights (twice as many when the machine is busy)
+ROUNDS = 3                          # rounds over the weights at most (twice as many when the machine is busy)
+MIN_ROUNDS = 2                      # rounds that always run
+CLEAR = 0.25                        # after MIN_ROUNDS, a candidate this much faster than every other wins ...
+STABLE = 0.05                       # ... once no time moved by more than this in the last round: no more rounds
+DROP = 1.5                          # after MIN_ROUNDS, a candidate this many times slower than the fastest is dropped
 MIN_COPIES = 8                      # weights per timing at least (the scratch buffer grows for big shapes)
 BUSY_LOAD = 1.5                     # load average per core above which a timing takes twice the rounds
 INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an import cycle; test checks they agree)
@@ -73,8 +79,10 @@ INT4_GROUP = 64                     # quant.INT4_GROUP (kept here to avoid an im
 
 # --- the machine ----------------------------------------------------------------------------------------------
 def cache_root() -> Path:
-    """The project's cache folder: $TTS_CACHE_DIR (the app's --cache-dir), else ~/.cache/qwen3-tts-live."""
-    return cache_paths.cache_root()
+    """Where the kernel table (and the quality records, our built C++ libraries) are kept: $TTS_CACHE_DIR (the
+    app's --cache-dir), else a Hugging Face Space's persistent storage, else ~/.cache/qwen3-tts-live
+    (`cache_paths.choices_root`)."""
+    return cache_paths.choices_root()
 
 
 def cpu_identity() -> dict:
@@ -361,7 +369,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     clock = time.perf_counter
     with torch.inference_mode(), (onednn_off() if rows <= 2 and f.act_dtype == torch.bfloat16
                                   else contextlib.nullcontext()):
-        for _ in range(ROUNDS * (2 if busy else 1)):
+        for r in range(ROUNDS * (2 if busy else 1)):
             for i in range(copies):
                 for j, name in enumerate(names):   # candidates interleaved, each on a weight not read lately
                     k = (i + j * copies // len(names)) % copies
@@ -370,7 +378,20 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
                     dt = clock() - t0
                     if dt < best[name][k]:
                         best[name][k] = dt
+            now = {name: sorted(best[name])[copies // 4] for name in names}
+            if r + 1 >= MIN_ROUNDS:
+                if clearly_ahead(now) and all(abs(now[n] - last[n]) <= STABLE * now[n] for n in names):
+                    break   # the winner is settled (a lone candidate: its time no longer moves)
+                names = [n for n in names if now[n] <= DROP * min(now.values())]
+            last = now
     return {name: sorted(b)[len(b) // 4] for name, b in best.items()}
+
+
+def clearly_ahead(times: dict[str, float]) -> bool:
+    """True when the fastest of `times` beats every other by more than CLEAR (or has no rival): more rounds would
+    not change the winner."""
+    order = sorted(times.values())
+    return len(order) < 2 or order[0] * (1 + CLEAR) < order[1]
 
 
 def scratch_buffer() -> torch.Tensor:
