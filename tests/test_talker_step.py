@@ -204,3 +204,34 @@ def test_engine_synthesis_through_the_step_equals_the_python_path(step_lib, own_
             engine.close()
     assert wavs["0"].size > 0
     assert (wavs["1"] == wavs["0"]).all() and (wavs["auto"] == wavs["0"]).all()
+
+
+@torch.inference_mode()
+def test_the_bench_profile_replays_the_served_step_and_leaves_the_row_as_it_was(step_lib, own_kernels, ckpts,
+                                                                                   monkeypatch):
+    """bench.profile_frame times the talker step the engine serves (the C++ step here, not the Python path), run
+    again from the state it started in: the row's state is put back, so the stream's next frames are unchanged."""
+    from tts_engine.bench import _replay_talker_step
+
+    model = load(ckpts["0b6"], "w8a8", "bf16", monkeypatch)
+    plain, prof = runner(model, 1, monkeypatch, "1"), runner(model, 1, monkeypatch, "1")
+    for r in (plain, prof):
+        r.prefill(0, prompts(plain, 1)[0], params(1)[0])
+    calls = {"step": 0, "python": 0}
+    real_step, real_py = talker_step.StepPlan.run, type(prof)._advance_python
+    monkeypatch.setattr(talker_step.StepPlan, "run",
+                        lambda self, *a, **k: (calls.__setitem__("step", calls["step"] + 1), real_step(self, *a, **k))[1])
+    monkeypatch.setattr(type(prof), "_advance_python",
+                        lambda self, *a, **k: (calls.__setitem__("python", calls["python"] + 1), real_py(self, *a, **k))[1])
+    for f in range(8):
+        want, _ = plain.decode([0])
+        got, _ = prof.decode([0])
+        assert torch.equal(got, want), f"frame {f}"
+        before = calls["step"]
+        _replay_talker_step(prof, 0, [0], got)
+        assert calls["step"] == before + 1
+        for name in ("pos", "step", "seen", "hidden", "c0"):
+            assert torch.equal(getattr(prof, name), getattr(plain, name)), (f, name)
+    assert calls["python"] == 0
+    L = prof.host_len[0]
+    assert torch.equal(prof.cache.k[:, :, :, :L], plain.cache.k[:, :, :, :L])

@@ -140,8 +140,7 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
                 runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
                 sync()
                 b = time.perf_counter()
-                x = model.talker.frame_embed(codes)[:, None]
-                model.talker.forward_embeds(x, runner.cache, r, runner.pos[r] - 1, runner.host_len[row])
+                _replay_talker_step(runner, row, rows, codes)
                 sync()
                 c = time.perf_counter()
             acc["code_predictor_ms"] += 1000 * (b - a)
@@ -153,6 +152,22 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
     if runner.graphs is None:   # the parts are what the frame ran: the rest is sampling and host work
         out["sampling_and_host_ms"] = out["frame_total_ms"] - out["talker_ms"] - out["code_predictor_ms"]
     return out
+
+
+def _replay_talker_step(runner, row: int, rows: list[int], codes: torch.Tensor) -> None:
+    """The talker step this frame ran, run again as the engine serves it (`ModelRunner._advance`: the C++ talker
+    step where it serves, else the Python path) from the state it started in; the row's state is put back after
+    (the cache position it rewrites gets the same values)."""
+    names = ("pos", "step", "seen", "hidden", "c0")
+    saved = {n: getattr(runner, n)[row].clone() for n in names}
+    runner.pos[row] -= 1
+    runner.step[row] -= 1
+    r, cache_rows, rp = runner._rows_view(rows)
+    try:
+        runner._advance(r, cache_rows, rp, runner.host_len[row], codes)
+    finally:
+        for n, v in saved.items():
+            getattr(runner, n)[row] = v
 
 
 def frame_split_line(prof: dict, graphs: bool) -> str:
