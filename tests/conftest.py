@@ -7,8 +7,10 @@ the test then compares with tts_engine's output.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,23 +24,74 @@ def oracle_python() -> str | None:
     return exe if Path(exe).exists() else None
 
 
+class _OracleServer:
+    """tests/oracle/fork_server.py in the oracle venv: the official implementation imported once for the whole run,
+    a forked child per script (as a fresh process would run it)."""
+
+    def __init__(self, exe: str, logs: Path):
+        self.exe, self.logs, self.n, self.proc = exe, logs, 0, None
+
+    def _start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        with open(self.logs / "server.err", "w") as err:   # (the child keeps its own copy of the file)
+            self.proc = subprocess.Popen([self.exe, str(ORACLE_DIR / "fork_server.py")], cwd=ROOT, env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def run(self, script: str, args, env: dict, timeout: float) -> tuple[int, str]:
+        """-> (exit status, the script's output); status None: the server itself failed (its stderr then)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.n += 1
+        log = self.logs / f"{self.n}-{script}.log"
+        req = {"script": str(ORACLE_DIR / script), "args": list(args), "env": env, "timeout": timeout, "log": str(log)}
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()   # the server kills a child past `timeout` and answers 124
+        except OSError:
+            answer = ""
+        if not answer:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            return None, (self.logs / "server.err").read_text(errors="replace")[-8000:]
+        return json.loads(answer)["rc"], log.read_text(errors="replace") if log.exists() else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 @pytest.fixture(scope="session")
-def run_oracle():
-    """Returns run(script_name, *args) -> None; runs tests/oracle/<script_name> in the oracle venv."""
+def run_oracle(tmp_path_factory):
+    """Returns run(script_name, *args) -> None; runs tests/oracle/<script_name> in the oracle venv (in one process
+    that imports the official implementation once: `_OracleServer`; a script that fails there runs again in a
+    process of its own, and only a failure there too fails the test)."""
     exe = oracle_python()
     if exe is None:
         if os.environ.get("REQUIRE_ORACLE") == "1":
             pytest.fail("oracle venv missing: run tests/oracle/setup_venv.sh")
         pytest.skip("oracle venv missing (tests/oracle/setup_venv.sh); parity tests skipped")
+    server = _OracleServer(exe, tmp_path_factory.mktemp("oracle_logs"))
 
     def run(script: str, *args: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        rc, out = server.run(script, [str(a) for a in args], env, 900)
+        if rc == 0:
+            return
         proc = subprocess.run([exe, str(ORACLE_DIR / script), *map(str, args)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"oracle script {script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        warnings.warn(f"oracle script {script} failed in the oracle server (exit {rc}) but ran in a process of its "
+                      f"own:\n{out[-4000:]}")
 
-    return run
+    yield run
+    server.close()
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +128,13 @@ os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 # tests/test_fused_step.py, tests/test_predictor_frame.py and tests/test_talker_step.py set them per test (trial, on,
 # off) and check that the trials never change a request.
 os.environ.setdefault("TTS_FUSED_STEP", "0")
+# Our C++ kernels (cpu_ext.cpp and the files that include it: fused step, predictor frame, talker step) are built once
+# for the whole run, into the cache folder in force when the run starts: tests that give themselves a fresh cache
+# folder (TTS_CACHE_DIR=tmp, for remembered choices) and the processes they start (app servers, the emulated CPU)
+# load those builds instead of compiling again (each compile is seconds of CPU; 2-3x that on a busy machine).
+from tts_engine import cache_paths as _cache_paths  # noqa: E402  (after the settings above)
+
+os.environ.setdefault("TTS_BUILD_DIR", str(_cache_paths.cache_root() / "cpu_ext"))
 
 
 @pytest.fixture

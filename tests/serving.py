@@ -25,7 +25,9 @@ def free_port() -> int:
 def serve(app, timeout: float = 30):
     """Yields the base URL (http://127.0.0.1:PORT) while the app runs; stops it afterwards."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # at the end, connections a client keeps open (gradio_client's event stream) are closed after 1 s, not waited for
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        timeout_graceful_shutdown=1))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     deadline = time.time() + timeout

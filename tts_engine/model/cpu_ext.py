@@ -16,8 +16,8 @@ Haswell's). torch's own kernels follow their own switches (`ATEN_CPU_CAPABILITY=
 `TTS_CPU_EXT_ISA=avx2` (older name) is `TTS_CPU_ISA=avx2`.
 
 Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
-(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, one file per source, torch version and
-compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
+(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, or `$TTS_BUILD_DIR`; one file per source, torch
+version and compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
 ninja nor pybind nor torch's C++ headers beyond `ATen/Parallel.h` are needed (a `torch.utils.cpp_extension`
 module with a registered op compiles ~4x longer for the same ~1.5-2 us per call). The work of a call is split over
 output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
@@ -62,7 +62,13 @@ _build_locks: dict[Path, threading.Lock] = {}
 _build_locks_guard = threading.Lock()
 
 
+BUILD_DIR_ENV = "TTS_BUILD_DIR"  # where the built libraries go instead of the cache folder's cpu_ext/ (tests/conftest.py:
+                                 # one folder for a whole test run, whatever cache folder each test uses)
+
+
 def _cache_dir() -> Path:
+    if os.environ.get(BUILD_DIR_ENV):
+        return Path(os.environ[BUILD_DIR_ENV]).expanduser()
     from .kernels import cache_root   # kernels imports this module; import late
     return cache_root() / "cpu_ext"
 
