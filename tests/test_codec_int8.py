@@ -106,6 +106,7 @@ def test_a_failing_int8_call_falls_back_to_the_dtypes_convolutions(monkeypatch, 
 
     monkeypatch.setattr(int8_conv, "quantize_input", boom)
     monkeypatch.setattr(int8_conv.Int8Conv, "int8_batch", boom)   # (a batch's rows in one call: fails too)
+    monkeypatch.setenv(int8_conv.BATCH_ENV, "auto")                  # (both ways tried: neither may break the decoder)
     monkeypatch.setitem(int8_conv._rows_state, "ok", int8_conv.batched_available())   # (put back afterwards)
     monkeypatch.setattr(int8_conv, "MIN_POSITIONS", 0)        # (every call of this tiny decoder tries int8)
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(3))

@@ -117,14 +117,16 @@ def batched_available() -> bool:
 # The default where nothing was measured (`int8_threshold`: TTS_KERNEL_TUNE=0, or before it ran).
 MIN_POSITIONS = 128
 
-# Which way a call of several rows runs: "auto" (default) measures both per conv as the decoder runs (`PathClock`),
-# "rows" always one oneDNN call per row, "batched" always one call for the batch (where it can run here).
+# Which way a call of several rows runs: "rows" (default) one oneDNN call per row, "auto" measures both per conv as the
+# decoder runs (`PathClock`), "batched" always one call for the batch (where it can run here). The default is "rows":
+# in the lead's quiet A/B of session 10 (Zen 4, four streams of 24 and 48 frames) "auto" came out 10-13 % behind the
+# previous main while "rows" matched it, though the codec alone spent 3-15 % less CPU batched (docs/benchmarks.md).
 BATCH_ENV = "TTS_CODEC_INT8_BATCH"
 
 
 def batch_setting() -> str:
-    v = os.environ.get(BATCH_ENV, "auto").strip().lower()
-    return v if v in ("rows", "batched") else "auto"
+    v = os.environ.get(BATCH_ENV, "rows").strip().lower()
+    return v if v in ("auto", "batched") else "rows"
 
 
 def _thread_clock():
