@@ -29,13 +29,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tts_engine import EngineBusyError, TTSError
 
-from . import audio_formats, speech_ws, voices_api
-from .body_limit import BodySizeLimit
-from .limits import Limits
-from .reference import prepare_reference, transcribe_reference
-from .registry import EngineRegistry
-from .speech_request import APIError, SpeechRequest, check_request, model_role
-from .speed import StreamStretcher, change_speed
+from server import audio_formats, speech_ws, voices_api
+from server.body_limit import BodySizeLimit
+from serving.limits import Limits
+from serving.reference import prepare_reference, transcribe_reference
+from serving.registry import EngineRegistry
+from server.speech_request import APIError, SpeechRequest, check_request, model_role
+from serving.speed import StreamStretcher, change_speed
 
 log = logging.getLogger("tts_server")
 DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)

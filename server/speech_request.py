@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from . import audio_formats
-from .limits import Limits
-from .speed import SPEED_MAX, SPEED_MIN
+from server import audio_formats
+from serving.limits import Limits
+from serving.speed import SPEED_MAX, SPEED_MIN
 
 SEED_MAX = 2**63 - 1
 

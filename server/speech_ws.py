@@ -38,9 +38,9 @@ from starlette.concurrency import run_in_threadpool
 
 from tts_engine import EngineBusyError, TTSError
 
-from . import audio_formats
-from .limits import Limits
-from .text_stream import GRANULARITIES, SentenceStream
+from server import audio_formats
+from serving.limits import Limits
+from server.text_stream import GRANULARITIES, SentenceStream
 
 log = logging.getLogger("tts_server")
 LOOKAHEAD = 2                      # sentences in the engine per socket: the one spoken and the next

@@ -11,7 +11,7 @@
   GET    /v1/audio/voices          (server/openai_api.py) lists them too: `uploaded_voices`, and their names in
                                    `voices` and `data` (see `listing`)
 
-An uploaded voice is a Base-checkpoint clone (see server/voice_store.py for storage and ownership); `voice:
+An uploaded voice is a Base-checkpoint clone (see serving/voice_store.py for storage and ownership); `voice:
 "<name>"` in /v1/audio/speech uses it (`find`, `voice_for`).
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse
 
 from tts_engine import TTSError
 
-from .limits import Limits
-from .reference import prepare_reference, transcribe_reference
-from .registry import EngineRegistry
-from .voice_store import VoiceStore, VoiceStoreError
+from serving.limits import Limits
+from serving.reference import prepare_reference, transcribe_reference
+from serving.registry import EngineRegistry
+from serving.voice_store import VoiceStore, VoiceStoreError
 
 OWNER_HEADER = "x-voice-owner-token"
 

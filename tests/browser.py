@@ -114,7 +114,7 @@ def tiny_app(folder, max_new_tokens: int):
     """The app on tiny random checkpoints (CustomVoice only; --tiny mode, so the page shows the random-weights
     banner), weights loaded first, served as `python app.py` serves it (FastAPI + /v1 + the live route + Gradio) on
     loopback. Yields (url, app)."""
-    from server.limits import Limits
+    from serving.limits import Limits
     from tests.serving import serve
     from ui import AppConfig, TTSApp
     from ui.server import create_server

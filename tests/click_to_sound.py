@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tests import browser as B
 from tests.serving import app_process, wait_answering
-from tts_engine.cpu_info import cpu_info
+from tts_engine.cpu.cpu_info import cpu_info
 
 ROOT = Path(__file__).resolve().parent.parent
 

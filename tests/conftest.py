@@ -142,7 +142,7 @@ def own_kernels(monkeypatch, tmp_path):
     """W8A8 layers hold our kernels' packed layout whatever the kernel table measured (the fused step and the
     predictor frame read it); the cache folder (remembered choices) is a fresh one. For tests/test_fused_step.py,
     test_fused_team.py and test_predictor_frame.py."""
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(kernels.KernelTable, "choice",

@@ -163,9 +163,9 @@ def emulated_cpuinfo(host_text: str, view: dict) -> str:
 
 
 def patch_cpu_info(folder: Path) -> dict:
-    """Make `tts_engine.cpu_info` read the running CPU's own identity (see the module doc); -> that view. Call
+    """Make `tts_engine.cpu.cpu_info` read the running CPU's own identity (see the module doc); -> that view. Call
     before anything reads cpu_info (it caches)."""
-    from tts_engine import cpu_info
+    from tts_engine.cpu import cpu_info
 
     view = probe(probe_library(folder))
     path = folder / "cpuinfo"
@@ -191,9 +191,11 @@ def identity(view: dict | None) -> dict:
     """What the process and our code see of this CPU, and which code paths they pick."""
     import torch
 
-    from tts_engine import cpu_info
-    from tts_engine.model import cpu_ext, fused_step, quant
-    from tts_engine.model.qwen3_tts import default_dtype
+    from tts_engine.cpu import cpu_info
+    from tts_engine.model import quant
+    from tts_engine.cpu import cpu_ext
+    from tts_engine.cpu import fused_step
+    from tts_engine.loader import default_dtype
 
     torch_cpu = {n[4:-10]: bool(getattr(torch.cpu, n)()) for n in ("_is_avx2_supported", "_is_avx512_supported",
                                                                    "_is_vnni_supported", "_is_avx512_bf16_supported")
@@ -221,7 +223,8 @@ def kernel_checks() -> dict:
     layer's math is the same on every path: native and emulated must give the same bytes)."""
     import torch
 
-    from tts_engine.model import cpu_ext, kernels
+    from tts_engine.cpu import cpu_ext
+    from tts_engine.cpu import kernels
 
     out: dict = {}
     if not cpu_ext.available():
@@ -282,7 +285,7 @@ def candidate_checks() -> dict:
     out, one that executes an instruction this CPU lacks kills the process). Small weights: a correctness check."""
     import torch
 
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     kernels.register_cpu_ext()
     buf = torch.full((4 << 20,), 0x3C, dtype=torch.uint8)
@@ -314,7 +317,7 @@ def engine_check(mode: str, ckpt: Path, ref: dict | None, rows: int, frames: int
     import numpy as np
     import torch
 
-    from tts_engine import quality
+    from tts_engine.cpu import talker_quality as quality
     from tts_engine.engine.engine import TTSEngine
     from tts_engine.errors import TTSError
     from tts_engine.model.quant import decode_kernels_only
@@ -363,7 +366,8 @@ def payload(out: Path, ckpt: Path, reference: Path | None, modes, rows: int, fra
     os.environ.setdefault("TTS_PREDICTOR_FRAME", "1")  # ... and the predictor's frame in one call on top of it
     os.environ.setdefault("TTS_TALKER_STEP", "1")      # ... and the talker's step in one call
     os.environ.setdefault("TTS_KERNEL_TUNE", "0")    # no timing of 100 MB of weights per shape (minutes under TCG)
-    from tts_engine.model import cpu_ext, kernels
+    from tts_engine.cpu import cpu_ext
+    from tts_engine.cpu import kernels
 
     stage = {"start_to_payload": round(time.perf_counter() - T_START, 1)}   # the check's own durations, not speeds
     t0 = time.perf_counter()
@@ -408,7 +412,7 @@ def compare(native_dir: Path, emu_dir: Path) -> list[tuple[str, bool, str]]:
     [(what, passed, detail)]."""
     import torch
 
-    from tts_engine import quality
+    from tts_engine.cpu import talker_quality as quality
 
     nat = json.loads((native_dir / "result.json").read_text())
     emu = json.loads((emu_dir / "result.json").read_text())

@@ -49,8 +49,8 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
     from fastapi import FastAPI
 
     from server.openai_api import install
-    from server.registry import EngineRegistry
-    from server.voice_store import VoiceStore
+    from serving.registry import EngineRegistry
+    from serving.voice_store import VoiceStore
     from tts_engine.tiny import make_tiny
 
     ck = {role: str(make_tiny(folder / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
@@ -73,7 +73,7 @@ def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None):
     (e.g. to wrap engines). Yields (app, client); closes both afterwards."""
     from gradio_client import Client
 
-    from server.limits import Limits
+    from serving.limits import Limits
     from tts_engine.tiny import make_tiny
     from ui.app import TTSApp
     from ui.config import AppConfig

@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from server.limits import Limits
-from server.registry import check_name
+from serving.limits import Limits
+from serving.registry import check_name
 from tests.serving import tiny_api
 from tts_engine import TTSError
 from tts_engine.voices.voice import Voice

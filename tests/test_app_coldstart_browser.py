@@ -21,7 +21,7 @@ B.require_browser()
 
 
 def _app(tmp, gate: threading.Event | None = None):
-    from server.limits import Limits
+    from serving.limits import Limits
     from ui import AppConfig, TTSApp
 
     app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=tmp,

@@ -21,7 +21,7 @@ from ui.app import TTSApp
 from ui.config import ROOT, SENTENCE_PAUSE_S, SR, AppConfig
 from ui.handlers import guard
 from ui.text import chunk_text, split_sentences, to_int16
-from server.limits import Limits
+from serving.limits import Limits
 from tts_engine import TTSError
 from tts_engine.tiny import make_tiny
 from tts_engine.voices import blend as B

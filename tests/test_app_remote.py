@@ -7,7 +7,7 @@ import soundfile as sf
 import torch
 
 from app import AppConfig, TTSApp, parse_args
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
 from tts_engine.voices.voice import Voice
 

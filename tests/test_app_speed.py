@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from server.limits import Limits
+from serving.limits import Limits
 from tts_engine.tiny import make_tiny
 from ui.app import TTSApp
 from ui.config import AppConfig

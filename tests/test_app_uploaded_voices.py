@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.limits import Limits
+from serving.limits import Limits
 from tts_engine.tiny import make_tiny
 from ui.app import TTSApp
 from ui.config import AppConfig

@@ -1,11 +1,11 @@
-"""tts_engine/bench_engine_step.py: every variant times the same span (`ModelRunner._advance`) once per frame, with the
+"""bench/engine_step.py: every variant times the same span (`ModelRunner._advance`) once per frame, with the
 option the governor ran it with, and leaves the engine as it was."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tts_engine.bench_engine_step import VARIANTS, StepTimer, _pred, run_block, summarize
+from bench.engine_step import VARIANTS, StepTimer, _pred, run_block, summarize
 from tts_engine.engine.engine import TTSEngine
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from tts_engine import bench_peers
-from tts_engine.peers import c_engine, machine, vox
-from tts_engine.peers.ours import module_bytes
-from tts_engine.peers.table import OURS, Run, markdown, precision_class, ratios, summarize
+from bench.peers import run as bench_peers
+from bench.peers import c_engine, machine, vox
+from bench.peers.ours import module_bytes
+from bench.peers.table import OURS, Run, markdown, precision_class, ratios, summarize
 
 
 @pytest.mark.parametrize("label, cls", [

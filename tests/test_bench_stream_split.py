@@ -1,10 +1,10 @@
-"""tts_engine/bench_stream_split.py: the per-frame split of a real stream adds up to its wall time, sees the codec
+"""bench/stream_split.py: the per-frame split of a real stream adds up to its wall time, sees the codec
 thread when the engine has one, and leaves the engine as it was."""
 from __future__ import annotations
 
 import pytest
 
-from tts_engine.bench_stream_split import PARTS, split_line, stream_split
+from bench.stream_split import PARTS, split_line, stream_split
 from tts_engine.engine.engine import TTSEngine
 
 

@@ -1,10 +1,10 @@
-"""tts_engine/bench_timing.py: the benchmark scripts' lap timer, and the two scripts that use it (bench_prefill,
+"""bench/timing.py: the benchmark scripts' lap timer, and the two scripts that use it (bench_prefill,
 bench_breakdown) run end to end on a tiny random checkpoint (their tables come out, every part timed)."""
 from __future__ import annotations
 
 import pytest
 
-from tts_engine import bench_timing
+from bench import timing as bench_timing
 
 
 def test_laps_time_each_part_since_the_previous_mark(monkeypatch):
@@ -20,14 +20,14 @@ def test_laps_time_each_part_since_the_previous_mark(monkeypatch):
 
 @pytest.fixture
 def tiny_bench_cache(monkeypatch, tmp_path):
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))   # the random tiny checkpoint is written here
     return tmp_path
 
 
 def test_bench_prefill_prints_every_part(tiny_bench_cache, capsys):
-    from tts_engine import bench_prefill
+    from bench import prefill as bench_prefill
 
     assert bench_prefill.main(["--arch", "tiny", "--quantize", "none", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
@@ -36,7 +36,7 @@ def test_bench_prefill_prints_every_part(tiny_bench_cache, capsys):
 
 
 def test_bench_breakdown_prints_every_part(tiny_bench_cache, capsys, monkeypatch):
-    from tts_engine import bench_breakdown
+    from bench import breakdown as bench_breakdown
     from tts_engine.engine import worker
 
     monkeypatch.setattr(worker, "decode_group", worker.decode_group)   # the script times it (put back after)

@@ -12,10 +12,12 @@ from tts_engine import TTSError, cache_paths
 
 
 def _paths() -> dict:
-    from server.registry import EngineRegistry
-    from server.voice_store import default_folder
-    from tts_engine.codec import dtype_choice
-    from tts_engine.model import auto_precision, compiled_predictor, kernels
+    from serving.registry import EngineRegistry
+    from serving.voice_store import default_folder
+    from tts_engine.cpu import codec_dtype as dtype_choice
+    from tts_engine.cpu import auto_precision
+    from tts_engine.cpu import compiled_predictor
+    from tts_engine.cpu import kernels
     from tts_engine.voices.presets import default_cache_dir
     from ui.config import AppConfig
     from ui.roles import cache_root

@@ -4,7 +4,7 @@ apart cut their later chunks on the same frames; a first chunk, a lone stream an
 are kept."""
 from __future__ import annotations
 
-from tts_engine.bench_chunk_align import cut
+from bench.chunk_align import cut
 from tts_engine.engine.request import chunk_schedule
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_engine.codec import decoder, int8_conv, packed_conv
+from tts_engine.codec import decoder
+from tts_engine.cpu import int8_conv
+from tts_engine.cpu import packed_conv
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig, CodecDecoderState
 from tts_engine.tiny import tiny_speech_tokenizer_config
 

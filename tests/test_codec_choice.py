@@ -1,10 +1,10 @@
-"""Where a CPU engine decodes a batch's chunks (`tts_engine/engine/codec_choice.py`): the cost model, the choice per
+"""Where a CPU engine decodes a batch's chunks (`tts_engine/cpu/codec_choice.py`): the cost model, the choice per
 batch-size bucket, the warm-up and the exploration, all from fed timings (no clock)."""
 from __future__ import annotations
 
 import pytest
 
-from tts_engine.engine.codec_choice import HERE, THREAD, CodecChoice, bucket
+from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice, bucket
 
 
 def feed(c: CodecChoice, rows: int, f_idle=None, f_busy=None, c_thread=None, c_here=None, times=1):

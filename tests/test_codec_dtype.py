@@ -1,4 +1,4 @@
-"""The codec decoder's dtype on a CPU (`tts_engine/codec/dtype_choice.py`): a bf16 model's decoder is timed in bf16
+"""The codec decoder's dtype on a CPU (`tts_engine/cpu/codec_dtype.py`): a bf16 model's decoder is timed in bf16
 and fp32 once per machine and the faster kept (remembered in the cache folder); fp32 models keep fp32; the
 TTS_CODEC_DTYPE override; an engine whose decoder dtype differs from the talker's still streams."""
 from __future__ import annotations
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from tts_engine import TTSEngine
-from tts_engine.codec import decoder, dtype_choice, int8_conv, packed_conv, speech_tokenizer
+from tts_engine.codec import decoder, speech_tokenizer
+from tts_engine.cpu import codec_dtype as dtype_choice
+from tts_engine.cpu import int8_conv
+from tts_engine.cpu import packed_conv
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import make_tiny, tiny_speech_tokenizer_config
 

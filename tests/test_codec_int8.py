@@ -1,5 +1,5 @@
-"""The codec decoder's int8 convolutions (`tts_engine/codec/int8_conv.py`, conv mode "int8"), their quality check
-against fp32 (`tts_engine/codec/quality.py`) and their place in the measured choice (`dtype_choice`): eligible only
+"""The codec decoder's int8 convolutions (`tts_engine/cpu/int8_conv.py`, conv mode "int8"), their quality check
+against fp32 (`tts_engine/cpu/codec_quality.py`) and their place in the measured choice (`dtype_choice`): eligible only
 when faster AND accurate enough, forced by TTS_CODEC_CONV=int8, off with TTS_CODEC_INT8=0, and a failing oneDNN call
 falls back to the decoder's own convolutions."""
 from __future__ import annotations
@@ -10,9 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tts_engine.codec import decoder, dtype_choice, int8_conv, packed_conv, quality
+from tts_engine.codec import decoder
+from tts_engine.cpu import codec_dtype as dtype_choice
+from tts_engine.cpu import int8_conv
+from tts_engine.cpu import packed_conv
+from tts_engine.cpu import codec_quality as quality
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
-from tts_engine.model import cpu_ext
+from tts_engine.cpu import cpu_ext
 from tts_engine.tiny import tiny_speech_tokenizer_config
 
 needs_int8 = pytest.mark.skipif(not (int8_conv.available() and packed_conv.available()),
@@ -29,7 +33,7 @@ def _snr(ref, y):
 
 
 def test_weights_use_7_bits_without_vnni(monkeypatch):
-    from tts_engine import cpu_info
+    from tts_engine.cpu import cpu_info
 
     w = torch.randn(8, 4, 3)
     for flags, top in ((frozenset({"avx2", "avx512_vnni"}), 127), (frozenset({"avx2", "avx_vnni"}), 127),

@@ -1,5 +1,5 @@
 """The codec's int8 convolutions of a batch in ONE oneDNN call with each row's own scale and zero point
-(`Int8Conv.int8_batch`, tts_engine/model/codec_int8_rows.cpp) give every row the bits of the row-by-row calls
+(`Int8Conv.int8_batch`, tts_engine/cpu/csrc/codec_int8_rows.cpp) give every row the bits of the row-by-row calls
 (`int8_row`), in bf16 and fp32, with and without the residual sum, on the AVX-512 and the scalar epilogue; a row whose
 int32 sums pass fp32's exact integers is redone row by row; `PathClock` takes the faster way."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_engine.codec import int8_conv
-from tts_engine.codec.int8_conv import BATCH_ENV, Int8Conv, PathClock
+from tts_engine.cpu import int8_conv
+from tts_engine.cpu.int8_conv import BATCH_ENV, Int8Conv, PathClock
 
 pytestmark = pytest.mark.skipif(not int8_conv.batched_available(), reason="no oneDNN int8 conv or our kernels here")
 

@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from tts_engine.codec import int8_conv, int8_threshold, packed_conv
+from tts_engine.cpu import int8_conv
+from tts_engine.cpu import codec_int8_threshold as int8_threshold
+from tts_engine.cpu import packed_conv
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 from tts_engine.tiny import tiny_speech_tokenizer_config
 

@@ -224,7 +224,7 @@ def _synchronous_codec_thread(worker, monkeypatch, calls):
 
 
 def test_auto_mode_measures_both_ways_and_gives_the_serial_audio(engines, monkeypatch):
-    from tts_engine.engine.codec_choice import HERE, THREAD
+    from tts_engine.cpu.codec_choice import HERE, THREAD
 
     serial, overlap = engines
     overlap.worker.overlap_codec("auto")
@@ -256,7 +256,7 @@ def test_auto_mode_measures_both_ways_and_gives_the_serial_audio(engines, monkey
 
 
 def test_auto_mode_decodes_the_last_chunks_here_when_nothing_else_runs(engines, monkeypatch):
-    from tts_engine.engine.codec_choice import THREAD, CodecChoice
+    from tts_engine.cpu.codec_choice import THREAD, CodecChoice
 
     serial, overlap = engines
     overlap.worker.overlap_codec("auto")
@@ -300,7 +300,7 @@ def test_the_cpu_default_applies_in_16_bit_and_never_in_fp32(tiny_cv_folder, mon
 
 
 def test_bench_ab_variants_switch_the_overlap_mode(engines):
-    from tts_engine import bench_ab
+    from bench import ab as bench_ab
 
     _, overlap = engines
     try:

@@ -1,4 +1,4 @@
-"""The codec decoder's packed convolution path (tts_engine/codec/packed_conv.py, `CodecDecoder.set_conv_mode`):
+"""The codec decoder's packed convolution path (tts_engine/cpu/packed_conv.py, `CodecDecoder.set_conv_mode`):
 weights reordered once per input shape for oneDNN, channels-last activations. It must decode what the default
 ("aten") path decodes, up to float rounding, in any split of the frames, in batches of rows with different
 histories, and fall back to aten's path for inputs longer than it handles. Tolerances: fp32 relative L2 < 1e-5
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tts_engine.codec import packed_conv
+from tts_engine.cpu import packed_conv
 from tts_engine.codec.decoder import PACKED_MAX_FRAMES, CodecDecoder, CodecDecoderState
 from tests.test_codec_decoder import SPF, _codes, _maxabs, _nontrivial, _rel, _stream, tiny_cfg
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_engine.codec.decoder import SnakeBeta
-from tts_engine.model import cpu_ext
+from tts_engine.cpu import cpu_ext
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="our CPU kernels do not build/run here")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tts_engine.errors import TTSError
-from tts_engine.model import qwen3_tts as q
+from tts_engine import loader as q
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Our own CPU kernels (tts_engine/model/cpu_ext.py, cpu_ext.cpp): the fused W8A8 layer's int32 sums equal an exact
+"""Our own CPU kernels (tts_engine/cpu/cpu_ext.py, cpu_ext.cpp): the fused W8A8 layer's int32 sums equal an exact
 integer reference and its result equals the aten W8A8 path (`kernels.w8a8_int_mm`) for shapes that are and are not
 multiples of the kernel's blocks, 1-9 decode rows (every row tile) and prefill rows; a W8A8 layer that runs it holds the packed
 weight only; and when the kernels cannot be built or run, the engine keeps aten's kernels (nothing raises).
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from tts_engine.model import cpu_ext, kernels
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import kernels
 from tts_engine.model.quant import W8A8Linear
 
 

@@ -1,4 +1,4 @@
-"""tts_engine.cpu_info: the one reader of /proc/cpuinfo, and the five places that name or key the CPU through it."""
+"""tts_engine.cpu.cpu_info: the one reader of /proc/cpuinfo, and the five places that name or key the CPU through it."""
 from __future__ import annotations
 
 import platform
@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from tts_engine import cpu_info
+from tts_engine.cpu import cpu_info
 
 XEON = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n"
         "model name\t: Intel(R) Xeon(R) Platinum 8581C\n"
@@ -63,10 +63,11 @@ def test_no_proc_cpuinfo(fake_proc):
 
 
 def test_the_five_readers_go_through_cpu_info(fake_proc):
-    from tts_engine import bench
-    from tts_engine.codec import dtype_choice
-    from tts_engine.model import kernels, qwen3_tts
-    from tts_engine.peers import machine
+    from bench import speed as bench
+    from tts_engine.cpu import codec_dtype as dtype_choice
+    from tts_engine.cpu import kernels
+    from tts_engine import loader as qwen3_tts
+    from bench.peers import machine
 
     fake_proc(XEON)
     name = "Intel(R) Xeon(R) Platinum 8581C"

@@ -1,4 +1,4 @@
-"""The CPU level our kernels run at (tts_engine/model/cpu_ext.py `level`, cpu_ext.cpp `level_of_cpu`), and the lower
+"""The CPU level our kernels run at (tts_engine/cpu/cpu_ext.py `level`, cpu_ext.cpp `level_of_cpu`), and the lower
 levels forced on this CPU (`TTS_CPU_ISA`, `cpu_ext.set_level`):
 
 - the level follows cpuid; TTS_CPU_ISA (and the older TTS_CPU_EXT_ISA=avx2) lowers it, never raises it, and every
@@ -17,7 +17,9 @@ import copy
 import pytest
 import torch
 
-from tts_engine.model import cpu_ext, fused_step, kernels
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
+from tts_engine.cpu import kernels
 from tts_engine.model.quant import int4_quantize
 
 from test_cpu_ext_kernels import require_kernels
@@ -56,7 +58,7 @@ def reload(levels, monkeypatch):
 
 
 def test_the_level_follows_cpuid_and_tts_cpu_isa_only_lowers_it(reload):
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     flags = set(kernels.cpu_identity()["flags"])
     ext = reload()

@@ -34,7 +34,7 @@ def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, dir
 
 
 def test_bench_profile_table(tmp_path):
-    from tts_engine.bench import torch_profile
+    from bench.speed import torch_profile
     from tts_engine.engine.engine import TTSEngine
     from tts_engine.tiny import make_tiny
 
@@ -79,7 +79,7 @@ def _in_threads(steps):
     its own thread (a region spans two steps), and return the oneDNN switch seen after each step."""
     import threading
 
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     go = [threading.Event() for _ in steps]
     done = [threading.Event() for _ in steps]
@@ -168,7 +168,7 @@ def test_onednn_outside_is_the_process_setting_whatever_another_thread_holds():
     engine's worker) holds oneDNN off."""
     import threading
 
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
 
     before = torch._C._get_mkldnn_enabled()
     inside, leave = threading.Event(), threading.Event()
@@ -202,7 +202,7 @@ def test_chunks_between_the_halves_get_onednn_while_another_engine_holds_it_off(
     import threading
 
     from tts_engine import TTSEngine
-    from tts_engine.model import kernels
+    from tts_engine.cpu import kernels
     from tts_engine.tiny import make_tiny
 
     ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))

@@ -31,7 +31,7 @@ def _token() -> str:
 
 
 def _app(tmp, preload=True):
-    from server.limits import Limits
+    from serving.limits import Limits
     from ui import AppConfig, TTSApp
 
     app = TTSApp(AppConfig(tiny=True, device="cpu", cache_dir=tmp,

@@ -1,4 +1,4 @@
-"""The fused CPU decode step (tts_engine/model/fused_step.py, fused_step.cpp): one C++ call for every layer of a
+"""The fused CPU decode step (tts_engine/cpu/fused_step.py, fused_step.cpp): one C++ call for every layer of a
 W8A8 / W4A8 / bf16 decoder stack.
 
 - Against the eager path on the same quantised weights: hidden states and the KV cache entries it writes agree
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from tts_engine.config import DecoderStackConfig
-from tts_engine.model import cpu_ext, fused_step
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
 from tts_engine.model.layers import DecoderStack, KVCache
 from tts_engine.model.quant import quantize_module
 
@@ -340,8 +341,8 @@ def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernel
     engine decodes): the fused step's argmax matches the eager one's on most codes (random weights have nearly
     flat logits, so a free-running comparison would drift apart after the first near-tie) and its hidden states and
     logits are close."""
-    from tts_engine import quality
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.cpu import talker_quality as quality
+    from tts_engine.loader import Qwen3TTSModel
 
     if mode == "w4a8" and not cpu_ext.has_w4a8():
         pytest.skip("no W4A8 kernel here")
@@ -396,7 +397,7 @@ def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, m
 def test_governor_matmul_option_gives_the_fused_call_its_threads(fused_lib, own_kernels, monkeypatch):
     """Under the thread governor's "matmul" option (one thread outside the linear layers) the fused call, which
     holds every matmul of the stack, runs with the option's threads and puts one thread back after."""
-    from tts_engine.engine.threads import MatmulThreads
+    from tts_engine.cpu.threads import MatmulThreads
 
     stack = make_stack("w8a8")
     plan = fused_step.StackPlan(stack)
@@ -445,7 +446,7 @@ def test_the_trial_never_changes_a_request(fused_lib, own_kernels, small_ckpt, m
     requests give the same codes, and the same as an engine that serves the chosen path from its first call
     (TTS_FUSED_STEP=1 / 0): neither the results nor the KV cache entries of the trial's losing path reach a request."""
     from tts_engine.engine.engine import TTSEngine
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.loader import Qwen3TTSModel
 
     monkeypatch.delenv(fused_step.ENV, raising=False)
     _win(monkeypatch, winner)

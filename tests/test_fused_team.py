@@ -1,4 +1,4 @@
-"""The fused step's two ways of using the threads (tts_engine/model/fused_step.cpp): run_stack (one at::parallel_for
+"""The fused step's two ways of using the threads (tts_engine/cpu/csrc/fused_step.cpp): run_stack (one at::parallel_for
 per matmul) and run_team (the whole stack in one parallel region, a barrier after each matmul), and its profile.
 
 - The team paths (claim, barrier) give the split path's hidden states and KV cache entries bit for bit, at 1, 2, 4 and 16 entries,
@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 
-from tts_engine.model import cpu_ext, fused_step
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
 
 from test_fused_step import CFG, filled_cache, fused_lib, make_stack  # noqa: F401 (fixtures)
 
@@ -160,11 +161,11 @@ def test_team_setting_reads_the_env(monkeypatch):
 
 
 def test_profile_bench_prints_every_stage(fused_lib, own_kernels, tmp_path, threads):  # noqa: F811
-    """`python -m tts_engine.bench_fused_profile` on a small config: a table per stack with every stage, the
+    """`python -m bench.fused_profile` on a small config: a table per stack with every stage, the
     matmuls' GB/s and the plain read."""
     import json
 
-    from tts_engine import bench_fused_profile
+    from bench import fused_profile as bench_fused_profile
 
     stack = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32}

@@ -4,7 +4,7 @@ checked on the CPU, where a frame crosses nothing and must leave the runner's st
 import torch
 
 from tts_engine.engine.engine import TTSEngine
-from tts_engine.graph_check import crossing, host_crossings
+from bench.check import crossing, host_crossings
 
 
 def test_crossing_kinds():
@@ -30,7 +30,7 @@ def test_a_cpu_frame_crosses_nothing_and_keeps_the_state(tiny_cv_folder):
 
 
 def test_the_bench_frame_line_with_graphs_derives_no_remainder():
-    from tts_engine.bench import frame_split_line
+    from bench.speed import frame_split_line
 
     prof = {"talker_ms": 101.0, "code_predictor_ms": 134.0, "codec_ms": 30.0, "frame_total_ms": 16.5}
     line = frame_split_line(prof, graphs=True)

@@ -11,7 +11,7 @@ import torch
 
 from tts_engine import TTSEngine, TTSError
 from tts_engine.engine.cuda_graphs import EagerBuckets, buckets
-from tts_engine.graph_check import run_check
+from bench.check import run_check
 from tts_engine.tiny import make_tiny
 
 REQ = dict(text="Hello there, how are you doing today?", voice="ryan", seed=1, greedy=True, max_new_tokens=14,

@@ -1,5 +1,5 @@
-"""Matmul kernels chosen by measurement (tts_engine/model/kernels.py), the W8A8 mode (quant.W8A8Linear) and
-quantize="auto" (tts_engine/model/auto_precision.py).
+"""Matmul kernels chosen by measurement (tts_engine/cpu/kernels.py), the W8A8 mode (quant.W8A8Linear) and
+quantize="auto" (tts_engine/cpu/auto_precision.py).
 
 The table: measured once, written under the cache folder, read back without measuring; another machine's file is
 ignored; a failing candidate is left out and all failing leaves the default. W8A8 matches a float reference within
@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from tts_engine.model import auto_precision, kernels, quant
+from tts_engine.model import quant
+from tts_engine.cpu import auto_precision
+from tts_engine.cpu import kernels
 from tts_engine.model.quant import QUANT_MODES, W8A8Linear, precision_label, quantize_linear
 
 
@@ -209,8 +211,8 @@ def test_constants_agree():
 def test_quality_measure_fails_a_damaged_w8a8_talker(tmp_path, cache):
     """The teacher-forced measure that decides auto can fail: damaged W8A8 weights are not acceptable, the intact
     W8A8 talker is."""
-    from tts_engine import quality
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.cpu import talker_quality as quality
+    from tts_engine.loader import Qwen3TTSModel
     from tts_engine.tiny import make_tiny
 
     ckpt = make_tiny(tmp_path / "cv", kind="custom_voice", seed=0)

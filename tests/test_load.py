@@ -18,7 +18,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
 
 FRAMES = 6

@@ -15,7 +15,9 @@ import copy
 import pytest
 import torch
 
-from tts_engine.model import cpu_ext, fused_step, kernels
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
+from tts_engine.cpu import kernels
 from tts_engine.model.quant import int4_quantize
 
 from test_cpu_ext_kernels import require_kernels

@@ -10,7 +10,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
 
 

@@ -1,4 +1,4 @@
-"""The plain large read (tts_engine/plain_read.py): one definition of the memory floor for every bench, sized beyond
+"""The plain large read (bench/plain_read.py): one definition of the memory floor for every bench, sized beyond
 the L3, non-repeating bytes, sampled between a bench's timings and reported as a spread; the peers table's
 "% of plain read" column compares each profile's parts with the reads taken between its frames."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_engine import plain_read
-from tts_engine.peers.table import OURS, Run, markdown, summarize
-from tts_engine.plain_read import PlainRead, buffer_bytes, last_level_cache_bytes, percent
+from bench import plain_read
+from bench.peers.table import OURS, Run, markdown, summarize
+from bench.plain_read import PlainRead, buffer_bytes, last_level_cache_bytes, percent
 
 
 def test_buffer_is_a_gib_or_32_last_level_caches():
@@ -39,7 +39,7 @@ def test_fill_repeats_no_word_and_no_page():
 
 @pytest.mark.parametrize("reader", ["torch_sum", "cpu_ext", "cpu_ext_claim"])
 def test_samples_and_spread(reader):
-    from tts_engine.model import cpu_ext
+    from tts_engine.cpu import cpu_ext
 
     if reader.startswith("cpu_ext") and not cpu_ext.available():
         pytest.skip(f"cpu_ext: {cpu_ext.why_unavailable()}")
@@ -74,7 +74,7 @@ def test_every_bench_takes_the_one_definition():
         src = inspect.getsource(importlib.import_module(f"tts_engine.{name}"))
         assert "PlainRead(" in src, name
         assert "torch.ones(512" not in src and "plain_read_gbps" not in src and "read_bandwidth" not in src, name
-    from tts_engine.peers import machine
+    from bench.peers import machine
 
     assert not hasattr(machine, "read_bandwidth") and not hasattr(machine, "best_read_bandwidth")
 
@@ -133,7 +133,7 @@ class _Engine:
 
 
 def test_interleave_samples_the_read_after_every_run_and_gives_it_to_the_profiles():
-    from tts_engine import bench_peers
+    from bench.peers import run as bench_peers
 
     e, fl = _Engine(), _Floor()
     runs, profiles = bench_peers.interleave([e], [24, 48], 2, profile_frames=4, floor=fl)
@@ -145,7 +145,7 @@ def test_interleave_samples_the_read_after_every_run_and_gives_it_to_the_profile
 def test_our_engine_profile_reads_between_its_frames(tiny_cv_folder):
     """The peers bench's profile of our engine (bench.profile_frame) samples the plain read once after each
     frame's parts and returns their spread beside the parts."""
-    from tts_engine.peers.ours import OurEngine
+    from bench.peers.ours import OurEngine
 
     e = OurEngine(tiny_cv_folder, None, 16)
     try:
@@ -172,7 +172,7 @@ def test_survey_interleaves_readers_and_thread_counts():
 def test_claimed_read_reads_every_chunk():
     """ttsx_read_claim: the threads claim 1 MiB chunks; every chunk is read once whatever the thread count: the
     result (an XOR over the chunks' values) is the same at 1 and 2 threads and changes with any chunk's bytes."""
-    from tts_engine.model import cpu_ext
+    from tts_engine.cpu import cpu_ext
 
     if not cpu_ext.available():
         pytest.skip(f"cpu_ext: {cpu_ext.why_unavailable()}")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import app as app_mod
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
-from tts_engine.model import qwen3_tts
-from tts_engine.model.qwen3_tts import expected_precision
+from tts_engine import loader as qwen3_tts
+from tts_engine.loader import expected_precision
 from tts_engine.tiny import make_tiny
 from ui.app import TTSApp
 from ui.config import AppConfig
@@ -41,7 +41,7 @@ def built_app(cv, tmp_path, **cfg):
 def test_the_cpu_default_follows_native_bf16_and_the_measured_pick(monkeypatch):
     """auto: the mode `auto_precision.pick` measured fastest among the acceptable ones, on the dtype the engine
     chose; an explicit dtype (argument or TTS_CPU_DTYPE) keeps the checkpoint's weights without measuring."""
-    from tts_engine.model import auto_precision
+    from tts_engine.cpu import auto_precision
 
     asked = []
     monkeypatch.setattr(auto_precision, "pick", lambda dense, cfg=None, folder=None, table=None:
@@ -65,7 +65,7 @@ def test_the_cpu_default_follows_native_bf16_and_the_measured_pick(monkeypatch):
 
 
 def test_the_footer_says_which_mode_auto_chose_and_why(cv, tmp_path, monkeypatch):
-    from tts_engine.model import auto_precision
+    from tts_engine.cpu import auto_precision
 
     monkeypatch.setenv("TTS_CPU_DTYPE", "auto")
     monkeypatch.setattr(qwen3_tts, "cpu_has_fast_bf16", lambda: True)
@@ -116,7 +116,7 @@ def test_the_footer_measures_nothing_while_the_loader_does(cv, tmp_path, monkeyp
     """With --quantize auto and the models loading in the background, building the page (served at once) times no
     kernels of its own: the footer says the choice is being measured, and a page load after the engine loaded
     says what it runs."""
-    from tts_engine.model import auto_precision
+    from tts_engine.cpu import auto_precision
     from ui import roles
     from ui.model_loader import ModelLoader
 

@@ -1,4 +1,4 @@
-"""The code predictor's whole frame in one C++ call (tts_engine/model/predictor_frame.py, predictor_frame.cpp).
+"""The code predictor's whole frame in one C++ call (tts_engine/cpu/predictor_frame.py, predictor_frame.cpp).
 
 - The sampler alone (ttsp_choose) against sampling.choose_residual on bf16-valued logits (many equal values, so
   torch.topk's order of equal values matters): greedy and sampled rows mixed, top_k 1 / 10 / 50 / 0 (whole
@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tts_engine.model import cpu_ext, fused_step, predictor_frame
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
+from tts_engine.cpu import predictor_frame
 from tts_engine.model.sampling import RowParams, SamplingParams, choose_residual
 
 from test_cpu_ext_kernels import built
@@ -85,7 +87,7 @@ def runner_for(ckpt, mode: str, dtype: str, rows: int = 8, monkeypatch=None):
     """A ModelRunner over a tiny model with the fused step on (TTS_FUSED_STEP=1) and the predictor frame attached
     (forced on), whatever TTS_PREDICTOR_FRAME says outside."""
     from tts_engine.engine.model_runner import ModelRunner
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.loader import Qwen3TTSModel
 
     monkeypatch.setenv(fused_step.ENV, "1")
     monkeypatch.setenv(predictor_frame.ENV, "1")
@@ -260,7 +262,7 @@ def test_engine_frames_go_through_one_call(frame_lib, own_kernels, ckpts, monkey
 
 def test_forced_off_and_fp32_never_take_it(own_kernels, ckpts, monkeypatch):
     from tts_engine.engine.model_runner import ModelRunner
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.loader import Qwen3TTSModel
 
     monkeypatch.setenv(fused_step.ENV, "1")
     monkeypatch.setenv(predictor_frame.ENV, "0")
@@ -334,7 +336,7 @@ def test_the_trial_runs_when_the_runner_is_built(frame_lib, own_kernels, ckpts, 
     """With nothing remembered, building the runner times both paths (random inputs, row 0 of the predictor's
     cache) and decides: no request's frame is ever a trial frame. The next runner reads the remembered choice."""
     from tts_engine.engine.model_runner import ModelRunner
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.loader import Qwen3TTSModel
 
     monkeypatch.setenv(fused_step.ENV, "1")
     monkeypatch.delenv(predictor_frame.ENV, raising=False)

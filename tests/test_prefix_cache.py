@@ -120,7 +120,7 @@ def test_on_by_default_except_fp32(folder):
 
 
 def test_bench_ab_variant_switches_the_cache_off_and_back(folder):
-    from tts_engine.bench_ab import _switch
+    from bench.ab import _switch
 
     e = TTSEngine.from_pretrained(str(folder), device="cpu", dtype="bf16", max_batch=1)
     pc = e.runner.prefix_cache

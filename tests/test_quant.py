@@ -1,4 +1,4 @@
-"""Weight-only quantisation (tts_engine/model/quant.py) and its measured quality (tts_engine/quality.py).
+"""Weight-only quantisation (tts_engine/model/quant.py) and its measured quality (tts_engine/cpu/talker_quality.py).
 
 Unit: each quantised linear against its fp32 layer, per mode and activation dtype. Engine: the quantize option
 end to end on a tiny checkpoint (audio, lossy label, bad values). Quality: teacher forcing over 100 frames of
@@ -168,9 +168,9 @@ def _failures(report, mode: str) -> list[str]:
 def fp32_reference():
     """The fp32 0.6B model (random weights) and its teacher-forcing reference: 4 prompts x 25 greedy frames.
     Built once per module (~1 minute on a 2-core CPU)."""
-    from tts_engine import quality
-    from tts_engine.bench import checkpoint_for
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.cpu import talker_quality as quality
+    from bench.speed import checkpoint_for
+    from tts_engine.loader import Qwen3TTSModel
 
     model = Qwen3TTSModel.from_pretrained(str(checkpoint_for("0.6b", torch.bfloat16)), device="cpu", dtype="fp32")
     return model, quality.reference_run(model, rows=4, frames=25)
@@ -193,7 +193,7 @@ def test_teacher_forcing_lines_up_with_generation(fp32_reference):
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "w4a8"])
 def test_quantised_talker_stays_close_to_fp32(fp32_reference, mode):
-    from tts_engine import quality
+    from tts_engine.cpu import talker_quality as quality
     from tts_engine.model.quant import available_modes
 
     if mode not in available_modes():   # w4a8: our own kernel (tests/test_cpu_ext_kernels.py fails where it must run)
@@ -210,7 +210,7 @@ def test_quality_check_fails_a_broken_quantisation(fp32_reference):
     cos min 0.9966, top-1 95% / 91%), while the fp32 model measured against itself is exact. (Scales shuffled
     between channels would NOT be caught here: random Gaussian weights give every channel nearly the same
     max |w|, so the shuffle hardly changes them.)"""
-    from tts_engine import quality
+    from tts_engine.cpu import talker_quality as quality
 
     model, ref = fp32_reference
     same = quality.measure(ref, model.talker, model.prompts.tts_pad, "fp32")

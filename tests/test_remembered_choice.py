@@ -1,7 +1,7 @@
-"""tts_engine/remembered_choice.py: a measured choice kept per key in the cache folder."""
+"""tts_engine/cpu/remembered_choice.py: a measured choice kept per key in the cache folder."""
 import json
 
-from tts_engine import remembered_choice as rc
+from tts_engine.cpu import remembered_choice as rc
 
 
 def test_a_choice_is_recalled_for_its_own_key_only(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.limits import Limits
-from server.remote_backend import RemoteSpeech, wav_bytes
+from serving.limits import Limits
+from serving.remote_backend import RemoteSpeech, wav_bytes
 from tests.serving import tiny_api
 from tts_engine import TTSEngine, TTSError
 

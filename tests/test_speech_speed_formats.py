@@ -12,8 +12,8 @@ import pytest
 import soundfile as sf
 
 from server import audio_formats
-from server.limits import Limits
-from server.speed import StreamStretcher, change_speed
+from serving.limits import Limits
+from serving.speed import StreamStretcher, change_speed
 from tests.serving import tiny_api
 
 PRESET = Path(__file__).resolve().parent.parent / "presets" / "emma.flac"

@@ -18,7 +18,7 @@ import soundfile as sf
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
 
 MAX_FRAMES = 1500

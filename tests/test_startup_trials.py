@@ -1,6 +1,6 @@
 """Cold start (issue 14): the load-time trials are bounded, our C++ libraries are built together, and measured
 choices are kept where a Hugging Face Space keeps files across restarts. Figures: `python -m
-tts_engine.bench_startup` (never asserted here)."""
+bench.startup` (never asserted here)."""
 from __future__ import annotations
 
 import threading
@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tts_engine import cache_paths, remembered_choice
-from tts_engine.model import cpu_build, cpu_ext, kernels
+from tts_engine import cache_paths
+from tts_engine.cpu import remembered_choice
+from tts_engine.cpu import cpu_build
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import kernels
 
 
 # --- the kernel table: rounds stop once the winner is settled ------------------------------------------------------
@@ -100,7 +103,9 @@ def test_every_wanted_library_is_built_at_once(monkeypatch):
 def test_a_library_this_process_has_is_not_built_again(monkeypatch):
     built = []
     monkeypatch.setattr(cpu_ext, "build", lambda force=False, source=None: built.append(Path(source).name))
-    from tts_engine.model import fused_step, predictor_frame, talker_step
+    from tts_engine.cpu import fused_step
+    from tts_engine.cpu import predictor_frame
+    from tts_engine.cpu import talker_step
 
     monkeypatch.setattr(cpu_build, "_done", set())
     monkeypatch.setattr(cpu_ext, "_state", {})                       # (as in a fresh process)

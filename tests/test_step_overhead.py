@@ -166,7 +166,7 @@ def test_compiled_predictor_failures_fall_back_to_eager(tiny_cv, monkeypatch, ca
     import logging
 
     from tts_engine import TTSEngine
-    from tts_engine.model import compiled_predictor
+    from tts_engine.cpu import compiled_predictor
 
     def broken_compile(fn, **kw):
         def run(*a, **k):
@@ -197,7 +197,7 @@ def test_compiled_pass_starts_in_the_background_and_matches_the_eager_step(tiny_
     import threading
 
     from tts_engine import TTSEngine
-    from tts_engine.model import compiled_predictor
+    from tts_engine.cpu import compiled_predictor
 
     release = threading.Event()
 
@@ -245,7 +245,7 @@ def test_compiled_predictor_is_off_by_default_and_for_fp32(tiny_cv, monkeypatch)
                     reason="a real inductor compile takes 1-3 min on 2 cores; TTS_TEST_COMPILE=1 runs it")
 def test_compiled_predictor_gives_the_eager_codes(tiny_cv, tmp_path, monkeypatch):
     from tts_engine import TTSEngine
-    from tts_engine.model import compiled_predictor
+    from tts_engine.cpu import compiled_predictor
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(compiled_predictor, "COMPILE_BUDGET_S", 3600.0)

@@ -1,4 +1,4 @@
-"""The talker's whole per-frame step in one C++ call (tts_engine/model/talker_step.py, talker_step.cpp).
+"""The talker's whole per-frame step in one C++ call (tts_engine/cpu/talker_step.py, talker_step.cpp).
 
 - Frames decoded through the step against the Python path (ModelRunner._advance_python) over the same fused stack:
   W8A8 (head in the call), W4A8 (head in the call), bf16 (the eager head between two calls), bf16 and fp32
@@ -14,7 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_engine.model import cpu_ext, fused_step, predictor_frame, talker_step
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import fused_step
+from tts_engine.cpu import predictor_frame
+from tts_engine.cpu import talker_step
 from tts_engine.model.prompt import Prompt
 from tts_engine.model.sampling import SamplingParams
 
@@ -37,7 +40,7 @@ def ckpts(tmp_path_factory):
 
 
 def load(ckpt, mode: str, dtype: str, monkeypatch):
-    from tts_engine.model.qwen3_tts import Qwen3TTSModel
+    from tts_engine.loader import Qwen3TTSModel
 
     monkeypatch.setenv(fused_step.ENV, "1")
     monkeypatch.setenv(predictor_frame.ENV, "1")
@@ -211,7 +214,7 @@ def test_the_bench_profile_replays_the_served_step_and_leaves_the_row_as_it_was(
                                                                                    monkeypatch):
     """bench.profile_frame times the talker step the engine serves (the C++ step here, not the Python path), run
     again from the state it started in: the row's state is put back, so the stream's next frames are unchanged."""
-    from tts_engine.bench import _replay_talker_step
+    from bench.speed import _replay_talker_step
 
     model = load(ckpts["0b6"], "w8a8", "bf16", monkeypatch)
     plain, prof = runner(model, 1, monkeypatch, "1"), runner(model, 1, monkeypatch, "1")

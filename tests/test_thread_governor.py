@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tts_engine import TTSEngine
-from tts_engine.engine.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, serial_between_matmuls, situation
+from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, serial_between_matmuls, situation
 from tts_engine.tiny import make_tiny
 
 

@@ -73,7 +73,7 @@ def test_no_model_is_a_clear_message(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from server.limits import Limits
+    from serving.limits import Limits
     from tts_engine.tiny import make_tiny
     from ui.app import TTSApp
     from ui.config import AppConfig
@@ -124,7 +124,7 @@ def test_clone_tab_without_the_model_says_so_and_cloning_still_works(app, tmp_pa
 # --- the speech API -------------------------------------------------------------------------------------------
 
 def test_api_transcribes_ref_audio_when_asked(tmp_path, asr_env, whisper_dir, monkeypatch):
-    from server.limits import Limits
+    from serving.limits import Limits
     from tests.serving import tiny_api
 
     b64 = base64.b64encode(OLIVER.read_bytes()).decode()

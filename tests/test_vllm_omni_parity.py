@@ -28,7 +28,7 @@ import pytest
 import soundfile as sf
 
 from server import audio_formats
-from server.limits import Limits
+from serving.limits import Limits
 from tests.serving import tiny_api
 
 LIMITS = Limits(max_text_chars=300, max_new_tokens=8, max_per_client=16)

@@ -16,8 +16,8 @@ import openai
 import pytest
 import soundfile as sf
 
-from server.limits import Limits
-from server.voice_store import StoreLimits, VoiceStore
+from serving.limits import Limits
+from serving.voice_store import StoreLimits, VoiceStore
 from tests.serving import tiny_api
 from tests.encoder_calls import count_encoders
 

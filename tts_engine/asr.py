@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import TTSError
+from tts_engine.errors import TTSError
 
 log = logging.getLogger("tts_engine.asr")
 
@@ -107,7 +107,7 @@ class Transcriber:
     def transcribe(self, wav: np.ndarray, sr: int, language: str | None = None) -> Transcript:
         """The words of a clip (float mono at any rate; the first 30 s). `language`: a Whisper language name or
         code ("english", "zh"), or None/"auto" to let the model detect it."""
-        from .audio import resample
+        from tts_engine.audio import resample
 
         wav = np.asarray(wav, dtype=np.float32)
         if wav.ndim != 1 or wav.size == 0:

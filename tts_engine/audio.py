@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import TTSError
+from tts_engine.errors import TTSError
 
 MIN_SR, MAX_SR = 4000, 768000
 _SF_FAILED = object()

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .errors import TTSError
+from tts_engine.errors import TTSError
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "speech_tokenizer/config.json",
                   "speech_tokenizer/model.safetensors")

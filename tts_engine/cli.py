@@ -7,14 +7,14 @@ import time
 
 import numpy as np
 
-from .model.quant import QUANT_MODES
+from tts_engine.model.quant import QUANT_MODES
 
 
 def _synth(a) -> int:
     import soundfile as sf
 
-    from .engine.engine import TTSEngine
-    from .voices.voice import Voice
+    from tts_engine.engine.engine import TTSEngine
+    from tts_engine.voices.voice import Voice
 
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(a.model, device=a.device, dtype=a.dtype, quantize=a.quantize,
@@ -50,7 +50,7 @@ def _synth(a) -> int:
 
 
 def _make_tiny(a) -> int:
-    from .tiny import make_tiny
+    from tts_engine.tiny import make_tiny
 
     path = make_tiny(a.dir, kind=a.kind, size=a.size, seed=a.seed)
     print(f"wrote a tiny random {a.kind} checkpoint to {path}", file=sys.stderr)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_make_tiny)
     a = p.parse_args(argv)
-    from .errors import TTSError
+    from tts_engine.errors import TTSError
 
     try:
         return a.fn(a)

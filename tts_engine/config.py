@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import TTSError
+from tts_engine.errors import TTSError
 
 
 def _pick(cls, d: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import TTSError
+from tts_engine.errors import TTSError
 
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -150,11 +150,11 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
               arch: str = "tiny", dtype: torch.dtype = torch.float32) -> Path:
     """Write a random checkpoint of `kind` (base | custom_voice | voice_design) to `folder`; `arch` picks the
     widths (tiny for tests, or the real 0.6b / 1.7b architecture for benchmarks), `dtype` the stored dtype."""
-    from .codec.decoder import CodecDecoder, CodecDecoderConfig
-    from .codec.encoder import CodecEncoder, CodecEncoderConfig
-    from .config import ModelConfig
-    from .model.talker import Talker
-    from .tiny_tokenizer import write_tiny_tokenizer
+    from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
+    from tts_engine.codec.encoder import CodecEncoder, CodecEncoderConfig
+    from tts_engine.config import ModelConfig
+    from tts_engine.model.talker import Talker
+    from tts_engine.tiny_tokenizer import write_tiny_tokenizer
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}")
@@ -171,7 +171,7 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     cfg = ModelConfig.from_dict(cfg_dict)
     tensors = _prefixed("talker.", Talker(cfg.talker), dtype)
     if kind == "base":
-        from .voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
+        from tts_engine.voices.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
         se = SpeakerEncoder(SpeakerEncoderConfig.from_dict(cfg_dict["speaker_encoder_config"]))
         tensors.update(_prefixed("speaker_encoder.", se, dtype))

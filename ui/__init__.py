@@ -15,8 +15,8 @@
     zerogpu.py   ZeroGPU mode (Hugging Face Spaces): @spaces.GPU generation, start-up loading, demo.launch()
     app.py       TTSApp, which ties them together
 """
-from . import zerogpu  # noqa: F401  first: imports `spaces` (when installed) before anything imports torch
-from .app import TTSApp
-from .config import AppConfig
+from ui import zerogpu  # noqa: F401  first: imports `spaces` (when installed) before anything imports torch
+from ui.app import TTSApp
+from ui.config import AppConfig
 
 __all__ = ["TTSApp", "AppConfig"]

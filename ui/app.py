@@ -10,15 +10,15 @@ import gradio as gr
 
 from tts_engine.voices.presets import PresetLibrary
 
-from . import layout, server, zerogpu
-from .config import AppConfig
-from .dialogue import DialogueHandler
-from .early_start import EarlyStarts
-from .handlers import Handlers
-from .roles import Models, cache_root
-from .session import Files, Voices
-from .transcribe import TranscribeHandler
-from .speak import ActiveStreams, Speaker
+from ui import layout, server, zerogpu
+from ui.config import AppConfig
+from ui.dialogue import DialogueHandler
+from ui.early_start import EarlyStarts
+from ui.handlers import Handlers
+from ui.roles import Models, cache_root
+from ui.session import Files, Voices
+from ui.transcribe import TranscribeHandler
+from ui.speak import ActiveStreams, Speaker
 
 
 class TTSApp(Handlers, DialogueHandler, TranscribeHandler):

@@ -7,7 +7,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.limits import Limits
+from serving.limits import Limits
 
 ROOT = Path(__file__).resolve().parent.parent      # the repository: presets/, assets/
 SR = 24000                                        # every audio the page plays or offers: 24 kHz mono int16

@@ -10,11 +10,11 @@ import gradio as gr
 
 from tts_engine import TTSError
 
-from .config import ROLE_LABEL
-from .handlers import check_sampling, check_seed, check_speed
-from .dialogue_script import MAX_SPEAKERS, check_lines, check_pause, parse_script, speakers
-from .live_player import expected_seconds
-from .speak import SpeechJob, session_key, sentence_parts
+from ui.config import ROLE_LABEL
+from ui.handlers import check_sampling, check_seed, check_speed
+from ui.dialogue_script import MAX_SPEAKERS, check_lines, check_pause, parse_script, speakers
+from ui.live_player import expected_seconds
+from ui.speak import SpeechJob, session_key, sentence_parts
 
 
 class DialogueHandler:

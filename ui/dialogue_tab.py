@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from . import live_player as lp
-from .dialogue_script import (DEFAULT_PAUSE_S, HEADERS, MAX_PAUSE_S, MAX_SPEAKERS, format_script, from_rows,
+from ui import live_player as lp
+from ui.dialogue_script import (DEFAULT_PAUSE_S, HEADERS, MAX_PAUSE_S, MAX_SPEAKERS, format_script, from_rows,
                               parse_script, speakers, to_rows)
 
 EXAMPLE = ("Ryan: Did you hear that? Something moved in the garden.\n"

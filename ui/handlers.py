@@ -18,19 +18,19 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from server.limits import Limits
-from server.registry import check_name
-from server.speed import SPEED_MAX, SPEED_MIN, change_speed
+from serving.limits import Limits
+from serving.registry import check_name
+from serving.speed import SPEED_MAX, SPEED_MIN, change_speed
 from tts_engine import EngineBusyError, TTSError
 from tts_engine.voices import blend as blendlib
 
-from .config import DEFAULT_SAMPLING, ROLE_LABEL, SR
-from .live_player import LiveStreams, expected_seconds
-from .roles import Models
-from .session import Files, Voices, remember
-from .speak import ActiveStreams, Speaker, SpeechJob, first_chunks_s, session_key
-from .status import status_line
-from .text import chunk_text, to_int16
+from ui.config import DEFAULT_SAMPLING, ROLE_LABEL, SR
+from ui.live_player import LiveStreams, expected_seconds
+from ui.roles import Models
+from ui.session import Files, Voices, remember
+from ui.speak import ActiveStreams, Speaker, SpeechJob, first_chunks_s, session_key
+from ui.status import status_line
+from ui.text import chunk_text, to_int16
 
 log = logging.getLogger("qwen3_tts_live")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from .config import ROOT, SR
-from .speak import session_key
+from ui.config import ROOT, SR
+from ui.speak import session_key
 
 MAX_TAKES = 20
 JS_FILE = ROOT / "assets" / "history.js"

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import gradio as gr
 
-from tts_engine import remembered_choice
+from tts_engine.cpu import remembered_choice
 from tts_engine.voices import blend as blendlib
 
-from .config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
-from . import dialogue_tab, history
-from . import live_player as lp
-from . import model_loader
-from . import transcribe
-from .handlers import api_doc, guard
+from ui.config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
+from ui import dialogue_tab, history
+from ui import live_player as lp
+from ui import model_loader
+from ui import transcribe
+from ui.handlers import api_doc, guard
 
 log = logging.getLogger("qwen3_tts_live")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import FileResponse, JSONResponse
 
-from .config import ROLE_LABEL
+from ui.config import ROLE_LABEL
 
 log = logging.getLogger("qwen3_tts_live")
 
@@ -196,7 +196,7 @@ HEAD = '<script src="live/model_state.js"></script>'
 
 def install(app, loader: ModelLoader, prefix: str = "/live") -> None:
     """`GET {prefix}/models` (the loader's snapshot plus a one-line summary) and `{prefix}/model_state.js`."""
-    from .live_player import ASSETS
+    from ui.live_player import ASSETS
 
     def models():
         return JSONResponse({**loader.snapshot(), "summary": loader.summary()}, headers={"Cache-Control": "no-store"})

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from server.registry import EngineRegistry
+from serving.registry import EngineRegistry
 from tts_engine import TTSError, cache_paths
 from tts_engine.voices.voice import Voice
 
-from .config import NATIVE, ROLE_LABEL, ROLES, AppConfig
+from ui.config import NATIVE, ROLE_LABEL, ROLES, AppConfig
 
 log = logging.getLogger("qwen3_tts_live")
 # the footer's precision while `--quantize auto` is measured in the background (no "weights" in it: not lossy yet)
@@ -93,7 +93,7 @@ class Models:
     `loader` says where each stands) or else on first use."""
 
     def __init__(self, cfg: AppConfig):
-        from .model_loader import ModelLoader
+        from ui.model_loader import ModelLoader
 
         self.cfg = cfg
         self.roles: dict[str, RoleInfo] = {}
@@ -113,12 +113,12 @@ class Models:
                                        engine_kw=cfg.engine_kw())
         self.registry.random_weights |= {r for r, i in self.roles.items() if i.random}
         if "base" in self.roles:   # voices uploaded through POST /v1/audio/voices, also offered on the page
-            from server.voice_store import VoiceStore
+            from serving.voice_store import VoiceStore
             self.registry.uploaded = VoiceStore(os.environ.get("TTS_VOICES_DIR") or cache_root(cfg) / "voices")
 
     def _init_remote(self, url: str) -> None:
         """--backend URL: every role is served by a remote OpenAI-compatible speech server."""
-        from server.remote_backend import RemoteRegistry
+        from serving.remote_backend import RemoteRegistry
 
         self.registry = RemoteRegistry(url)
         for role in ROLES:
@@ -173,7 +173,7 @@ class Models:
             auto = str(self.cfg.quantize or "").strip().lower() == "auto"
             if auto and any(self.loader.busy(r) for r in self.roles):
                 return MEASURING, ""
-            from tts_engine.model.qwen3_tts import expected_choice
+            from tts_engine.loader import expected_choice
 
             folder = next((i.folder for i in self.roles.values()), None)
             self._expected = expected_choice(self.cfg.device, self.cfg.dtype, self.cfg.quantize, folder)

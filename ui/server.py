@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from . import history, live_player, model_loader
-from .layout import CSS
+from ui import history, live_player, model_loader
+from ui.layout import CSS
 
 
 def launch_kwargs(app) -> dict:

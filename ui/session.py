@@ -3,7 +3,7 @@
 A session's voices (clones, loaded voice files, exported blends) live in a `gr.State` dict {name: Voice}:
 per browser tab, gone when the page closes; one session never sees another's. `Voices` turns a voice choice
 (`ryan`, `preset:emma`, `uploaded:<name>`, `my:<name>`, `file`) into what `engine.stream` takes; `uploaded:` are
-the voices uploaded through `POST /v1/audio/voices` (server/voice_store.py), shared by every session. `Files`
+the voices uploaded through `POST /v1/audio/voices` (serving/voice_store.py), shared by every session. `Files`
 writes voice files (and WAVs: dialogue lines, takes) into a private temporary folder and deletes each after
 `limits.file_ttl_seconds`."""
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tts_engine.voices.voice import Voice
 
 from server import voices_api
 
-from .config import FILE_CHOICE, ROLE_LABEL, SR
-from .roles import Models, speaker_label
+from ui.config import FILE_CHOICE, ROLE_LABEL, SR
+from ui.roles import Models, speaker_label
 
 
 UPLOADED = "uploaded:"     # the choice prefix of a voice uploaded through the API

@@ -21,12 +21,12 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from server.speed import StreamStretcher
+from serving.speed import StreamStretcher
 from tts_engine import EngineBusyError
 from tts_engine.engine.request import chunk_schedule
 
-from .config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
-from .text import chunk_text, to_int16
+from ui.config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
+from ui.text import chunk_text, to_int16
 
 # the first two chunks are one frame (80 ms) each: the listener hears sound one frame step after the prompt, and
 # the second chunk comes one frame (plus its decode) later, well before the first 80 ms have played, so the page's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import SENTENCE_CHARS
+from ui.config import SENTENCE_CHARS
 
 _ENDERS = set(".!?…;。！？；")
 _CJK_ENDERS = set("。！？；…")

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .speak import Speaker
-from .text import chunk_text
+from ui.speak import Speaker
+from ui.text import chunk_text
 
 log = logging.getLogger("qwen3_tts_live.zerogpu")
 
@@ -95,7 +95,7 @@ FRAME_TIME = FrameTime()
 
 def frame_budget(texts: list[str], max_new_tokens: int) -> int:
     """The frames a request may take: twice the expected length of each text (plus 2 s), at most its maximum."""
-    from .live_player import expected_seconds
+    from ui.live_player import expected_seconds
 
     return sum(min(int(max_new_tokens), int(expected_seconds(t) * FRAME_HZ * 2) + 25) for t in texts)
 
@@ -405,7 +405,7 @@ def routes(app) -> list:
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
-    from . import live_player
+    from ui import live_player
 
     router = APIRouter()
     live_player.install(router, app.live)
@@ -421,7 +421,7 @@ def routes(app) -> list:
 
 def serve(app, host: str, port: int, ssl_certfile=None, ssl_keyfile=None) -> None:
     """Load, build and serve through `demo.launch()` (where the package packs the models and reports start-up)."""
-    from . import live_player, server
+    from ui import live_player, server
 
     prepare(app)
     demo = app.build()

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
-from ..model import cpu_ext
-from .int8_conv import Int8Conv
-from .packed_conv import PackedConv
+from tts_engine.model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu.int8_conv import Int8Conv
+from tts_engine.cpu.packed_conv import PackedConv
 
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
 

@@ -409,7 +409,7 @@ class CodecEncoder(nn.Module):
     def encode_one(self, wav: np.ndarray, sr: int) -> torch.Tensor:
         """A mono clip ([S], or [S, C] which is averaged over channels as the official) at any rate -> codes
         [T, 16], resampled to 24 kHz with librosa (soxr_hq) when sr differs, as the official wrapper."""
-        from ..audio import resample
+        from tts_engine.audio import resample
 
         wav = np.asarray(wav)
         if wav.ndim > 1:

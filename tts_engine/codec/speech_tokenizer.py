@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import SafetensorsFile, load_module, read_json
-from ..errors import TTSError
+from tts_engine.checkpoint import SafetensorsFile, load_module, read_json
+from tts_engine.errors import TTSError
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
@@ -54,10 +54,10 @@ class SpeechTokenizer:
     def decoder(self):
         with self._lock:
             if self._decoder is None:
-                from .decoder import CodecDecoder, CodecDecoderConfig
+                from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 
                 cfg = CodecDecoderConfig.from_dict(self.config.get("decoder_config") or {})
-                from .dtype_choice import choose
+                from tts_engine.cpu.codec_dtype import choose
 
                 # bf16 on a CPU: bf16 or fp32, whichever decodes faster on this machine (measured once, cached)
                 self._decoder = choose(load_module(CodecDecoder(cfg), self.file, "decoder.", self.device, self.dtype))
@@ -67,7 +67,7 @@ class SpeechTokenizer:
     def encoder(self):
         with self._lock:
             if self._encoder is None:
-                from .encoder import CodecEncoder, CodecEncoderConfig
+                from tts_engine.codec.encoder import CodecEncoder, CodecEncoderConfig
 
                 cfg = CodecEncoderConfig.from_dict(self.config.get("encoder_config") or {},
                                                    valid_num_quantizers=int(self.config.get(

@@ -16,7 +16,7 @@ import bisect
 
 import torch
 
-from .model_runner import ModelRunner
+from tts_engine.engine.model_runner import ModelRunner
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LEN_STEP = 512

@@ -19,17 +19,17 @@ import time
 import numpy as np
 import torch
 
-from ..errors import TTSError
-from ..model.prompt import Prompt
-from ..model.qwen3_tts import Qwen3TTSModel
-from ..model.sampling import SamplingParams
-from ..voices.reference_cache import DecoderPrimeCache, ReferenceCache, reference_key
-from ..voices.voice import Voice, check_embedding
-from .model_runner import ModelRunner
-from .prefix_cache import PrefixCache
-from .request import Request
-from .scheduler import END, Scheduler, Sequence
-from .worker import EngineWorker
+from tts_engine.errors import TTSError
+from tts_engine.model.prompt import Prompt
+from tts_engine.loader import Qwen3TTSModel
+from tts_engine.model.sampling import SamplingParams
+from tts_engine.voices.reference_cache import DecoderPrimeCache, ReferenceCache, reference_key
+from tts_engine.voices.voice import Voice, check_embedding
+from tts_engine.engine.model_runner import ModelRunner
+from tts_engine.engine.prefix_cache import PrefixCache
+from tts_engine.engine.request import Request
+from tts_engine.engine.scheduler import END, Scheduler, Sequence
+from tts_engine.engine.worker import EngineWorker
 
 SAMPLE_RATE = 24000
 MAX_TEXT_CHARS = 5000
@@ -138,7 +138,7 @@ class TTSEngine:
         worker, whichever is measured cheaper for the batch size at hand, engine/codec_choice.py; docs/benchmarks.md
         has the A/B).
         compile_predictor: one-stream
-        code-predictor passes through a compiled graph on a CPU (tts_engine/model/compiled_predictor.py; default:
+        code-predictor passes through a compiled graph on a CPU (tts_engine/cpu/compiled_predictor.py; default:
         env TTS_COMPILE_PREDICTOR, off). govern_threads: on a CPU in a 16-bit or quantised mode, run each frame with
         the OpenMP threads (1, all, or all inside the linear layers only) measured fastest at the moment
         (`threads.ThreadGovernor`: a busy core stalls every op that enters the pool; default: on there, env
@@ -164,12 +164,12 @@ class TTSEngine:
         if use_cuda_graphs:
             if not gpu:
                 raise TTSError("CUDA graphs need a CUDA device (use_cuda_graphs=False, or --eager, on a CPU)")
-            from .cuda_graphs import GraphedFrames
+            from tts_engine.engine.cuda_graphs import GraphedFrames
 
             self.start_graphs(GraphedFrames(self.runner), capture_now=capture_graphs_at_start)
         else:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
-        from ..model import compiled_predictor
+        from tts_engine.cpu import compiled_predictor
 
         self._compiled_predictor_status = "off"
         if compile_predictor if compile_predictor is not None else compiled_predictor.wanted():
@@ -191,7 +191,7 @@ class TTSEngine:
         if not on or threads < 2:
             self.worker.govern_threads(None)
             return
-        from .threads import ThreadGovernor, serial_between_matmuls
+        from tts_engine.cpu.threads import ThreadGovernor, serial_between_matmuls
 
         # (not around a compiled predictor's linear layers: its graph is traced from their forwards)
         mm = serial_between_matmuls(self.model.talker, threads) if self.model.talker.code_predictor.compiled is None \
@@ -301,7 +301,7 @@ class TTSEngine:
         clip's transcript; x-vector-only mode uses the speaker embedding alone."""
         if not self.config.supports_clone:
             raise TTSError("voice cloning needs a Base checkpoint (Qwen3-TTS-12Hz-*-Base)")
-        from ..audio import load_audio, resample
+        from tts_engine.audio import load_audio, resample
         if not x_vector_only and not (ref_text or "").strip():
             raise TTSError("in-context cloning needs the transcript of the reference clip "
                            "(or turn on x-vector-only mode)")

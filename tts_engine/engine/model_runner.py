@@ -23,12 +23,14 @@ import logging
 
 import torch
 
-from ..errors import TTSError
-from ..model import fused_step, predictor_frame, talker_step
-from ..model.kernels import onednn_off, onednn_on, onednn_outside
-from ..model.prompt import Prompt
-from ..model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
-from ..model.talker import Talker
+from tts_engine.errors import TTSError
+from tts_engine.cpu import fused_step
+from tts_engine.cpu import predictor_frame
+from tts_engine.cpu import talker_step
+from tts_engine.cpu.kernels import onednn_off, onednn_on, onednn_outside
+from tts_engine.model.prompt import Prompt
+from tts_engine.model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
+from tts_engine.model.talker import Talker
 
 GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; larger top_k runs eagerly
 _GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
@@ -106,7 +108,7 @@ class ModelRunner:
         """Serve one-row code-predictor passes through a compiled graph (`model.compiled_predictor`), compiled now
         as a warm-up; CPU engines with fused projections only (16-bit or quantised). -> its status line. A failure
         leaves the eager path serving."""
-        from ..model.compiled_predictor import CompiledPredictorPass
+        from tts_engine.cpu.compiled_predictor import CompiledPredictorPass
 
         cp = self.talker.code_predictor
         if self.device.type != "cpu" or cp.model.layers[0].self_attn.qkv_proj is None:

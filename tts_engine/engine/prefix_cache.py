@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-from ..lru import BoundedLRU, tensor_bytes
+from tts_engine.lru import BoundedLRU, tensor_bytes
 
 DEFAULT_MAX_BYTES = 64 << 20   # ~70 preset-voice prefixes of the 0.6B talker (0.9 MB each in bf16)
 

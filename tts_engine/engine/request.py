@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.prompt import Prompt
-from ..model.sampling import SamplingParams
+from tts_engine.model.prompt import Prompt
+from tts_engine.model.sampling import SamplingParams
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import EngineBusyError
-from .request import Request
+from tts_engine.errors import EngineBusyError
+from tts_engine.engine.request import Request
 
 _ids = itertools.count()
 

@@ -36,12 +36,12 @@ from collections import defaultdict
 
 import torch
 
-from ..errors import TTSError
-from .codec_choice import HERE, THREAD, CodecChoice
-from .codec_thread import CodecThread, decode_group
-from .model_runner import ModelRunner
-from .scheduler import Scheduler, Sequence, Status
-from .threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
+from tts_engine.errors import TTSError
+from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
+from tts_engine.engine.codec_thread import CodecThread, decode_group
+from tts_engine.engine.model_runner import ModelRunner
+from tts_engine.engine.scheduler import Scheduler, Sequence, Status
+from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
-from .talker import Talker
+from tts_engine.config import ModelConfig
+from tts_engine.model.talker import Talker
 
 
 @dataclass

@@ -39,8 +39,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import TTSError
-from . import cpu_ext, kernels
+from tts_engine.errors import TTSError
+from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import kernels
 
 QUANT_MODES = ("int8", "int4", "w8a8", "w4a8")   # every lossy mode, in one place (app, CLI, bench, auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
@@ -53,7 +54,7 @@ _dense_rows = [INT8_DENSE_ROWS]
 @contextmanager
 def decode_kernels_only():
     """Within this block every int8 matmul takes the decode kernel whatever its row count, so that a batched
-    measurement (tts_engine.quality) sees the numerics of frame-by-frame decoding. Not for a running engine."""
+    measurement (tts_engine.cpu.talker_quality) sees the numerics of frame-by-frame decoding. Not for a running engine."""
     saved = _dense_rows[0]
     _dense_rows[0] = 1 << 62
     try:

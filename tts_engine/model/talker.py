@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import CodePredictorConfig, TalkerConfig
-from .layers import DecoderStack, KVCache
+from tts_engine.config import CodePredictorConfig, TalkerConfig
+from tts_engine.model.layers import DecoderStack, KVCache
 
 
 class TextProjection(nn.Module):

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import TTSError
+from tts_engine.errors import TTSError
 
 SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_VOICES = 4

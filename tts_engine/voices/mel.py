@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from ..errors import TTSError
+from tts_engine.errors import TTSError
 
 N_FFT, HOP, WIN, N_MELS, SR, FMIN, FMAX = 1024, 256, 1024, 128, 24000, 0, 12000
 PAD = (N_FFT - HOP) // 2

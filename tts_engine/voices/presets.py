@@ -14,9 +14,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache_paths import cache_root
-from ..errors import TTSError
-from .voice import Voice
+from tts_engine.cache_paths import cache_root
+from tts_engine.errors import TTSError
+from tts_engine.voices.voice import Voice
 
 log = logging.getLogger(__name__)
 FORMAT = "qwen3-tts-live.presets/1"

@@ -18,8 +18,8 @@ import hashlib
 
 import numpy as np
 
-from ..lru import BoundedLRU, tensor_bytes
-from .voice import Voice
+from tts_engine.lru import BoundedLRU, tensor_bytes
+from tts_engine.voices.voice import Voice
 
 
 def reference_key(wav: np.ndarray, sr: int, ref_text: str | None, x_vector_only: bool) -> str:

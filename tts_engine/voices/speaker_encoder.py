@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import TTSError
-from .mel import HOP, MIN_SAMPLES, SR, log_mel_spectrogram
+from tts_engine.errors import TTSError
+from tts_engine.voices.mel import HOP, MIN_SAMPLES, SR, log_mel_spectrogram
 
 
 @dataclass

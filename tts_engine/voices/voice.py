@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import TTSError
+from tts_engine.errors import TTSError
 
 FORMAT = "qwen3-tts-live.voice/1"
 KINDS = ("preset", "xvector", "icl", "embedding", "reference")

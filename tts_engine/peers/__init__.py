@@ -1,3 +1,0 @@
-"""The side-by-side CPU benchmark's parts (`python -m tts_engine.bench --peers`, orchestrated by
-`tts_engine.bench_peers`): timing rows and the table (`table`), our engine per precision (`ours`), and the two
-independent CPU engines it is compared with, each set up on our random checkpoint (`c_engine`, `vox`)."""
