@@ -115,7 +115,7 @@ def tiny_app(folder, max_new_tokens: int):
     banner), weights loaded first, served as `python app.py` serves it (FastAPI + /v1 + the live route + Gradio) on
     loopback. Yields (url, app)."""
     from serving.limits import Limits
-    from tests.serving import serve
+    from tests.live_server import serve
     from ui import AppConfig, TTSApp
     from ui.server import create_server
 

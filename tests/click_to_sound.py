@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tests import browser as B
-from tests.serving import app_process, wait_answering
+from tests.live_server import app_process, wait_answering
 from tts_engine.cpu.cpu_info import cpu_info
 
 ROOT = Path(__file__).resolve().parent.parent

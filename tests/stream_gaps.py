@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tests import browser as B
 from tests.click_to_sound import ROOT, cpu_name, long_text
-from tests.serving import app_process, wait_answering
+from tests.live_server import app_process, wait_answering
 
 DIALOGUE = ("Ryan: Good morning, did you sleep well?\n"
             "Vivian: Not at all, the neighbours were singing.\n"

@@ -13,7 +13,7 @@ import torch
 
 from serving.limits import Limits
 from serving.registry import check_name
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 from tts_engine import TTSError
 from tts_engine.voices.voice import Voice
 

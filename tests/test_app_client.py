@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from serving import tiny_gradio_app
+from live_server import tiny_gradio_app
 
 ROOT = Path(__file__).resolve().parent.parent
 OLIVER = ROOT / "presets" / "oliver.flac"

@@ -50,7 +50,7 @@ def _models(drv) -> str:
 
 
 def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
-    from tests.serving import serve
+    from tests.live_server import serve
     from ui.server import create_server
 
     gate = threading.Event()
@@ -78,7 +78,7 @@ def test_a_click_while_the_model_loads_says_so_and_then_plays(tmp_path, drv):
 
 
 def test_first_click_20_s_after_start_plays_like_the_later_ones(tmp_path, drv):
-    from tests.serving import serve
+    from tests.live_server import serve
     from ui.server import create_server
 
     app, demo = _app(tmp_path)

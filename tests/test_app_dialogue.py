@@ -14,7 +14,7 @@ from tts_engine import TTSError
 from ui import dialogue_script as S
 from ui.dialogue_tab import assign_names
 
-from serving import tiny_gradio_app
+from live_server import tiny_gradio_app
 
 
 # --- the script, pure ---------------------------------------------------------------------------------------

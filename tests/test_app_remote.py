@@ -8,7 +8,7 @@ import torch
 
 from app import AppConfig, TTSApp, parse_args
 from serving.limits import Limits
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 from tts_engine.voices.voice import Voice
 
 

@@ -10,7 +10,7 @@ import soundfile as sf
 from gradio_client import Client
 
 from app import AppConfig, TTSApp, create_server
-from tests.serving import serve
+from tests.live_server import serve
 
 
 @pytest.fixture(scope="module")

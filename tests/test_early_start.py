@@ -58,7 +58,7 @@ def _count_requests(app) -> list:
 def _serve(app):
     from gradio_client import Client
 
-    from tests.serving import serve
+    from tests.live_server import serve
     from ui.server import create_server
 
     demo = app.build()

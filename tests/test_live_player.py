@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from tests.serving import serve
+from tests.live_server import serve
 from ui import live_player as lp
 
 SESSION = "sess-a"

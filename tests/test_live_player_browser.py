@@ -18,7 +18,7 @@ B.require_browser()
 @pytest.fixture(scope="module")
 def harness():
     from tests.live_harness import build_app
-    from tests.serving import serve
+    from tests.live_server import serve
 
     app, fake = build_app()
     with serve(app) as url:

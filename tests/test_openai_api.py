@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 from serving.limits import Limits
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 
 
 

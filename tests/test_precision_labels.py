@@ -12,7 +12,7 @@ import torch
 
 import app as app_mod
 from serving.limits import Limits
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 from tts_engine import loader as qwen3_tts
 from tts_engine.loader import expected_precision
 from tts_engine.tiny import make_tiny

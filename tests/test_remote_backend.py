@@ -6,7 +6,7 @@ import pytest
 
 from serving.limits import Limits
 from serving.remote_backend import RemoteSpeech, wav_bytes
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 from tts_engine import TTSEngine, TTSError
 
 

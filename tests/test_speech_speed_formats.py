@@ -14,7 +14,7 @@ import soundfile as sf
 from server import audio_formats
 from serving.limits import Limits
 from serving.speed import StreamStretcher, change_speed
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 
 PRESET = Path(__file__).resolve().parent.parent / "presets" / "emma.flac"
 

@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from serving.limits import Limits
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 
 MAX_FRAMES = 1500
 

@@ -125,7 +125,7 @@ def test_clone_tab_without_the_model_says_so_and_cloning_still_works(app, tmp_pa
 
 def test_api_transcribes_ref_audio_when_asked(tmp_path, asr_env, whisper_dir, monkeypatch):
     from serving.limits import Limits
-    from tests.serving import tiny_api
+    from tests.live_server import tiny_api
 
     b64 = base64.b64encode(OLIVER.read_bytes()).decode()
     wav, sr = _clip(OLIVER)

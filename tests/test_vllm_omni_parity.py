@@ -29,7 +29,7 @@ import soundfile as sf
 
 from server import audio_formats
 from serving.limits import Limits
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 
 LIMITS = Limits(max_text_chars=300, max_new_tokens=8, max_per_client=16)
 BASE_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"

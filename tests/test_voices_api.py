@@ -18,7 +18,7 @@ import soundfile as sf
 
 from serving.limits import Limits
 from serving.voice_store import StoreLimits, VoiceStore
-from tests.serving import tiny_api
+from tests.live_server import tiny_api
 from tests.encoder_calls import count_encoders
 
 ADMIN = "admin-secret"

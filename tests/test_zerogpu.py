@@ -33,7 +33,7 @@ spaces = pytest.importorskip("spaces")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import free_port  # noqa: E402
+from live_server import free_port  # noqa: E402
 from zerogpu_service import ZeroGPUService  # noqa: E402
 
 # a visitor's token as the Space's proxy adds it (a JWT: the package reads its payload)

@@ -12,7 +12,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from serving import serve
+from live_server import serve
 
 
 class ZeroGPUService:

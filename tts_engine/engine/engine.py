@@ -30,6 +30,7 @@ from tts_engine.engine.prefix_cache import PrefixCache
 from tts_engine.engine.request import Request
 from tts_engine.engine.scheduler import END, Scheduler, Sequence
 from tts_engine.engine.worker import EngineWorker
+from tts_engine.cpu.fused_step import status as fused_step_status
 
 SAMPLE_RATE = 24000
 MAX_TEXT_CHARS = 5000
@@ -104,6 +105,25 @@ PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16
 # four-stream medians auto 0.49 / 0.27, on 0.43 / 0.37, "streams" 0.43 / 0.34 audio s per wall s (one stream: auto
 # 0.215 / 0.197, on 0.213 / 0.149 x real time), inside the noise; it needs a quiet machine's A/B
 OVERLAP_CODEC_CPU_DEFAULT = True
+
+
+def _path_entry(line: str) -> dict[str, str]:
+    """A status line "on (measured before: ...)" -> {"path": "on", "how": ..., "why": ...}."""
+    line = str(line or "off")
+    head, _, rest = line.partition(" (")
+    why = rest[:-1] if rest.endswith(")") else rest
+    low = why.lower()
+    if "measured before" in low or "remembered" in low:
+        how = "remembered"
+    elif "tts_" in low and "=" in low:
+        how = "forced by a variable"
+    elif head == "off" and why and why not in ("CPU", "CPU only", "eager", "off"):
+        how = "fell back" if any(w in low for w in ("error", "failed", "raised", "disagree")) else "default"
+    elif "measur" in low or "faster" in low or "slower" in low:
+        how = "measured now"
+    else:
+        how = "default"
+    return {"path": head, "how": how, "why": why}
 
 
 def _chunk_frames(v) -> int | tuple[int, ...]:
@@ -245,6 +265,24 @@ class TTSEngine:
     def graph_status(self) -> str:
         """Whether the per-frame step replays CUDA graphs ("on (...)") or runs eagerly ("off (why)")."""
         return self.runner.graph_status
+
+    def paths(self) -> dict[str, dict[str, str]]:
+        """What serves each part of a frame right now, and why: {part: {"path": what runs, "how": "measured now" |
+        "remembered" | "default" | "forced by TTS_..." | "fell back", "why": one line}}. Parts: "frame" (CUDA graphs
+        or eager), "talker step", "talker stack", "predictor stack", "predictor frame", "compiled predictor",
+        "threads", plus every remembered measured choice of this process. The page's footer, the API's headers and
+        the benchmarks print it."""
+        r = self.runner
+        fused = fused_step_status(self.model.talker)
+        raw = {"frame": self.graph_status, "talker step": r.talker_step_status, "talker stack": fused["talker"],
+               "predictor stack": fused["predictor"], "predictor frame": r.frame_status,
+               "compiled predictor": self.compiled_predictor_status}
+        out = {k: _path_entry(v) for k, v in raw.items()}
+        from tts_engine.cpu import remembered_choice
+
+        for name, line in remembered_choice.made().items():
+            out.setdefault(name, _path_entry(line))
+        return out
 
     @property
     def uses_cuda_graphs(self) -> bool:
