@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from bench import speed as bench
-from tts_engine.engine.model_runner import aten_bf16_gemv
+from tts_engine.cpu.backend import aten_bf16_gemv
 from tts_engine.model import quant
 from tts_engine.loader import Qwen3TTSModel
 from bench.plain_read import PlainRead

@@ -72,7 +72,7 @@ def weight_bytes(t) -> int:
 
 def inputs(r, sp, B: int):
     rr = torch.arange(B)
-    rp = sp.RowParams(**{k: (v[:B] if k != "host" else r._host_facts(B, general=False)) for k, v in r.rp.__dict__.items()})
+    rp = r.rp.select(slice(0, B), r._host_facts(B, general=False))
     return r.hidden[rr].clone(), r.c0[rr].clone(), (r.step[rr] - 1).clone(), rp
 
 

@@ -30,7 +30,6 @@ from tts_engine.cache_paths import cache_root
 from tts_engine.cpu.cpu_info import cpu_info
 from tts_engine.engine.engine import TTSEngine
 from bench.stream_split import split_lines
-from tts_engine.engine.model_runner import aten_bf16_gemv
 from tts_engine.model.quant import QUANT_MODES
 from tts_engine.tiny import make_tiny
 
@@ -113,10 +112,7 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
         state = codec.init_state(1)
         rows = [row]
         r = torch.tensor(rows, device=model.device)
-        from tts_engine.model.sampling import RowParams
-
-        rp = RowParams(**{k: (v[:1] if k != "host" else runner._host_facts(1, general=False))
-                          for k, v in runner.rp.__dict__.items()})
+        rp = runner.rp.select(slice(0, 1), runner._host_facts(1, general=False))
         chunks, pending = req.chunk_sizes(), []
         target = next(chunks)
         for f in range(frames):
@@ -134,7 +130,7 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
                 pending, target = [], next(chunks)
             # the same frame's parts, timed separately (results discarded)
             fi = runner.step[r] - 1
-            with aten_bf16_gemv(model.device.type == "cpu" and model.dtype == torch.bfloat16):  # as decode does
+            with runner.step_scope(1):  # as decode does
                 sync()
                 a = time.perf_counter()
                 runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
@@ -162,7 +158,7 @@ def _replay_talker_step(runner, row: int, rows: list[int], codes: torch.Tensor) 
     saved = {n: getattr(runner, n)[row].clone() for n in names}
     runner.pos[row] -= 1
     runner.step[row] -= 1
-    r, cache_rows, rp = runner._rows_view(rows)
+    r, cache_rows, rp = runner.rows_view(rows)
     try:
         runner._advance(r, cache_rows, rp, runner.host_len[row], codes)
     finally:

@@ -135,6 +135,9 @@ os.environ.setdefault("TTS_FUSED_STEP", "0")
 from tts_engine import cache_paths as _cache_paths  # noqa: E402  (after the settings above)
 
 os.environ.setdefault("TTS_BUILD_DIR", str(_cache_paths.cache_root() / "cpu_ext"))
+# the CPU package gives model/quant.py and codec/decoder.py their kernels when imported (cpu/backend.py `set_hooks`):
+# tests that build a W8A8 layer or a packed codec directly need it as an engine would have it
+import tts_engine.cpu  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -59,13 +59,13 @@ def test_small_bf16_batches_run_atens_gemv_and_restore_onednn(tmp_path):
     ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
     for dtype, want_off in (("bf16", True), ("fp32", False)):
         eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype)
-        seen, orig = [], eng.runner._decode
+        seen, orig = [], eng.runner._predict_residuals   # (the first half of every frame, inside its step scope)
 
         def spy(*a, orig=orig, seen=seen):
             seen.append(torch._C._get_mkldnn_enabled())
             return orig(*a)
 
-        eng.runner._decode = spy
+        eng.runner._predict_residuals = spy
         try:
             wav = eng.synthesize("Hello there.", voice="ryan", seed=1, max_new_tokens=8)
         finally:

@@ -1,5 +1,9 @@
 """A loaded Qwen3-TTS checkpoint: config, text tokenizer, talker (+ code predictor), and lazily the speaker
-encoder and the shared speech tokenizer (codec)."""
+encoder and the shared speech tokenizer (codec).
+
+Loading composes the checkpoint's modules (and, in a quantised mode, their quantised layouts) and nothing else: the
+device's fast paths, and any build of our C++ kernels they need, are attached later by the model runner's backend
+(engine/backends.py; CPU: cpu/backend.py)."""
 from __future__ import annotations
 
 import logging
@@ -134,8 +138,6 @@ class Qwen3TTSModel:
         if text_embedding_on_cpu and device.type != "cpu":
             # 151936 x 2048 (622 MB bf16) read only to build prompts: keep it in host memory
             self.talker.model.text_embedding.to("cpu")
-        if device.type == "cpu" and (self.quantize is not None or dtype != torch.float32):
-            self.talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
         # last rewrite of the talker's layers: int8/int4 weights are born here, the dense ones dropped
         self.quantized_layers = quantize_talker(self.talker, self.quantize)
         self.prompts = PromptBuilder(self.config, self.talker)
@@ -158,13 +160,6 @@ class Qwen3TTSModel:
                          "native bf16: AVX-512 BF16 / AMX" if cpu_has_fast_bf16() else "no native bf16")
         folder = resolve_checkpoint(model)
         talker_cfg = ModelConfig.from_dict(read_json(folder / "config.json")).talker
-        if device.type == "cpu":   # our C++ libraries at once, before any choice is timed (a cold cache: 20-70 s)
-            from tts_engine.cpu import cpu_build
-
-            q = str(quantize or "none").strip().lower()
-            dense_fp32 = chosen == torch.float32 and (q != "auto" or dtype is not None or dtype_forced())
-            # the libraries that include cpu_ext.cpp serve the fused step: bf16, W8A8, W4A8 (not fp32, int8, int4)
-            cpu_build.build_all(includers=q in ("w8a8", "w4a8") or q not in ("int8", "int4") and not dense_fp32)
         quantize, why = quantize_choice(quantize, device, chosen, dtype is not None, talker_cfg, folder)
         inst = cls(folder, device, chosen, text_embedding_on_cpu, quantize)
         inst.quantize_why = why

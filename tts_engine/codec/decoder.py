@@ -31,12 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tts_engine.errors import TTSError
 from tts_engine.model.layers import RMSNorm, rotate_half  # the same Qwen-style norm and RoPE rotation as the talker
-from tts_engine.cpu import cpu_ext
-from tts_engine.cpu.int8_conv import Int8Conv
-from tts_engine.cpu.packed_conv import PackedConv
 
 __all__ = ["CodecDecoderConfig", "CodecDecoder", "CodecDecoderState"]
+
+# The CPU kernels of conv modes "packed" and "int8" (`CodecDecoder.set_conv_mode`): an object with `PackedConv`,
+# `Int8Conv` (classes built per conv: weight, bias, dilation, groups, max length) and `snake(x, exp_alpha, inv_beta)`
+# (the fused activation, None where it cannot run). Set when tts_engine.cpu is imported
+# (`tts_engine.cpu.backend.set_hooks`; the mode is chosen by measuring, cpu/codec_dtype.py): the codec's only
+# way to the CPU package.
+cpu_kernels = None
 
 
 @dataclass
@@ -135,7 +140,7 @@ class _Packable:
         slot = "_pk8" if self.int8 else "_pk"   # (both kept: switching modes while timing them must not repack)
         pk = getattr(self, slot, None)
         if pk is None or pk[0] != key:
-            conv = Int8Conv if self.int8 else PackedConv
+            conv = cpu_kernels.Int8Conv if self.int8 else cpu_kernels.PackedConv
             pk = (key, conv(weight, bias, dilation, groups, PACKED_MAX_FRAMES * self.up + ctx))
             setattr(self, slot, pk)
         if self.int8:
@@ -282,7 +287,7 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    fused = False   # set by CodecDecoder.set_conv_mode("packed"): one pass through cpu_ext.snake where it runs
+    fused = False   # set by CodecDecoder.set_conv_mode("packed"): one pass through cpu_kernels.snake where it runs
 
     def _params32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """exp(alpha), 1 / (exp(beta) + 1e-9) in fp32 [C], cached on the parameters' versions."""
@@ -297,7 +302,7 @@ class SnakeBeta(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.device.type == "cpu":
-            y = cpu_ext.snake(x, *self._params32())
+            y = cpu_kernels.snake(x, *self._params32())
             if y is not None:
                 return y
         alpha = torch.exp(self.alpha[None, :, None])
@@ -632,7 +637,7 @@ class CodecDecoder(nn.Module):
         """"aten" (default; the parity-tested path): each conv calls oneDNN (or aten) with its plain weight.
         "packed": the stateful convs run through `packed_conv.PackedConv` (weights reordered once per input
         shape, activations channels-last) on chunks of up to PACKED_MAX_FRAMES frames, and the SnakeBeta
-        activations in one fused pass (`cpu_ext.snake`, where our CPU kernels build); equal to "aten" up to
+        activations in one fused pass (`cpu_kernels.snake`, where our CPU kernels build); equal to "aten" up to
         float rounding (the accumulation order differs; the snake is computed in fp32, rounded once).
         "int8": "packed", and the convs of `int8_convs` in int8 (`int8_conv.Int8Conv`: int8 weights, inputs
         quantised to uint8 per call): lossy, measured against fp32 (`codec.quality`) before it may be chosen.
@@ -640,6 +645,8 @@ class CodecDecoder(nn.Module):
         if mode not in self.CONV_MODES:
             raise ValueError(f"conv mode must be one of {', '.join(self.CONV_MODES)}")
         on = mode in ("packed", "int8")
+        if on and cpu_kernels is None:
+            raise TTSError(f"conv mode {mode!r} needs the CPU package's kernels: import tts_engine.cpu first")
         up = 1                                                  # input samples per frame at each conv
         self.pre_conv.packed, self.pre_conv.up = on, up
         for tc, blk in self.upsample:

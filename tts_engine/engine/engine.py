@@ -173,8 +173,11 @@ class TTSEngine:
         self.max_seq_len = max_seq_len or 4096   # prompt + frames per row (4096 ~ 5 min of audio)
         self._lock = threading.Lock()   # serialises voice cloning (speaker/codec encoders)
         self.reference_cache = ReferenceCache(reference_cache)
+        # the device's fast paths are attached here, by its backend (engine/backends.py; CPU: cpu/backend.py)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
-                                  max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id)
+                                  max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id,
+                                  **({} if gpu else dict(compile_predictor=compile_predictor,
+                                                         govern_threads=govern_threads)))
         if prefix_cache_mb is None:   # (a GPU prefill is fast, and the key's digest would cost a host sync there)
             prefix_cache_mb = float(os.environ.get("TTS_PREFIX_CACHE_MB", PREFIX_CACHE_MB_DEFAULT)) \
                 if model.dtype != torch.float32 and not gpu else 0
@@ -189,11 +192,7 @@ class TTSEngine:
             self.start_graphs(GraphedFrames(self.runner), capture_now=capture_graphs_at_start)
         else:
             self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
-        from tts_engine.cpu import compiled_predictor
-
-        self._compiled_predictor_status = "off"
-        if compile_predictor if compile_predictor is not None else compiled_predictor.wanted():
-            self._compiled_predictor_status = self.runner.compile_predictor()
+        self._compiled_predictor_status = getattr(self.runner.backend, "compiled_predictor_status", "off")
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
@@ -202,21 +201,13 @@ class TTSEngine:
             overlap_codec = OVERLAP_CODEC_CPU_DEFAULT if not gpu and torch.get_num_threads() >= 2 \
                 and model.dtype != torch.float32 else False
         self.worker.overlap_codec(overlap_codec, codec_threads)
-        if govern_threads is None:
-            govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")
-        self._govern_threads(govern_threads and not gpu and model.dtype != torch.float32)
+        backend = self.runner.backend   # (the CPU backend chose the thread governor at attach)
+        self.worker.govern_threads(getattr(backend, "governor", None), getattr(backend, "matmul_threads", None))
 
     def _govern_threads(self, on: bool) -> None:
-        threads = torch.get_num_threads()
-        if not on or threads < 2:
-            self.worker.govern_threads(None)
-            return
-        from tts_engine.cpu.threads import ThreadGovernor, serial_between_matmuls
-
-        # (not around a compiled predictor's linear layers: its graph is traced from their forwards)
-        mm = serial_between_matmuls(self.model.talker, threads) if self.model.talker.code_predictor.compiled is None \
-            else None
-        self.worker.govern_threads(ThreadGovernor(threads, matmul_option=mm is not None), mm)
+        """Turn the CPU backend's thread governor on or off (benchmarks' A/B)."""
+        b = self.runner.backend
+        self.worker.govern_threads(*(b.thread_governor(on) if hasattr(b, "thread_governor") else (None, None)))
 
     @property
     def thread_choice(self) -> dict:

@@ -12,9 +12,15 @@ Row r of each tensor belongs to one sequence (a cache slot). Born here, freed he
 The host mirrors only what it can know without asking the device (each row's length), so a frame runs
 with no host synchronisation; the caller reads the `done` flags once per emitted chunk.
 
-`frame(b, read_len)` is the whole per-frame device computation for rows 0..b-1 with static shapes and
-no host-dependent control flow; on a GPU it is captured as a CUDA graph per (batch bucket, length bucket)
-(`cuda_graphs.GraphedFrames`), elsewhere it runs eagerly. Rows are kept dense (0..B-1) by `move_row`.
+A frame is two halves: `complete` (the code predictor draws codebooks 1..15 of the current frame) and `advance`
+(the talker consumes the frame and draws the next codebook-0 id); `decode` is the two in a row. `frame(b, read_len)`
+is the same for rows 0..b-1 with static shapes and no host-dependent control flow: on a GPU it is captured as a CUDA
+graph per (batch bucket, length bucket) (`cuda_graphs.GraphedFrames`). Rows are kept dense (0..B-1) by `move_row`.
+
+The device's fast paths are attached once, at the end of `__init__`, by its backend (`backends.attach_backend`: on
+a CPU `tts_engine.cpu.backend.CpuBackend`); what they replace is written here, in plain PyTorch: `_advance_python`
+(the talker step) and `_predict_residuals_loop` (the predictor's 15 passes), which the one-call steps fall back to.
+`path_entries` says what serves each part now.
 """
 from __future__ import annotations
 
@@ -24,10 +30,7 @@ import logging
 import torch
 
 from tts_engine.errors import TTSError
-from tts_engine.cpu import fused_step
-from tts_engine.cpu import predictor_frame
-from tts_engine.cpu import talker_step
-from tts_engine.cpu.kernels import onednn_off, onednn_on, onednn_outside
+from tts_engine.engine.backends import attach_backend
 from tts_engine.model.prompt import Prompt
 from tts_engine.model.sampling import C0Processor, RowParams, SamplingParams, choose_residual, host_facts
 from tts_engine.model.talker import Talker
@@ -36,25 +39,18 @@ GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; large
 _GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
 GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
 log = logging.getLogger("tts_engine")
-ATEN_GEMV_MAX_ROWS = 2   # bf16 on a CPU: up to this many rows, PyTorch's own gemv beats oneDNN's (see below)
 
 
-@contextlib.contextmanager
-def aten_bf16_gemv(on: bool):
-    """On a CPU, a bf16 linear with 1-2 input rows reads its weights ~1.7x faster through PyTorch's own
-    matrix-vector kernel than through oneDNN's (measured on a 2-core Zen 4: 3072x1024, 1 row, 0.23 vs 0.39 ms;
-    from 4 rows on oneDNN wins), so the per-frame step of a small bf16 batch turns oneDNN off while it runs.
-    The switch is process-wide (another thread running a linear meanwhile only takes the other kernel)."""
-    if not on:
-        yield
-        return
-    with onednn_off():
-        yield
+def _no_scope(*_):
+    return contextlib.nullcontext()
 
 
 class ModelRunner:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_len: int, eos_id: int,
-                 trailing_cap: int = 1024):
+                 trailing_cap: int = 1024, fast_paths: bool = True, **backend_options):
+        """fast_paths: let the device's backend attach its fast paths (`backends.attach_backend`, with
+        `backend_options`: on a CPU compile_predictor and govern_threads, see `cpu.backend.CpuBackend`); False
+        serves the plain PyTorch path of model/ (eager, or CUDA graphs where the engine captures them)."""
         self.talker = talker
         w = talker.model.norm.weight   # device and activation dtype (linear layers may be quantised)
         self.device, self.dtype = w.device, w.dtype
@@ -82,44 +78,26 @@ class ModelRunner:
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
-        # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
-        # talker step (outside the bf16 gemv switch); the worker decodes completed chunks there
-        self.on_frame_codes = None
         self.graph_status = "off"
-        # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py; its
-        # trial runs now, timing the eager path as a one-row decode runs it)
-        self.fused_status = {}
-        if self.device.type == "cpu":
-            with aten_bf16_gemv(self._gemv(1)):
-                self.fused_status = fused_step.attach(talker)
-        # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py), its trial
-        # run now too, so that no request sees it
-        self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
-        if self.device.type == "cpu":
-            self._measure_predictor_frame()
-        # ... and the talker's whole step around its fused stack in one call of it (model/talker_step.py), its trial
-        # run now too (on row 0, put back afterwards)
-        self.talker_step, self.talker_step_status = None, "off (CPU only)"
-        if self.device.type == "cpu":
-            self._attach_talker_step()
+        # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
+        # talker step (inside `outside_step_scope`); the worker decodes completed chunks there
+        self.on_frame_codes = None
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
+        # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
+        self.backend = None                    # its `path_entries()` say what serves each part of a frame
+        self.step_scope = _no_scope            # step_scope(rows): the context a frame step of `rows` rows runs in
+        self.outside_step_scope = _no_scope    # outside_step_scope(): the context of on_frame_codes inside a step
+        self.talker_step, self.talker_step_status = None, "off (no backend)"   # the talker step in one call
+        self.fused_status = {"talker": "off (no backend)", "predictor": "off (no backend)"}
+        self.frame_status = "off (no backend)"
+        if fast_paths:
+            attach_backend(self, **backend_options)
 
-    def compile_predictor(self) -> str:
-        """Serve one-row code-predictor passes through a compiled graph (`model.compiled_predictor`), compiled now
-        as a warm-up; CPU engines with fused projections only (16-bit or quantised). -> its status line. A failure
-        leaves the eager path serving."""
-        from tts_engine.cpu.compiled_predictor import CompiledPredictorPass
-
-        cp = self.talker.code_predictor
-        if self.device.type != "cpu" or cp.model.layers[0].self_attn.qkv_proj is None:
-            return "off (CPU 16-bit or quantised engines only)"
-        try:
-            cp.compiled = CompiledPredictorPass(cp, self.device, self.dtype)
-        except Exception as e:   # e.g. no C++ compiler: never an outage
-            log.warning("compiled code predictor not used: %s", e)
-            return f"off ({type(e).__name__})"
-        cp.compiled.warm_up(self.cp_cache)
-        return cp.compiled.status
+    @property
+    def path_entries(self) -> dict[str, dict[str, str]]:
+        """What the backend serves each part of a frame with right now: {part: {"path", "how", "why"}} (empty
+        without a backend). `TTSEngine.paths()` reads it."""
+        return self.backend.path_entries() if self.backend is not None else {}
 
     def disable_graphs(self, reason: str) -> None:
         """Serve eagerly from now on (a capture or a replay raised): one log line, never an outage."""
@@ -198,8 +176,7 @@ class ModelRunner:
         self.step[row] = 0
         self.seen[row] = False
         self.max_new[row] = min(params.max_new_tokens, self.max_len - L + 1)
-        rp = RowParams(**{k: (v[row:row + 1] if k != "host" else host_facts([params]))
-                          for k, v in self.rp.__dict__.items()})
+        rp = self.rp.select(slice(row, row + 1), host_facts([params]))
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
 
@@ -238,81 +215,87 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Complete one frame for each row in `rows` and start the next.
+        """Complete one frame for each row in `rows` and start the next: `advance(rows, complete(rows))`, or one
+        replay of the captured frame where CUDA graphs serve (dense rows 0..B-1 whose sampling the capture covers).
 
         Returns (codes [B, 16] of the completed frame, done [B]): done means the id drawn for the next
         frame is end-of-speech (or the row reached max_new_tokens), so this frame is the row's last. With
-        `on_frame_codes` set (and no CUDA graphs) the hook gets the codes between the two halves (`complete`,
-        `advance`: the same computations).
-        Dense rows 0..B-1 take the static path (a CUDA graph where captured); other row sets, eager."""
+        `on_frame_codes` set (eager only) the hook gets the codes between the two halves."""
         B = len(rows)
-        read_len = max(self.host_len[i] for i in rows) + 1
-        if read_len > self.max_len:
-            raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        with aten_bf16_gemv(self._gemv(B)):
-            codes, done = self._decode(rows, B, read_len)
-        for i in rows:
-            self.host_len[i] += 1
-        return codes, done
+        if self.graphs is not None and rows == list(range(B)) and self.graph_compatible(B):
+            read_len = self._read_len(rows)
+            try:
+                codes, done = self.graphs.run(B, read_len)
+            except Exception as e:  # a capture or replay that fails must not fail the request
+                self.disable_graphs(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            else:
+                self._grown(rows)
+                return codes, done
+        codes = self.complete(rows)
+        if self.on_frame_codes is not None and self.graphs is None:
+            self._hand_over(codes)
+        return codes, self.advance(rows, codes)
 
-    # --- the same frame in two halves (CPU eager: a chunk's audio can be decoded between them) --------------------
+    # --- a frame in two halves (eager: a chunk's audio can be decoded between them) -------------------------------
     @torch.inference_mode()
     def complete(self, rows: list[int]) -> torch.Tensor:
-        """First half of `decode`: the code predictor completes the current frame of each row in `rows` ->
+        """First half of a frame: the code predictor completes the current frame of each row in `rows` ->
         codes [B, 16]. Changes no row state (only the predictor's scratch cache): call `advance` with these codes
         next, before any other step of these rows. Eager only (no CUDA graph)."""
-        r, _, rp = self._rows_view(rows)
-        with aten_bf16_gemv(self._gemv(len(rows))):
+        r, _, rp = self.rows_view(rows)
+        with self.step_scope(len(rows)):
             return self._predict_residuals(self.hidden[r], self.c0[r], self.step[r] - 1, rp)
 
     @torch.inference_mode()
     def advance(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """Second half of `decode`: the talker step that consumes the completed frame `codes` [B, 16] and draws
+        """Second half of a frame: the talker step that consumes the completed frame `codes` [B, 16] and draws
         each row's next codebook-0 id -> done [B] (as `decode`'s)."""
-        B = len(rows)
+        read_len = self._read_len(rows)
+        r, cache_rows, rp = self.rows_view(rows)
+        with self.step_scope(len(rows)):
+            done = self._advance(r, cache_rows, rp, read_len, codes)
+        self._grown(rows)
+        return done
+
+    def _read_len(self, rows: list[int]) -> int:
+        """Talker cache positions a step of `rows` reads (the longest row's, with the new frame)."""
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        r, cache_rows, rp = self._rows_view(rows)
-        with aten_bf16_gemv(self._gemv(B)):
-            done = self._advance(r, cache_rows, rp, read_len, codes)
+        return read_len
+
+    def _grown(self, rows: list[int]) -> None:
         for i in rows:
             self.host_len[i] += 1
-        return done
 
-    def _gemv(self, B: int) -> bool:
-        return self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
+    def _hand_over(self, codes: torch.Tensor) -> None:
+        """on_frame_codes(codes), in the backend's `outside_step_scope` (on a CPU: oneDNN as it is outside every
+        thread's step, since the codec decodes there)."""
+        with self.outside_step_scope():
+            self.on_frame_codes(codes)
 
-    def _rows_view(self, rows: list[int]):
-        """(row index tensor, cache rows (a slice where contiguous), RowParams) of `rows`, as `frame` and
-        `_frame_rows` build them."""
+    def rows_view(self, rows: list[int]) -> tuple[torch.Tensor, slice | torch.Tensor, RowParams]:
+        """(row index tensor, cache rows (a slice where contiguous), RowParams) of `rows`: what a step of these rows
+        reads. Dense rows 0..B-1 give the views `frame` uses."""
         B = len(rows)
         if rows == list(range(B)):
             return self.row_index[:B], slice(0, B), self._dense_params(B, general=False)
         r = torch.tensor(rows, device=self.device)
-        rp = RowParams(**{k: (v[r] if k != "host" else host_facts([self.params[i] for i in rows]))
-                          for k, v in self.rp.__dict__.items()})
+        rp = self.rp.select(r, host_facts([self.params[i] for i in rows]))
         contiguous = rows == list(range(rows[0], rows[0] + B))
         return r, (slice(rows[0], rows[0] + B) if contiguous else r), rp
 
-    def _decode(self, rows: list[int], B: int, read_len: int):
-        if rows == list(range(B)):
-            codes = None
-            if self.graphs is not None and self.graph_compatible(B):
-                try:
-                    codes, done = self.graphs.run(B, read_len)
-                except Exception as e:  # a capture or replay that fails must not fail the request
-                    self.disable_graphs(f"{type(e).__name__}: {e}".splitlines()[0][:300])
-            if codes is None:
-                codes, done = self.frame(B, read_len, general=False)
-        else:
-            codes, done = self._frame_rows(rows, read_len)
-        return codes, done
+    def default_params(self, b: int) -> RowParams:
+        """RowParams of rows 0..b-1 with the host facts of default sampling (the backends' trials at attach)."""
+        return self.rp.select(slice(0, b), host_facts([SamplingParams()]))
 
     def frame(self, b: int, read_len: int, general: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame for rows 0..b-1 (static shapes: capturable). `general` fixes the sampler's host facts to
-        the captured superset (any sampling, top-k <= GRAPH_TOP_K_CAP, top-p on)."""
-        return self._frame_core(self.row_index[:b], slice(0, b), self._dense_params(b, general), read_len)
+        """One frame for rows 0..b-1 with static shapes and no host bookkeeping: what `cuda_graphs` captures.
+        `general` fixes the sampler's host facts to the captured superset (any sampling, top-k <=
+        GRAPH_TOP_K_CAP, top-p on)."""
+        r, rp = self.row_index[:b], self._dense_params(b, general)
+        codes = self._predict_residuals(self.hidden[r], self.c0[r], self.step[r] - 1, rp)   # [B, 16]
+        return codes, self._advance(r, slice(0, b), rp, read_len, codes)
 
     def _dense_params(self, b: int, general: bool) -> RowParams:
         """RowParams of rows 0..b-1 (views of `rp`, and the rows' host facts), built once per batch composition
@@ -320,34 +303,8 @@ class ModelRunner:
         forget the views."""
         rp = self._dense_views.get((b, general))
         if rp is None:
-            rp = self._dense_views[(b, general)] = RowParams(
-                **{k: (v[:b] if k != "host" else self._host_facts(b, general)) for k, v in self.rp.__dict__.items()})
+            rp = self._dense_views[(b, general)] = self.rp.select(slice(0, b), self._host_facts(b, general))
         return rp
-
-    def _frame_rows(self, rows: list[int], read_len: int):
-        r = torch.tensor(rows, device=self.device)
-        rp = RowParams(**{k: (v[r] if k != "host" else host_facts([self.params[i] for i in rows]))
-                          for k, v in self.rp.__dict__.items()})
-        B = len(rows)
-        contiguous = rows == list(range(rows[0], rows[0] + B))
-        return self._frame_core(r, slice(rows[0], rows[0] + B) if contiguous else r, rp, read_len)
-
-    def _frame_core(self, r, cache_rows, rp: RowParams, read_len: int):
-        frame_idx = self.step[r] - 1                        # index of the frame being completed
-        codes = self._predict_residuals(self.hidden[r], self.c0[r], frame_idx, rp)   # [B, 16]
-        if self.on_frame_codes is not None and self.graphs is None:   # (never inside a CUDA graph capture)
-            self._hand_over(codes)
-        return codes, self._advance(r, cache_rows, rp, read_len, codes)
-
-    def _hand_over(self, codes: torch.Tensor) -> None:
-        """on_frame_codes(codes) with oneDNN as it is outside every thread's bf16 gemv switch (the codec decodes
-        there: its linear layers need oneDNN), read from the switch itself: another engine's worker may hold oneDNN
-        off while this frame runs."""
-        if torch._C._get_mkldnn_enabled() or not onednn_outside():
-            self.on_frame_codes(codes)
-            return
-        with onednn_on():
-            self.on_frame_codes(codes)
 
     def _advance(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         """The talker step consuming `codes` [B, 16] -> done [B]; where the step in one C++ call serves
@@ -356,24 +313,6 @@ class ModelRunner:
         if step is not None and step.takes(r.shape[0]):
             return step.run(r, rp, codes, lambda: self._advance_python(r, cache_rows, rp, read_len, codes))
         return self._advance_python(r, cache_rows, rp, read_len, codes)
-
-    @torch.inference_mode()
-    def _attach_talker_step(self) -> None:
-        """Attach `talker_step.TalkerStep` where it runs and run its trial (`TalkerStep.measure`, on row 0 before
-        any request holds it). Never raises."""
-        self.talker_step, self.talker_step_status = talker_step.attach(self)
-        step = self.talker_step
-        if step is None or step.state != "trial":
-            return
-        rp = RowParams(**{k: (v[:1] if k != "host" else host_facts([SamplingParams()]))
-                          for k, v in self.rp.__dict__.items()})
-
-        def python_step(r, rp, codes):
-            return self._advance_python(r, slice(0, 1), rp, int(self.pos[0]) + 1, codes)
-
-        with aten_bf16_gemv(self._gemv(1)):
-            step.measure(self, rp, python_step)
-        self.talker_step_status = step.status
 
     def _advance_python(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1
@@ -398,30 +337,6 @@ class ModelRunner:
             return frame.run(h, c0, frame_idx, rp, self.cp_cache,
                              lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
         return self._predict_residuals_loop(h, c0, frame_idx, rp)
-
-    @torch.inference_mode()
-    def _measure_predictor_frame(self) -> None:
-        """Run the predictor frame's trial (`PredictorFrame`, state "trial": both paths timed on the same input, the
-        choice remembered) at load, on random inputs in row 0 of the predictor's cache (every frame rewrites the
-        positions it reads, so nothing stays behind), as a one-row frame runs. Never raises."""
-        frame = getattr(self.talker.code_predictor, "frame", None)
-        if frame is None or frame.state != "trial" or not frame.takes(1):
-            return
-        g = torch.Generator().manual_seed(0)
-        D, V = self.hidden.shape[1], self.talker.cfg.vocab_size
-        h = torch.randn(1, D, generator=g).to(self.dtype)
-        c0 = torch.randint(0, min(V, 2048), (1,), generator=g)
-        frame_idx = torch.zeros(1, dtype=torch.long)
-        rp = RowParams(**{k: (v[:1] if k != "host" else host_facts([SamplingParams()]))
-                          for k, v in self.rp.__dict__.items()})
-        try:
-            with aten_bf16_gemv(self._gemv(1)):
-                while frame.state == "trial":
-                    frame.run(h, c0, frame_idx, rp, self.cp_cache,
-                              lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
-        except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
-            frame.disable(f"{type(e).__name__}: {e}")
-        self.frame_status = frame.status
 
     def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                                 rp: RowParams) -> torch.Tensor:

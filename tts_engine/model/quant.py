@@ -40,8 +40,18 @@ import torch
 from torch import nn
 
 from tts_engine.errors import TTSError
-from tts_engine.cpu import cpu_ext
-from tts_engine.cpu import kernels
+
+# The kernels of the "w8a8" and "w4a8" layouts, our own CPU code: `cpu_ext` (packing, the W4A8 kernel) and `kernels`
+# (the kernel table measured on this machine, the W8A8 kernels). Set when tts_engine.cpu is imported
+# (`tts_engine.cpu.backend.set_hooks`); the int8 and int4 layouts use PyTorch's own kernels and need neither.
+cpu_ext = None
+kernels = None
+
+
+def _own_kernels() -> None:
+    """Raise a clear error where a layout that needs our own kernels is built before tts_engine.cpu was imported."""
+    if cpu_ext is None or kernels is None:
+        raise TTSError("the w8a8 and w4a8 layouts need the CPU package's kernels: import tts_engine.cpu first")
 
 QUANT_MODES = ("int8", "int4", "w8a8", "w4a8")   # every lossy mode, in one place (app, CLI, bench, auto enumerate it)
 INT4_GROUP = 64          # input columns per int4 scale/zero pair (see docs/benchmarks.md for the choice)
@@ -128,6 +138,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("scale127", scale / 127.0)                              # fp32 [N]
         self.register_buffer("scale127_bf16", (scale / 127.0).to(torch.bfloat16))   # the int8pack kernel's scale
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        _own_kernels()
         table = table or kernels.kernel_table()
         self.kernel_names = {b: table.choice("w8a8", self.out_features, self.in_features, b)
                              for b in kernels.ROW_BUCKETS}
@@ -229,6 +240,7 @@ class W4A8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        _own_kernels()
         w = linear.weight.detach().float()
         N, K = w.shape
         self.in_features, self.out_features, self.group = K, N, cpu_ext.INT4_GROUP
@@ -238,6 +250,7 @@ class W4A8Linear(nn.Module):
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
+        _own_kernels()
         return linear.in_features % cpu_ext.INT4_GROUP == 0
 
     def dequantized(self) -> torch.Tensor:
@@ -259,7 +272,7 @@ class W4A8Linear(nn.Module):
 
 def available_modes() -> tuple[str, ...]:
     """The lossy modes that run here: every mode of QUANT_MODES, but "w4a8" only where our own kernels do."""
-    return tuple(m for m in QUANT_MODES if m != "w4a8" or cpu_ext.has_w4a8())
+    return tuple(m for m in QUANT_MODES if m != "w4a8" or (cpu_ext is not None and cpu_ext.has_w4a8()))
 
 
 def quantize_linear(linear: nn.Linear, mode: str, group: int | None = None) -> nn.Module:
@@ -305,6 +318,8 @@ def quantize_talker(talker: nn.Module, mode: str | None, group: int | None = Non
     if talker.model.norm.weight.device.type != "cpu":
         raise TTSError("quantize is implemented for the CPU only (its int8/int4 kernels are CPU kernels); "
                        "on a GPU run bf16 without quantize")
+    if mode in ("w8a8", "w4a8"):
+        _own_kernels()
     if mode == "w4a8" and not cpu_ext.has_w4a8():
         raise TTSError(f"quantize='w4a8' needs our own CPU kernels (AVX2 + FMA or AVX-512 VNNI), which do not run here "
                        f"({cpu_ext.why_unavailable() or cpu_ext.isa()}); use int4")

@@ -82,6 +82,11 @@ class RowParams:
             host=host,
         )
 
+    def select(self, rows, host: dict) -> "RowParams":
+        """The RowParams of some rows: every tensor indexed by `rows` (a slice gives views, an index tensor
+        copies) and `host` the host facts of those rows (`host_facts` of their SamplingParams)."""
+        return RowParams(**{k: (v[rows] if k != "host" else host) for k, v in self.__dict__.items()})
+
 
 def host_facts(params: list[SamplingParams]) -> dict:
     """What the sampler may skip for a batch, known on the host: whether any row samples, the largest top-k

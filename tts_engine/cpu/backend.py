@@ -1,0 +1,280 @@
+"""The CPU backend: the one place where a model runner gets its CPU fast paths.
+
+`CpuBackend(...).attach(runner)` runs once, when the runner has allocated its state (`engine/backends.py` calls
+it for a runner on a CPU). In this order, each step falling back to the plain PyTorch path with one log line:
+
+  1. our C++ library(ies), built now if the cache folder lacks them (`build_libraries`: the one call of the build);
+  2. 16-bit and quantised models: q/k/v and gate/up as one matmul each (`Talker.fuse_projections`; fp32 keeps the
+     checkpoint's layout, for bit-for-bit parity with the official implementation);
+  3. each decoder stack's decode step in one C++ call (`fused_step`), its trial run now;
+  4. the code predictor's 15 passes of a frame in one call (`predictor_frame`), its trial run now on random inputs;
+  5. the talker's whole step in one call (`talker_step`), its trial run now on row 0;
+  6. optionally, one-row predictor passes through a compiled graph (`compiled_predictor`);
+  7. the thread governor's "matmul" option: every linear layer's forward wrapped (`threads.serial_between_matmuls`);
+     the governor itself goes to the engine's worker (`thread_governor`);
+  8. the runner's step scope: oneDNN off around 1-2 row bf16 steps (`aten_bf16_gemv`).
+
+What serves each part afterwards: `path_entries()` (read through `ModelRunner.path_entries`).
+
+`set_hooks()` gives model/quant.py and codec/decoder.py the CPU kernels they call (the quantised layouts' own
+kernels and kernel table; the codec's packed and int8 convolutions and fused snake): run when this package is
+imported (tts_engine/cpu/__init__.py), it is the only way model/ and codec/ code reaches tts_engine.cpu.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+from tts_engine.cpu.kernels import onednn_off, onednn_on, onednn_outside
+
+log = logging.getLogger("tts_engine")
+
+ATEN_GEMV_MAX_ROWS = 2   # bf16 on a CPU: up to this many rows, PyTorch's own gemv beats oneDNN's (see below)
+GOVERN_THREADS_ENV = "TTS_GOVERN_THREADS"   # 0 / off: keep the process's threads in every frame
+
+
+@contextlib.contextmanager
+def aten_bf16_gemv(on: bool):
+    """On a CPU, a bf16 linear with 1-2 input rows reads its weights ~1.7x faster through PyTorch's own
+    matrix-vector kernel than through oneDNN's (measured on a 2-core Zen 4: 3072x1024, 1 row, 0.23 vs 0.39 ms;
+    from 4 rows on oneDNN wins), so the per-frame step of a small bf16 batch turns oneDNN off while it runs.
+    The switch is process-wide (another thread running a linear meanwhile only takes the other kernel)."""
+    if not on:
+        yield
+        return
+    with onednn_off():
+        yield
+
+
+@contextlib.contextmanager
+def onednn_as_outside():
+    """oneDNN as it is outside every thread's `aten_bf16_gemv` (the codec decodes between a frame's halves: its
+    layers need oneDNN), read from the switch itself: another engine's worker may hold oneDNN off meanwhile."""
+    if torch._C._get_mkldnn_enabled() or not onednn_outside():
+        yield
+        return
+    with onednn_on():
+        yield
+
+
+def fused_step_may_serve(talker, dtype: torch.dtype) -> bool:
+    """Whether a fused step (the libraries that include cpu_ext.cpp) may serve this talker: bf16, W8A8, W4A8 — not
+    fp32 and not the weight-only int8 / int4 layouts."""
+    kinds = {type(m).__name__ for m in talker.model.layers.modules()}
+    if kinds & {"W8A8Linear", "W4A8Linear"}:
+        return True
+    if kinds & {"Int8Linear", "Int4Linear"}:
+        return False
+    return dtype != torch.float32
+
+
+def build_libraries(includers: bool = True) -> dict[str, float]:
+    """Our C++ libraries, built now where the cache folder lacks them (before any measured choice is timed, so that
+    none is timed beside a compiler): the one place the backend builds. `includers`: also the libraries of the
+    fused step (`fused_step_may_serve`). -> {source: seconds}; never raises (a failed build is reported by the
+    library's first use)."""
+    from tts_engine.cpu import cpu_build
+
+    return cpu_build.build_all(includers=includers)
+
+
+def _path_entry(line) -> dict[str, str]:
+    """A status line "on (measured before: ...)" -> {"path": "on", "how": ..., "why": ...}."""
+    line = str(line or "off")
+    head, _, rest = line.partition(" (")
+    why = rest[:-1] if rest.endswith(")") else rest
+    low = why.lower()
+    if "measured before" in low or "remembered" in low:
+        how = "remembered"
+    elif "tts_" in low and "=" in low:
+        how = "forced by a variable"
+    elif head == "off" and why and why not in ("CPU", "CPU only", "eager", "off"):
+        how = "fell back" if any(w in low for w in ("error", "failed", "raised", "disagree")) else "default"
+    elif "measur" in low or "faster" in low or "slower" in low:
+        how = "measured now"
+    else:
+        how = "default"
+    return {"path": head, "how": how, "why": why}
+
+
+class CpuBackend:
+    """The CPU fast paths of one model runner. compile_predictor: serve one-row predictor passes through a compiled
+    graph (None: env TTS_COMPILE_PREDICTOR, off by default); govern_threads: let a `threads.ThreadGovernor` choose
+    each frame's OpenMP threads (None: env TTS_GOVERN_THREADS, on by default; 16-bit and quantised models with 2+
+    threads only)."""
+
+    name = "cpu"
+
+    def __init__(self, compile_predictor: bool | None = None, govern_threads: bool | None = None):
+        self.compile_predictor_wanted = compile_predictor
+        self.govern_threads_wanted = govern_threads
+        self.runner = None
+        self.gemv_rows = 0             # steps of up to this many rows run with oneDNN off (`aten_bf16_gemv`)
+        self.compiled_predictor_status = "off"
+        self.governor = None           # threads.ThreadGovernor for the worker (None: the process's threads)
+        self.matmul_threads = None     # threads.MatmulThreads wrapped around the linear layers (governor's option)
+        self.threads_status = "off"
+
+    # --- attach -----------------------------------------------------------------------------------------------------
+    def attach(self, runner) -> "CpuBackend":
+        """Give `runner` its CPU fast paths (see the module's docstring); never raises. Sets on the runner:
+        `fused_status`, `frame_status`, `talker_step` / `talker_step_status` and `step_scope`."""
+        from tts_engine.cpu import fused_step, predictor_frame, talker_step
+
+        self.runner = runner
+        talker = runner.talker
+        runner.backend = self
+        self.gemv_rows = ATEN_GEMV_MAX_ROWS if runner.dtype == torch.bfloat16 else 0
+        runner.step_scope = self.step_scope
+        runner.outside_step_scope = onednn_as_outside
+        build_libraries(includers=fused_step_may_serve(talker, runner.dtype))
+        if runner.dtype != torch.float32:
+            talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
+        with self.step_scope(1):   # the fused step's trial times the eager path as a one-row step runs it
+            runner.fused_status = fused_step.attach(talker)
+        runner.frame_status = predictor_frame.attach(talker)
+        self._measure_predictor_frame(runner)
+        self._attach_talker_step(runner)
+        want = self.compile_predictor_wanted
+        if want if want is not None else _compiled_predictor_wanted():
+            self.compiled_predictor_status = self.compile_predictor(runner)
+        self._attach_thread_governor(runner)
+        return self
+
+    def step_scope(self, rows: int):
+        """What a frame step of `rows` rows runs inside (`ModelRunner.step_scope`): oneDNN off for 1-2 bf16 rows."""
+        return aten_bf16_gemv(0 < rows <= self.gemv_rows)
+
+    @torch.inference_mode()
+    def _measure_predictor_frame(self, runner) -> None:
+        """Run the predictor frame's trial (`PredictorFrame`, state "trial": both paths timed on the same input, the
+        choice remembered) now, on random inputs in row 0 of the predictor's cache (every frame rewrites the
+        positions it reads, so nothing stays behind), as a one-row frame runs. Never raises."""
+        frame = getattr(runner.talker.code_predictor, "frame", None)
+        if frame is None or frame.state != "trial" or not frame.takes(1):
+            return
+        g = torch.Generator().manual_seed(0)
+        D, V = runner.hidden.shape[1], runner.talker.cfg.vocab_size
+        h = torch.randn(1, D, generator=g).to(runner.dtype)
+        c0 = torch.randint(0, min(V, 2048), (1,), generator=g)
+        frame_idx = torch.zeros(1, dtype=torch.long)
+        rp = runner.default_params(1)
+        try:
+            with self.step_scope(1):
+                while frame.state == "trial":
+                    frame.run(h, c0, frame_idx, rp, runner.cp_cache,
+                              lambda: runner.predict_residuals_loop(h, c0, frame_idx, rp))
+        except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
+            frame.disable(f"{type(e).__name__}: {e}")
+        runner.frame_status = frame.status
+
+    @torch.inference_mode()
+    def _attach_talker_step(self, runner) -> None:
+        """Attach `talker_step.TalkerStep` where it runs and run its trial (`TalkerStep.measure`, on row 0 before any
+        request holds it). Never raises."""
+        from tts_engine.cpu import talker_step
+
+        runner.talker_step, runner.talker_step_status = talker_step.attach(runner)
+        step = runner.talker_step
+        if step is None or step.state != "trial":
+            return
+
+        def python_step(r, rp, codes):
+            return runner.advance_python(r, slice(0, 1), rp, int(runner.pos[0]) + 1, codes)
+
+        with self.step_scope(1):
+            step.measure(runner, runner.default_params(1), python_step)
+        runner.talker_step_status = step.status
+
+    def compile_predictor(self, runner) -> str:
+        """Serve one-row code-predictor passes through a compiled graph (`compiled_predictor`), compiled now as a
+        warm-up; models with fused projections only (16-bit or quantised). -> its status line. A failure leaves the
+        eager path serving."""
+        from tts_engine.cpu.compiled_predictor import CompiledPredictorPass
+
+        cp = runner.talker.code_predictor
+        if cp.model.layers[0].self_attn.qkv_proj is None:
+            return "off (CPU 16-bit or quantised engines only)"
+        try:
+            cp.compiled = CompiledPredictorPass(cp, runner.device, runner.dtype)
+        except Exception as e:   # e.g. no C++ compiler: never an outage
+            log.warning("compiled code predictor not used: %s", e)
+            return f"off ({type(e).__name__})"
+        cp.compiled.warm_up(runner.cp_cache)
+        return cp.compiled.status
+
+    def _attach_thread_governor(self, runner) -> None:
+        """The thread governor (16-bit and quantised models, 2+ threads): each frame's OpenMP threads (1, all, or all
+        inside the linear layers only) measured fastest at the moment; the worker runs it (`thread_governor`)."""
+        want = self.govern_threads_wanted
+        if want is None:
+            want = os.environ.get(GOVERN_THREADS_ENV, "1").lower() not in ("0", "off", "no", "false")
+        self.governor, self.matmul_threads = self.thread_governor(want and runner.dtype != torch.float32)
+
+    def thread_governor(self, on: bool):
+        """(threads.ThreadGovernor, threads.MatmulThreads or None) for the worker, or (None, None) when `on` is False
+        or torch has one thread. The linear layers are wrapped once (not around a compiled predictor's: its graph is
+        traced from their forwards)."""
+        threads = torch.get_num_threads()
+        if not on or threads < 2:
+            self.threads_status = "off (fp32)" if self.runner.dtype == torch.float32 else \
+                ("off (one thread)" if on else f"off ({GOVERN_THREADS_ENV}=0)")
+            return None, None
+        from tts_engine.cpu.threads import ThreadGovernor, serial_between_matmuls
+
+        talker = self.runner.talker
+        mm = serial_between_matmuls(talker, threads) if talker.code_predictor.compiled is None else None
+        self.threads_status = f"on (measured per frame over 1 / {threads} threads" + \
+            (", and inside the linear layers only)" if mm is not None else ")")
+        return ThreadGovernor(threads, matmul_option=mm is not None), mm
+
+    # --- what serves ------------------------------------------------------------------------------------------------
+    def path_entries(self) -> dict[str, dict[str, str]]:
+        """{part: {"path", "how", "why"}} of the CPU fast paths this backend attached, as they serve now."""
+        from tts_engine.cpu.fused_step import status as fused_status
+
+        r = self.runner
+        fused = fused_status(r.talker)
+        c = r.talker.code_predictor.compiled
+        raw = {"talker step": r.talker_step_status, "talker stack": fused["talker"],
+               "predictor stack": fused["predictor"], "predictor frame": r.frame_status,
+               "compiled predictor": c.status if c is not None else self.compiled_predictor_status,
+               "threads": self.threads_status,
+               "small bf16 steps": (f"on (oneDNN off up to {self.gemv_rows} rows: PyTorch's gemv reads the weights "
+                                    "faster)") if self.gemv_rows else "off (not bf16)"}
+        return {k: _path_entry(v) for k, v in raw.items()}
+
+
+def _compiled_predictor_wanted() -> bool:
+    from tts_engine.cpu import compiled_predictor
+
+    return compiled_predictor.wanted()
+
+
+# --- hooks of model/ and codec/ ---------------------------------------------------------------------------------------
+class CodecKernels:
+    """The codec decoder's CPU kernels (codec/decoder.py `cpu_kernels`): `PackedConv` (weights reordered once,
+    channels-last), `Int8Conv` (int8 weights, rows quantised per call) and `snake(x, exp_alpha, inv_beta)` (one fused
+    pass; None where our kernels do not build)."""
+
+    def __init__(self):
+        from tts_engine.cpu import cpu_ext
+        from tts_engine.cpu.int8_conv import Int8Conv
+        from tts_engine.cpu.packed_conv import PackedConv
+
+        self.PackedConv, self.Int8Conv, self.snake = PackedConv, Int8Conv, cpu_ext.snake
+
+
+def set_hooks() -> None:
+    """Give model/quant.py its kernels (`cpu_ext`: our own kernels, `kernels`: the measured kernel table) and
+    codec/decoder.py its conv kernels (`CodecKernels`). Idempotent."""
+    from tts_engine.codec import decoder
+    from tts_engine.cpu import cpu_ext, kernels
+    from tts_engine.model import quant
+
+    quant.cpu_ext, quant.kernels = cpu_ext, kernels
+    if decoder.cpu_kernels is None:
+        decoder.cpu_kernels = CodecKernels()

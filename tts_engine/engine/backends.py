@@ -1,0 +1,41 @@
+"""The seam between the model runner and a device's fast paths.
+
+`attach_backend(runner, **options)` picks the backend of the runner's device and lets it attach its fast paths:
+  CPU   `tts_engine.cpu.backend.CpuBackend(**options).attach(runner)` (options: compile_predictor, govern_threads);
+  CUDA  `tts_engine.gpu.backend.attach(runner)` where that module imports (absent or raising: one log line, and
+        the runner serves its plain path, eager or CUDA graphs).
+A backend may set on the runner, and only here: `backend` (an object whose `path_entries()` gives {part: {"path",
+"how", "why"}}: read through `ModelRunner.path_entries`), `step_scope(rows)` and `outside_step_scope()` (context
+managers around a frame step and around the codes' hand-over between its halves), `talker_step` (a one-call talker
+step), and its parts' hooks on the model (`DecoderStack.fused`, `CodePredictor.frame`, `CodePredictor.compiled`).
+A runner built with `fast_paths=False` gets none of them: the plain PyTorch path of model/.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("tts_engine")
+
+
+def attach_backend(runner, **options):
+    """Attach the fast paths of `runner.device`'s backend to `runner` -> the backend (None: the plain path)."""
+    if runner.device.type == "cpu":
+        from tts_engine.cpu.backend import CpuBackend
+
+        return CpuBackend(**options).attach(runner)
+    if runner.device.type == "cuda":
+        try:
+            from tts_engine.gpu import backend as gpu_backend
+        except ImportError as e:
+            log.info("tts_engine: no GPU fast paths (%s); the eager / CUDA graph path serves", e)
+            return None
+        try:
+            got = gpu_backend.attach(runner)
+        except Exception as e:   # a fast path that fails to attach must not fail the engine
+            log.warning("tts_engine: GPU fast paths not attached, the eager / CUDA graph path serves: %s",
+                        f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            return None
+        if got is not None:
+            runner.backend = got
+        return got
+    return None
