@@ -18,7 +18,7 @@ another of several equal candidates at the cut (tests/test_predictor_frame.py me
 Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
   auto (default)  once the predictor's fused step serves, TRIAL_FRAMES frames run three paths on the same input
                   (the Python loop; the frame with one parallel region per matmul, "frame"; the whole frame in one
-                  parallel region, "frame-team", whose codes must equal "frame"'s), when the model runner is built (`ModelRunner._measure_predictor_frame`: random inputs, so no request
+                  parallel region, "frame-team", whose codes must equal "frame"'s), when the model runner is built (`cpu.backend.CpuBackend._measure_predictor_frame`: random inputs, so no request
                   sees the trial; the predictor's cache is scratch, and a frame's draws depend only on its seeds and
                   logits, so both give the same codes up to the rounding differences above), timed, alternating which
                   goes first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
