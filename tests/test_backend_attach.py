@@ -157,3 +157,20 @@ def test_model_codec_and_runner_do_not_import_the_cpu_package():
     callers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "tts_engine").rglob("*.py")
                if "build_all(" in p.read_text(encoding="utf-8") and p.name != "cpu_build.py"]
     assert callers == ["tts_engine/cpu/backend.py"], callers
+
+
+def test_engine_without_fast_paths_speaks_the_same_fp32_audio(tiny_cv_folder):
+    """`TTSEngine(fast_paths=False)`: no backend, no thread governor, and in fp32 the same audio as the default."""
+    from tts_engine import TTSEngine
+
+    plain = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", fast_paths=False)
+    fast = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32")
+    try:
+        assert plain.runner.backend is None and plain.worker.governor is None
+        assert fast.runner.backend is not None
+        a = plain.synthesize("Hello there.", voice="ryan", seed=5, max_new_tokens=6)
+        b = fast.synthesize("Hello there.", voice="ryan", seed=5, max_new_tokens=6)
+        assert a.size > 0 and (a == b).all()
+    finally:
+        plain.close()
+        fast.close()

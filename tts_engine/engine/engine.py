@@ -142,7 +142,7 @@ class TTSEngine:
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
                  reference_cache: int = 128, overlap_codec: bool | None = None, codec_threads: int | None = 1,
                  compile_predictor: bool | None = None, govern_threads: bool | None = None,
-                 prefix_cache_mb: float | None = None):
+                 prefix_cache_mb: float | None = None, fast_paths: bool = True):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -165,7 +165,9 @@ class TTSEngine:
         TTS_GOVERN_THREADS=0 turns it off; fp32 keeps the process's threads). prefix_cache_mb: keep the talker's
         keys/values of up to this many MB of prompt prefixes (a voice's part of the prompt, `prefix_cache.PrefixCache`)
         so that the next request of a voice prefills only its text (default: 64 on a CPU in a 16-bit or quantised
-        mode, env TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 and GPUs keep one whole prefill per request)."""
+        mode, env TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 and GPUs keep one whole prefill per request).
+        fast_paths: let the device's backend attach its fast paths (engine/backends.py; default on); False serves
+        model/'s plain PyTorch path (with CUDA graphs where `use_cuda_graphs`), e.g. to check a fast path against it."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -176,6 +178,7 @@ class TTSEngine:
         # the device's fast paths are attached here, by its backend (engine/backends.py; CPU: cpu/backend.py)
         self.runner = ModelRunner(model.talker, model.prompts.tts_pad, rows=self.max_batch,
                                   max_len=self.max_seq_len, eos_id=model.config.talker.codec_eos_token_id,
+                                  fast_paths=fast_paths,
                                   **({} if gpu else dict(compile_predictor=compile_predictor,
                                                          govern_threads=govern_threads)))
         if prefix_cache_mb is None:   # (a GPU prefill is fast, and the key's digest would cost a host sync there)

@@ -229,8 +229,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """`layers` + final `norm` (state-dict names as in the official `*.model`). `fused`: a
-    `fused_step.FusedStep` serving the decode-sized calls of a quantised CPU stack (None: eager only)."""
+    """`layers` + final `norm` (state-dict names as in the official `*.model`). `fused`: a fast-path hook set only
+    by a device backend when it attaches (CPU: cpu/fused_step.py's `FusedStep`), serving the decode-sized calls of
+    `run` (None: the eager layers below)."""
 
     fused = None
 

@@ -58,7 +58,9 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
         self._pos_cache: dict = {}   # (B, start, T, device, dtype) -> DecoderStack.positions(...)
-        self.compiled = None         # a CompiledPredictorPass serving one-row passes (optional, CPU)
+        # fast-path hooks, set only by a device backend when it attaches (engine/backends.py; None: plain PyTorch):
+        self.compiled = None         # serves `step`'s one-row passes (CPU: cpu/compiled_predictor.py, optional)
+        self.frame = None            # serves a frame's 15 passes for the runner (CPU: cpu/predictor_frame.py)
 
     def new_cache(self, rows: int, device, dtype) -> KVCache:
         c = self.cfg
@@ -105,8 +107,9 @@ class Talker(nn.Module):
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up of every talker and code-predictor layer as one matmul each (see
-        `Attention.fuse_projections`): fewer calls per frame. The CPU engines in 16-bit and quantised modes do
-        this at load; fp32 keeps the checkpoint's separate projections (bit-for-bit parity)."""
+        `Attention.fuse_projections`): fewer calls per frame. `quantize_talker` does this before quantising, and the
+        CPU backend when it attaches to a 16-bit model; fp32 keeps the checkpoint's separate projections (bit-for-bit
+        parity)."""
         self.model.fuse_projections()
         self.code_predictor.model.fuse_projections()
 
