@@ -166,7 +166,7 @@ class CpuBackend:
             with self.step_scope(1):
                 while frame.state == "trial":
                     frame.run(h, c0, frame_idx, rp, runner.cp_cache,
-                              lambda: runner.predict_residuals_loop(h, c0, frame_idx, rp))
+                              lambda: runner._predict_residuals_loop(h, c0, frame_idx, rp))
         except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
             frame.disable(f"{type(e).__name__}: {e}")
         runner.frame_status = frame.status
@@ -183,7 +183,7 @@ class CpuBackend:
             return
 
         def python_step(r, rp, codes):
-            return runner.advance_python(r, slice(0, 1), rp, int(runner.pos[0]) + 1, codes)
+            return runner._advance_python(r, slice(0, 1), rp, int(runner.pos[0]) + 1, codes)
 
         with self.step_scope(1):
             step.measure(runner, runner.default_params(1), python_step)
