@@ -174,3 +174,44 @@ def test_engine_without_fast_paths_speaks_the_same_fp32_audio(tiny_cv_folder):
     finally:
         plain.close()
         fast.close()
+
+
+def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_line(monkeypatch, caplog):
+    """On CUDA `attach_backend` calls `tts_engine.gpu.backend.attach(runner)`; where that module is absent or its
+    attach raises, one log line and no backend (the eager / CUDA graph path)."""
+    import logging
+    import sys
+    import types
+
+    from tts_engine.engine.backends import attach_backend
+
+    def runner():
+        return types.SimpleNamespace(device=torch.device("cuda"), backend=None)
+
+    monkeypatch.setitem(sys.modules, "tts_engine.gpu", None)          # absent
+    with caplog.at_level(logging.INFO, logger="tts_engine"):
+        r = runner()
+        assert attach_backend(r) is None and r.backend is None
+    assert len([x for x in caplog.records if "GPU fast paths" in x.getMessage()]) == 1
+
+    class Backend:
+        def path_entries(self):
+            return {"frame": {"path": "on", "how": "default", "why": "a test"}}
+
+    def fail(r):
+        raise RuntimeError("no kernels here")
+
+    gpu = types.ModuleType("tts_engine.gpu")
+    gpu.backend = types.SimpleNamespace(attach=fail)
+    monkeypatch.setitem(sys.modules, "tts_engine.gpu", gpu)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tts_engine"):
+        r = runner()
+        assert attach_backend(r) is None and r.backend is None
+    assert ["no kernels here" in x.getMessage() for x in caplog.records] == [True]
+
+    gpu.backend = types.SimpleNamespace(attach=lambda r: Backend())
+    r = runner()
+    got = attach_backend(r)
+    assert isinstance(got, Backend) and r.backend is got
+    assert ModelRunner.path_entries.fget(r) == {"frame": {"path": "on", "how": "default", "why": "a test"}}
