@@ -99,7 +99,7 @@ def measure(dec, modes: list[tuple[str, object, str]], frames: int = FRAMES, see
 
 
 def main(argv=None) -> int:
-    from bench.speed import checkpoint_for
+    from tts_engine.tiny import random_checkpoint
     from tts_engine.codec.speech_tokenizer import SpeechTokenizer
 
     p = argparse.ArgumentParser(prog="python -m tts_engine.cpu.codec_quality", description=__doc__.split("\n")[0])
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         import os
         os.environ.setdefault("TTS_CODEC_DTYPE", "model")
         os.environ.setdefault("TTS_CODEC_CONV", "aten")
-        dec = SpeechTokenizer(checkpoint_for(arch, torch.bfloat16) / "speech_tokenizer", torch.device("cpu"),
+        dec = SpeechTokenizer(random_checkpoint(arch) / "speech_tokenizer", torch.device("cpu"),
                               torch.float32).decoder
         for label, q in measure(dec, modes, a.frames).items():
             print(f"| {arch} random | {label} | {q['snr_db']:.1f} | {q['lsd_db']:.3f} | {acceptable(q)} |")

@@ -603,3 +603,20 @@ def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
     lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
                       _state["quant_u8"])
     return q, float(out[0]), int(out[1])
+
+
+# --- for tools and benchmarks: documented, stable ----------------------------------------------------------------
+def calls_to(lib: ctypes.CDLL):
+    """A context manager: this module's kernel calls go to `lib` (another build of the same source layout, from
+    `load_library`) while inside, then back to the loaded library. Benchmarks A/B two kernel sources in one process."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def switched():
+        own = _state["lib"]
+        _state["lib"] = lib
+        try:
+            yield
+        finally:
+            _state["lib"] = own
+    return switched()

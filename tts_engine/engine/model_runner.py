@@ -436,3 +436,51 @@ class ModelRunner:
             if j + 1 < self.n_books - 1:
                 x = cp.model.codec_embedding[j](c)[:, None]                      # [B, 1, D]
         return torch.stack(out, dim=-1)
+
+    # --- for tools and benchmarks: documented, stable -------------------------------------------------------------
+    # bench/ uses these, never the private methods above (tests/test_bench_public_api.py checks it); each calls the
+    # internals in one line, so a change inside the runner changes only that line.
+
+    def rows_view(self, rows: list[int]):
+        """(row index tensor, cache rows: a slice where `rows` are contiguous, RowParams of the rows with their host
+        facts) of `rows`, as a frame of those rows uses them."""
+        return self._rows_view(rows)
+
+    def uses_aten_gemv(self, b: int) -> bool:
+        """Whether a frame of `b` rows runs with oneDNN off (`aten_bf16_gemv`: bf16 on a CPU, up to
+        ATEN_GEMV_MAX_ROWS rows)."""
+        return self._gemv(b)
+
+    def predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
+                          rp: RowParams) -> torch.Tensor:
+        """The code predictor's half of a frame on given inputs (talker hidden h [B, D], codebook-0 ids c0 [B], frame
+        indices [B], the rows' RowParams) -> codes [B, 16], as the engine serves it (the frame in one C++ call where it
+        serves, else the Python loop). Uses the predictor's scratch cache only."""
+        return self._predict_residuals(h, c0, frame_idx, rp)
+
+    def text_vectors(self, r: torch.Tensor, frame_idx: torch.Tensor) -> torch.Tensor:
+        """The text-track vectors fed beside frame `frame_idx` of rows `r` -> [B, D] (tts_pad past a row's text)."""
+        return self._trailing_at(r, frame_idx)
+
+    def finish_step(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        """The end of a talker step: rows `r` take codebook-0 ids `c0` drawn from hidden `h` as their next frame's
+        start (seen ids, step count, hidden, c0) -> done [B]."""
+        return self._after_c0(r, h, c0)
+
+    @torch.inference_mode()
+    def replay_talker_step(self, rows: list[int], codes: torch.Tensor) -> None:
+        """Run again the talker step that the last `decode` / `advance` of `rows` ran, as the engine serves it (the
+        C++ step where it serves, else the Python path), from the state it started in and on the same `codes`
+        [B, 16]; the rows' state is put back after (the cache positions it rewrites get the same values). For
+        timing the served step on its own."""
+        idx = torch.tensor(rows, device=self.device)
+        saved = {n: getattr(self, n)[idx].clone() for n in ("pos", "step", "seen", "hidden", "c0")}
+        self.pos[idx] -= 1
+        self.step[idx] -= 1
+        r, cache_rows, rp = self._rows_view(rows)
+        try:
+            with aten_bf16_gemv(self._gemv(len(rows))):
+                self._advance(r, cache_rows, rp, max(self.host_len[i] for i in rows), codes)
+        finally:
+            for n, v in saved.items():
+                getattr(self, n)[idx] = v

@@ -494,6 +494,17 @@ class EngineWorker:
                 torch.cuda.empty_cache()
         self._end(seq, _user_error(type(exc), exc))
 
+    # --- for tools and benchmarks: documented, stable -------------------------------------------------------------
+    def next_chunks(self, seqs: list[Sequence]) -> None:
+        """Cut the next chunk of each of `seqs` (whose chunk just went out) by the worker's rule: the schedule's next
+        size, aligned with the other running sequences' chunks where `align_chunks` (the module's doc)."""
+        self._next_chunks(seqs)
+
+    @property
+    def measured_codec_choice(self) -> CodecChoice | None:
+        """What `overlap_codec("auto")` measured so far (kept while another setting serves), or None."""
+        return getattr(self, "_kept_choice", None)
+
 
 def _exc():
     import sys
