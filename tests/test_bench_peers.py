@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from bench.peers import run as bench_peers
-from bench.peers import c_engine, machine, vox
+from bench import common as machine
+from bench.peers import c_engine, vox
 from bench.peers.ours import module_bytes
 from bench.peers.table import OURS, Run, markdown, precision_class, ratios, summarize
 

@@ -169,10 +169,10 @@ def fp32_reference():
     """The fp32 0.6B model (random weights) and its teacher-forcing reference: 4 prompts x 25 greedy frames.
     Built once per module (~1 minute on a 2-core CPU)."""
     from tts_engine.cpu import talker_quality as quality
-    from bench.speed import checkpoint_for
     from tts_engine.loader import Qwen3TTSModel
+    from tts_engine.tiny import random_checkpoint
 
-    model = Qwen3TTSModel.from_pretrained(str(checkpoint_for("0.6b", torch.bfloat16)), device="cpu", dtype="fp32")
+    model = Qwen3TTSModel.from_pretrained(str(random_checkpoint("0.6b")), device="cpu", dtype="fp32")
     return model, quality.reference_run(model, rows=4, frames=25)
 
 

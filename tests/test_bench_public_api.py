@@ -1,0 +1,133 @@
+"""bench/ uses the engine's public API only (an AST scan: no `x._private` attribute of an engine object, no
+getattr/setattr/hasattr/delattr with a private name, no `from tts_engine... import _private`; a bench's own state
+(`self._x`) and other libraries' internals (`torch.ops.aten._weight_int8pack_mm`) are not the engine's), and
+`python -m bench` lists every benchmark module and runs the one named."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+LIBRARY = ("tts_engine", "serving", "server", "ui", "app")
+REFLECTION = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _foreign_modules(tree: ast.Module) -> set[str]:
+    """Names bound in the file to modules that are not the engine's (torch, sys, bench's own, ...)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] not in LIBRARY:
+                    names.add((a.asname or a.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in LIBRARY:
+                names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def private_uses(source: str, filename: str = "<bench>") -> list[str]:
+    """"file:line: what" for every reach into a private attribute of the engine's objects in `source`."""
+    tree = ast.parse(source, filename)
+    foreign = _foreign_modules(tree)
+    out = []
+
+    def allowed(receiver: ast.AST) -> bool:
+        root = _root(receiver)
+        return isinstance(root, ast.Name) and (root.id in ("self", "cls") and receiver is root or root.id in foreign)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not allowed(node.value):
+            out.append(f"{filename}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value) and not allowed(node.args[0]):
+            out.append(f"{filename}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARY:
+            out += [f"{filename}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                    if _private(a.name)]
+    return out
+
+
+def test_no_benchmark_reaches_into_a_private_attribute_of_the_engine():
+    found = []
+    for path in sorted(BENCH.rglob("*.py")):
+        found += private_uses(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    assert not found, "benchmarks must use the public API (add a documented hook at the end of the class):\n" \
+        + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, hits", [
+    ("def f(engine):\n    return engine._make_request('x')\n", 1),
+    ("def f(r):\n    r.runner._advance = None\n", 1),
+    ("def f(w):\n    return getattr(w, '_kept_choice', None)\n", 1),
+    ("from tts_engine.cpu import cpu_ext\ncpu_ext._state['lib'] = 1\n", 1),
+    ("from tts_engine.cpu.cpu_ext import _state\n", 1),
+    ("class T:\n    def f(self):\n        self._x = 1\n        return self._x\n", 0),
+    ("class T:\n    def f(self):\n        return self.engine._advance\n", 1),
+    ("import torch\ntorch.ops.aten._weight_int8pack_mm\n", 0),
+    ("from torch.utils import _pytree\nfrom torch.utils._pytree import tree_leaves\n", 0),
+    ("from bench import common\ncommon._fill(None)\n", 0),
+    ("import sys\ngetattr(sys, '_base_executable', None)\n", 0),
+    ("def f(engine):\n    return engine.make_request('x'), engine.__class__\n", 0),
+])
+def test_the_scan_tells_a_private_reach_from_the_rest(source, hits):
+    assert len(private_uses(source)) == hits, private_uses(source)
+
+
+def test_the_index_lists_every_benchmark_module_and_each_has_a_main():
+    from bench.__main__ import BENCHMARKS
+
+    modules = {f"bench.{p.stem}" for p in BENCH.glob("*.py") if p.stem not in ("__init__", "__main__", "common")}
+    listed = {m for m, _ in BENCHMARKS.values()}
+    assert modules - listed == set(), f"benchmarks missing from the index: {sorted(modules - listed)}"
+    assert "bench.peers.run" in listed and "peers" in BENCHMARKS
+    for name, (module, what) in BENCHMARKS.items():
+        assert what and "\n" not in what, name
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(source).body), module
+
+
+def test_python_m_bench_prints_the_index_and_runs_one_by_name():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "bench", *a], cwd=ROOT, capture_output=True,  # noqa: E731
+                                    text=True, timeout=300)
+    index = run()
+    assert index.returncode == 0, index.stderr
+    from bench.__main__ import BENCHMARKS
+
+    lines = index.stdout.splitlines()
+    for name in BENCHMARKS:
+        assert sum(ln.split()[:1] == [name] for ln in lines) == 1, (name, index.stdout)
+    peers = run("peers", "-h")
+    assert peers.returncode == 0 and "python -m bench peers" in peers.stdout, peers.stderr
+    unknown = run("no_such_bench")
+    assert unknown.returncode == 2 and "unknown benchmark" in unknown.stderr
+
+
+def test_the_startup_bench_times_functions_this_checkout_has():
+    """`python -m bench startup` times its TRIALS by name in the app's process and skips a name a checkout lacks (an
+    older checkout in an A/B): in this checkout every one must exist, or a renamed trial would silently drop out."""
+    import importlib
+
+    from bench.startup import TRIALS
+
+    for label, module, attr, _ in TRIALS:
+        owner = importlib.import_module(module)
+        for part in attr.split("."):
+            assert hasattr(owner, part), f"bench/startup.py TRIALS {label!r}: {module}.{attr} is gone; name its new home"
+            owner = getattr(owner, part)
