@@ -25,6 +25,8 @@ BENCHMARKS = {
     "matmuls": ("bench.matmuls", "one frame's matmuls per mode; the kernels alone in GB/s, per CPU level, per share "
                 "mode"),
     "codec": ("bench.codec", "the codec decoder's ms per frame per dtype and conv path; codec overlap A/B"),
+    "codec_quality": ("bench.codec_quality", "each lossy codec decoder mode against fp32 on the same codes (SNR, "
+                      "log-spectral distance)"),
     "chunk_align": ("bench.chunk_align", "the codec's work for concurrent streams with chunks cut on shared frames "
                     "or on their own schedules"),
     "prefill": ("bench.prefill", "first audio with the prompt-prefix cache hit, missed, and off"),
