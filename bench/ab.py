@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from bench.common import command, device_name, load_checkout, random_checkpoint, run_concurrency, write_out
+from bench.common import command, device_name, load_checkout, random_checkpoint, report, run_concurrency
 from bench.common import load_average as _load
 
 
@@ -154,8 +154,7 @@ def main(argv=None) -> int:
         lines.append(f"\nB: thread governor's averages at the end ((rows 1-2 / more, codec busy): option: (ms per "
                      f"frame, frames)) {tc}")
     text = "\n".join(lines)
-    print(text)
-    write_out(text, a.out, append=True)
+    report(text, a.out, append=True)
     for e in {id(e): e for e in engines.values()}.values():
         e.close()
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import device_name, random_checkpoint, run_concurrency, write_out
+from bench.common import device_name, random_checkpoint, report, run_concurrency
 from bench.common import load_average as _load
 from tts_engine.engine.engine import TTSEngine
 
@@ -132,8 +132,7 @@ def main(argv=None) -> int:
                          f"({min(f):.0f}) | {statistics.median(s):.2f} ({max(s):.2f}) |")
     lines.append(f"\n{_load()} at the end.")
     text = "\n".join(lines)
-    print(text)
-    write_out(text, a.out, append=True)
+    report(text, a.out, append=True)
     if engine is not None:
         engine.close()
     return 0

@@ -342,6 +342,12 @@ def command(name: str, argv=None) -> str:
     return f"python -m bench {name} {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
 
 
+def report(text: str, path: str | None, append: bool = False) -> None:
+    """A benchmark's report printed, and written to `path` (--out) where one is given."""
+    print(text)
+    write_out(text, path, append)
+
+
 def write_out(text: str, path: str | None, append: bool = False) -> None:
     """A benchmark's report written to `path` (--out) where one is given."""
     if path:

@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch
 
 from bench.common import (PlainRead, bench_request, command, device_name, load_average, load_checkout,
-                          random_checkpoint, run_concurrency, write_out)
+                          random_checkpoint, report, run_concurrency)
 
 VARIANTS = ("served", "codec_in_worker", "no_governor", "bare", "alone", "alone_no_predictor")
 
@@ -258,8 +258,7 @@ def main(argv=None) -> int:
         lines.append(f"| {n} | {v} | {s['n']} | {s['ms']:.2f} | {s['GBps']:.1f} | {s['pct']:.0f} | {s['call_ms']:.2f} "
                      f"| {s['wait_ms']:.2f} | {s['options']} | {_pred(preds[n, v])} |")
     text = "\n".join(lines)
-    print(text)
-    write_out(text, a.out)
+    report(text, a.out)
     return 0
 
 

@@ -74,7 +74,7 @@ def end_report(out: list[str], path: str | None, pr) -> int:
     out.append(f"load average after: {load1():.2f}; over the whole run: {pr.describe()}")
     pr.close()
     print(out[-1])
-    write_out("\n".join(out), path)
+    write_out("\n".join(out), path)   # (the tables were printed as they came)
     return 0
 
 

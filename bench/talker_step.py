@@ -25,7 +25,7 @@ import time
 import torch
 
 from bench.common import PlainRead, build_talker, device_name, load1, make_runner, percent, random_config, \
-    write_out
+    report
 
 
 def talker_weight_bytes(talker) -> int:
@@ -152,8 +152,7 @@ def main(argv=None) -> int:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r.get(h, "")) for h in head) + " |" for r in rows]
     text = "\n".join(lines)
-    print(text)
-    write_out(text, a.out)
+    report(text, a.out)
     return 0
 
 
