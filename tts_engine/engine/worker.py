@@ -82,7 +82,7 @@ class EngineWorker:
         if old is not None:
             old.close()
         self.codec_min_rows = 2 if on == "streams" else 1
-        if on == "auto":   # what an earlier "auto" measured stays (a switch back and forth, e.g. bench_ab)
+        if on == "auto":   # what an earlier "auto" measured stays (a switch back and forth, e.g. python -m bench ab)
             self._kept_choice = self.codec_choice = getattr(self, "_kept_choice", None) or CodecChoice()
         else:
             self.codec_choice = None
