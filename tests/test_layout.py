@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tts_engine", "serving", "server", "ui")
 SCRIPTS = ("app.py",)
