@@ -131,3 +131,45 @@ def test_the_startup_bench_times_functions_this_checkout_has():
         for part in attr.split("."):
             assert hasattr(owner, part), f"bench/startup.py TRIALS {label!r}: {module}.{attr} is gone; name its new home"
             owner = getattr(owner, part)
+
+
+def test_every_part_the_engine_offers_to_wrap_is_called_through_the_wrapper_and_put_back(tiny_cv_folder):
+    """`TTSEngine.wrap`: each part's calls go through the wrapper during a stream (the codec thread's too, where it
+    runs), `make_request` builds without submitting, and the restore function leaves the engine as it was."""
+    from tts_engine.engine.engine import TTSEngine
+
+    engine = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", max_batch=1, overlap_codec=True)
+    try:
+        parts = ("worker step", "prefill", "emit", "code predictor", "talker step", "between halves", "talker stack",
+                 "codec thread")
+        calls = {p: 0 for p in parts}
+
+        def counting(part):
+            def wrapper(inner):
+                def counted(*a, **k):
+                    calls[part] += 1
+                    return inner(*a, **k)
+                return counted
+            return wrapper
+
+        restores = [engine.wrap(p, counting(p)) for p in parts]
+        with pytest.raises(ValueError, match="no part 'nope'"):
+            engine.wrap("nope", counting("nope"))
+        req, seed = engine.make_request("Hello there.", voice=engine.speakers[0], seed=3, max_new_tokens=6,
+                                        sampling={"ignore_eos": True}, first_chunk_frames=1)
+        assert seed == 3 and req.params.max_new_tokens == 6 and req.params.seed == 3
+        assert calls["prefill"] == 0   # built, not submitted
+        wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=3, max_new_tokens=6,
+                                sampling={"ignore_eos": True}, first_chunk_frames=1)
+        engine.worker.codec.drain(30)
+        assert wav.size > 0
+        assert all(calls[p] > 0 for p in parts), calls
+        for restore in reversed(restores):
+            restore()
+        seen = dict(calls)
+        engine.synthesize("Hello there.", voice=engine.speakers[0], seed=3, max_new_tokens=6,
+                          sampling={"ignore_eos": True}, first_chunk_frames=1)
+        assert calls == seen   # put back: nothing counted any more
+        assert "_advance" not in vars(engine.runner) and "_step" not in vars(engine.worker)
+    finally:
+        engine.close()
