@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -173,3 +174,30 @@ def test_every_part_the_engine_offers_to_wrap_is_called_through_the_wrapper_and_
         assert "_advance" not in vars(engine.runner) and "_step" not in vars(engine.worker)
     finally:
         engine.close()
+
+
+def test_the_runner_hooks_rebuild_the_talker_step_and_the_predictor_half_exactly(tiny_cv_folder):
+    """bench/talker_step.py's part-by-part talker step (`rows_view`, `uses_aten_gemv`, `text_vectors`, `finish_step`)
+    leaves a runner exactly as `advance` does, and `predict_residuals` on a frame's inputs gives `complete`'s codes."""
+    from bench.common import build_talker, make_runner
+    from bench.talker_step import split_python
+    from tts_engine.checkpoint import read_json
+    from tts_engine.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(read_json(tiny_cv_folder / "config.json"))
+    talker, _ = build_talker("tts_engine", cfg, torch.float32, None)
+    a, _, _ = make_runner("tts_engine", talker, cfg, torch.float32, 2, 64)
+    b, _, _ = make_runner("tts_engine", talker, cfg, torch.float32, 2, 64)
+    rows = [0, 1]
+    with torch.inference_mode():
+        for _ in range(3):
+            codes = a.complete(rows)
+            assert torch.equal(b.complete(rows), codes)
+            r, _, rp = b.rows_view(rows)
+            assert torch.equal(b.predict_residuals(b.hidden[r], b.c0[r], b.step[r] - 1, rp), codes)
+            done_a = a.advance(rows, codes)
+            _, done_b = split_python(b, rows, codes)
+            assert torch.equal(done_a, done_b)
+            for name in ("pos", "step", "seen", "hidden", "c0"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert a.host_len == b.host_len
