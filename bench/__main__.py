@@ -14,6 +14,8 @@ BENCHMARKS = {
               "(also `speed --peers`)"),
     "check": ("bench.check", "does the fast path work here? CUDA graphs (CPU: the bucketed step) against eager, "
               "same codes"),
+    "census": ("bench.census", "kernel launches per frame of the GPU's path (counted on a CPU, or a CUDA replay "
+               "profiled)"),
     "step": ("bench.step", "the per-frame step of two checkouts' model runners, interleaved (A/B)"),
     "talker_step": ("bench.talker_step", "the talker's step at one row: C++ step vs Python path, split into parts, "
                     "against the plain read"),
@@ -40,6 +42,8 @@ BENCHMARKS = {
     "startup": ("bench.startup", "cold start of the app on an empty cache: page served, first audio, every "
                 "load-time trial"),
     "ab": ("bench.ab", "engine A/B of two checkouts (and variants of B), streaming, interleaved"),
+    "continuity": ("bench.continuity", "N clients playing the server's PCM streams in real time: first audio, "
+                   "underruns"),
     "clone": ("bench.clone", "first audio of a repeated clone request with and without the reference cache (HTTP "
               "API)"),
     "plain_read": ("bench.plain_read", "the plain large memory read (the floor every CPU figure is compared with) "
