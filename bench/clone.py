@@ -23,20 +23,16 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT
+from bench.common import ROOT, free_port
 
 CLIP = ROOT / "presets" / "oliver.flac"
 TRANSCRIPT = "Good morning. I hope you slept well, because today we have a great deal of work to do."
 
 
 def serve(app):
-    import socket
-
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=srv.run, daemon=True).start()
     while not srv.started:

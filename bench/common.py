@@ -336,6 +336,15 @@ def bench_request(engine, frames: int, first_chunk_frames: int = 2):
     return req
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a server a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 def command(name: str, argv=None) -> str:
     """The command line that ran benchmark `name`, as its report quotes it."""

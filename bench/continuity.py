@@ -20,7 +20,6 @@ import http.client
 import json
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, free_port
+
 BYTES_PER_S = 24000 * 2            # pcm: int16 mono at 24 kHz
 UNDERRUN_MIN_S = 0.010             # a wait shorter than this is not heard as a gap
 TEXT = "Ladies and gentlemen, please remain calm; the next train leaves in five minutes from platform two."
@@ -140,12 +140,6 @@ def run(base: str, clients: int, arrival: str, frames: int, voice: str | None, m
             "underruns": len(gaps), "underrun_total_s": float(sum(gaps)), "wall_s": wall}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(url: str, timeout: float, proc) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -174,7 +168,7 @@ def main(argv=None) -> int:
     proc = None
     base = a.url
     if base is None:
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         log = open(Path(tempfile.gettempdir()) / f"bench-continuity-{port}.log", "w")
         proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port),
