@@ -153,3 +153,30 @@ def test_the_scan_sees_each_kind_of_reach():
     reach = ("self._engine._speaker_id('a')\nx = engine.model.quantize_why\neng.config.supports_clone\n"
              "self._engine.speaker_id('a')\nengine.precision_why\n")
     assert [line for line, _ in engine_reaches(reach)] == [1, 2, 3]
+
+
+def test_the_public_api_says_what_the_page_needs(tmp_path):
+    """What ui/ and server/ read through the public API: a checkpoint's description without loading it, and an
+    engine's device, clone support, precision and why, speaker ids, chunk schedule."""
+    from itertools import islice
+
+    from tts_engine import TTSEngine, TTSError, chunk_schedule, inspect_checkpoint, make_tiny
+
+    cv = inspect_checkpoint(str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0)))
+    base = inspect_checkpoint(str(make_tiny(tmp_path / "base", kind="base", size="0b6", seed=0)))
+    assert (cv.kind, cv.size, cv.supports_clone, cv.supports_instruct) == ("custom_voice", "0b6", False, False)
+    assert "ryan" in cv.speakers and cv.languages[0] == "auto" and cv.folder == tmp_path / "cv"
+    assert base.kind == "base" and base.supports_clone and base.speakers == []
+    with pytest.raises(TTSError, match="not a Qwen3-TTS 12 Hz checkpoint"):
+        inspect_checkpoint(str(tmp_path))
+    assert list(islice(chunk_schedule((1, 1), 12), 6)) == [1, 1, 2, 4, 8, 12]
+
+    eng = TTSEngine.from_pretrained(str(cv.folder), device="cpu", dtype="fp32", quantize="none")
+    try:
+        assert str(eng.device) == "cpu" and not eng.supports_clone and eng.hidden_size == cv.hidden_size
+        assert eng.precision == "fp32" and eng.precision_why == ""        # named, not chosen by "auto"
+        assert eng.speaker_id("Ryan") == eng.speaker_id("ryan")
+        with pytest.raises(TTSError, match="unknown speaker"):
+            eng.speaker_id("nobody")
+    finally:
+        eng.close()
