@@ -1,6 +1,6 @@
 """The rooms above the engine keep to their layers (an AST scan of the imports and attribute reads):
 
-- `ui/` (the page) uses `tts_engine`'s public API (the names of `tts_engine.__all__` and the modules of
+- `ui/` (the page, and app.py that starts it) uses `tts_engine`'s public API (the names of `tts_engine.__all__` and the modules of
   `tts_engine.PUBLIC_MODULES`) and `serving/`; of `server/` only `server.openai_api.install`, in `ui/server.py`, which
   mounts the speech API beside the page on one FastAPI app.
 - `server/` is HTTP only (FastAPI routes, request parsing, response encoding): web and audio-encoding libraries, the
@@ -29,7 +29,8 @@ UI_MAY_USE_SERVER = {("ui/server.py", "server.openai_api", "install")}
 
 
 def _files(room: str) -> list[Path]:
-    return sorted((ROOT / room).glob("*.py"))
+    """The room's modules; the page's room includes app.py, the entry point that starts it."""
+    return sorted((ROOT / room).glob("*.py")) + ([ROOT / "app.py"] if room == "ui" else [])
 
 
 def imports(source: str) -> list[tuple[int, str, str | None]]:
@@ -115,13 +116,13 @@ CHECKS = {"ui": _violations_ui, "server": _violations_server, "serving": _violat
 def test_each_room_imports_only_what_its_layer_may(room):
     files = _files(room)
     assert files
-    bad = [v for p in files for v in CHECKS[room](f"{room}/{p.name}", p.read_text(encoding="utf-8"))]
+    bad = [v for p in files for v in CHECKS[room](str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))]
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("room", ["ui", "server", "serving"])
 def test_no_room_reads_an_engines_internals(room):
-    bad = [f"{room}/{p.name}:{line}: {expr}" for p in _files(room)
+    bad = [f"{p.relative_to(ROOT)}:{line}: {expr}" for p in _files(room)
            for line, expr in engine_reaches(p.read_text(encoding="utf-8"))]
     assert not bad, "\n".join(bad)
 
