@@ -1,8 +1,8 @@
 """The rooms above the engine keep to their layers (an AST scan of the imports and attribute reads):
 
-- `ui/` (the page, and app.py that starts it) uses `tts_engine`'s public API (the names of `tts_engine.__all__` and the modules of
-  `tts_engine.PUBLIC_MODULES`) and `serving/`; of `server/` only `server.openai_api.install`, in `ui/server.py`, which
-  mounts the speech API beside the page on one FastAPI app.
+- `ui/` (the page, and app.py that starts it) uses `tts_engine`'s public API (the names of `tts_engine.__all__` and
+  the modules of `tts_engine.PUBLIC_MODULES`) and `serving/`; of `server/` only `server.openai_api.install`, in
+  `ui/server.py`, which mounts the speech API beside the page on one FastAPI app.
 - `server/` is HTTP only (FastAPI routes, request parsing, response encoding): web and audio-encoding libraries, the
   public `tts_engine` API and `serving/` for the rest; no torch, no Gradio, nothing of the page.
 - `serving/` (what the page and the API share) imports neither of them.
@@ -125,6 +125,14 @@ def test_no_room_reads_an_engines_internals(room):
     bad = [f"{p.relative_to(ROOT)}:{line}: {expr}" for p in _files(room)
            for line, expr in engine_reaches(p.read_text(encoding="utf-8"))]
     assert not bad, "\n".join(bad)
+
+
+def test_importing_the_package_stays_light():
+    """`import tts_engine` loads no torch: its public names are loaded on first use."""
+    import subprocess
+
+    code = "import sys, tts_engine; assert 'torch' not in sys.modules, 'torch imported'; tts_engine.chunk_schedule"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_the_public_names_and_modules_exist():

@@ -139,10 +139,13 @@ def _paths_html(paths: dict[str, dict[str, dict[str, str]]]) -> str:
     if not paths:
         return "Shown once a model has loaded (reload the page)."
 
+    def item(part: str, e: dict) -> str:
+        how, why = e.get("how", ""), e.get("why", "")
+        note = f"{how}: {why}" if why and why != how else how
+        return f"<li>{html.escape(part)}: <b>{html.escape(e.get('path', ''))}</b> ({html.escape(note)})</li>"
+
     def items(p: dict) -> str:
-        return "".join(f"<li>{html.escape(part)}: <b>{html.escape(e.get('path', ''))}</b> "
-                       f"({html.escape(e.get('how', ''))}" + (f": {html.escape(e['why'])}" if e.get("why") else "")
-                       + ")</li>" for part, e in p.items())
+        return "".join(item(part, e) for part, e in p.items())
 
     groups = list(paths.items())
     if all(p == groups[0][1] for _, p in groups):
