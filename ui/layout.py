@@ -126,7 +126,11 @@ def _footer(models) -> str:
         why = models.expected_choice()[1]
         if why:
             details.append(f"chosen by `--quantize auto`: {why}")
-    details.append(_paths_html(models.paths()))
+    if models.cfg.backend:
+        details.append(f"The speech server at `{models.cfg.backend}` generates the audio: the `X-TTS-Paths` header "
+                       "of its answers says what serves each part of a frame there.")
+    else:
+        details.append(_paths_html(models.paths()))
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
             "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>\n\n"
