@@ -7,4 +7,4 @@
   reference.py       reference clips from users: checked, trimmed, transcribed on request
   remote_backend.py  every role served by another OpenAI-compatible speech server (`--backend URL`)
 
-It uses `tts_engine`'s public API and imports neither `ui/` nor `server/` (tests/test_app_layers.py)."""
+It uses `tts_engine`'s public API only and imports neither `ui/` nor `server/` (tests/test_app_layers.py)."""

@@ -5,7 +5,7 @@
   `ui/server.py`, which mounts the speech API beside the page on one FastAPI app.
 - `server/` is HTTP only (FastAPI routes, request parsing, response encoding): web and audio-encoding libraries, the
   public `tts_engine` API and `serving/` for the rest; no torch, no Gradio, nothing of the page.
-- `serving/` (what the page and the API share) imports neither of them.
+- `serving/` (what the page and the API share) uses `tts_engine`'s public API too, and imports neither of them.
 - None of them reads an engine's private or internal attributes (`engine._x`, `engine.model`, `engine.runner`, ...).
 - Nothing of the library imports `bench/` or `tests/`.
 """
@@ -104,9 +104,15 @@ def _violations_server(rel: str, source: str) -> list[str]:
 
 
 def _violations_serving(rel: str, source: str) -> list[str]:
-    return [f"{rel}:{line}: {module} (serving/ sits below the page and the HTTP API)"
-            for line, module, _ in imports(source)
-            if module.split(".")[0] in ("ui", "server", "bench", "tests", "app", "gradio", "fastapi", "starlette")]
+    bad = []
+    for line, module, name in imports(source):
+        root = module.split(".")[0]
+        where = f"{rel}:{line}: {module}" + (f" import {name}" if name else "")
+        if root == "tts_engine" and not public_engine_import(module, name):
+            bad.append(where + " (not tts_engine's public API)")
+        elif root in ("ui", "server", "bench", "tests", "app", "gradio", "fastapi", "starlette"):
+            bad.append(where + " (serving/ sits below the page and the HTTP API)")
+    return bad
 
 
 CHECKS = {"ui": _violations_ui, "server": _violations_server, "serving": _violations_serving}
@@ -158,7 +164,8 @@ def test_the_scan_sees_each_kind_of_reach():
                                                  "from tts_engine.model.quant import QUANT_MODES\n")) == 4
     assert not _violations_server("server/x.py", "import json\nfrom fastapi import FastAPI\n"
                                                  "from serving.limits import Limits\nfrom tts_engine import TTSError\n")
-    assert len(_violations_serving("serving/x.py", "from server import openai_api\nimport gradio\n")) == 2
+    assert len(_violations_serving("serving/x.py", "from server import openai_api\nimport gradio\n"
+                                                   "from tts_engine.cpu.cpu_info import cpu_info\n")) == 3
     reach = ("self._engine._speaker_id('a')\nx = engine.model.quantize_why\neng.config.supports_clone\n"
              "self._engine.speaker_id('a')\nengine.precision_why\n")
     assert [line for line, _ in engine_reaches(reach)] == [1, 2, 3]
