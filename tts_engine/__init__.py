@@ -52,3 +52,7 @@ def __getattr__(name):  # keep `import tts_engine` light (no torch import until 
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
