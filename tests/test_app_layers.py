@@ -7,7 +7,7 @@
   public `tts_engine` API and `serving/` for the rest; no torch, no Gradio, nothing of the page.
 - `serving/` (what the page and the API share) uses `tts_engine`'s public API too, and imports neither of them.
 - None of them reads an engine's private or internal attributes (`engine._x`, `engine.model`, `engine.runner`, ...).
-- Nothing of the library imports `bench/` or `tests/`.
+- None of the three imports `bench/` or `tests/`.
 """
 from __future__ import annotations
 
