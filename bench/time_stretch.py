@@ -54,16 +54,30 @@ def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    import argparse
+    import os
     from pathlib import Path
 
     from tts_engine.cpu.cpu_info import cpu_info
 
-    rows = measure(sorted((Path(__file__).resolve().parent.parent / "presets").glob("*.flac")))
-    cpu = cpu_info().name
-    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on {cpu}")
+    ap = argparse.ArgumentParser(prog="python -m bench.time_stretch", description=__doc__.splitlines()[0])
+    ap.add_argument("--speeds", default="0.25,0.5,1.5,2,4", help="comma-separated speeds (0.25-4)")
+    ap.add_argument("--clips", nargs="*", help="audio files (default: presets/*.flac)")
+    a = ap.parse_args(argv)
+    presets = Path(__file__).resolve().parent.parent / "presets"
+    clips = [Path(c) for c in a.clips] if a.clips else sorted(presets.glob("*.flac"))
+    rows = measure(clips, tuple(float(x) for x in a.speeds.split(",")))
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on {cpu_info().name}, "
+          f"load average {load}")
     print("| clip | speed | mode | length ratio (wanted) | median f0 | pitch change | time |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['clip']} | {r['speed']:g} | {r['mode']} | {r['length_ratio']:.3f} ({r['wanted']:.3f}) | "
               f"{r['f0_hz']:.0f} Hz | {r['cents']:+.0f} cents | {r['ms']:.0f} ms for {r['audio_s']:.1f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
