@@ -327,6 +327,27 @@ class TTSEngine:
     def sample_rate(self) -> int:
         return SAMPLE_RATE
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes ("cpu", "cuda:0")."""
+        return self.model.device
+
+    @property
+    def supports_clone(self) -> bool:
+        """True for a Base checkpoint: `clone_voice` makes voices from reference clips."""
+        return self.config.supports_clone
+
+    @property
+    def precision_why(self) -> str:
+        """Why `precision` is what it is when `quantize="auto"` chose it (what was measured on this CPU);
+        "" when the caller named the mode."""
+        return self.model.quantize_why
+
+    def speaker_id(self, speaker: str) -> int:
+        """The codec-embedding row of a CustomVoice preset speaker (case-insensitive name); TTSError naming the
+        speakers there are for an unknown one. Reads the config only: a cheap check of a name."""
+        return self._speaker_id(speaker)
+
     def preset_embedding(self, speaker: str) -> torch.Tensor:
         """The codec-embedding row of a CustomVoice speaker [H] (float32, CPU): the basis for blending presets."""
         sid = self._speaker_id(speaker)
