@@ -46,6 +46,8 @@ BENCHMARKS = {
                    "underruns"),
     "clone": ("bench.clone", "first audio of a repeated clone request with and without the reference cache (HTTP "
               "API)"),
+    "time_stretch": ("bench.time_stretch", "the speech-speed time stretch on the preset clips: length, pitch change, "
+                     "time"),
     "plain_read": ("bench.plain_read", "the plain large memory read (the floor every CPU figure is compared with) "
                    "over time"),
 }

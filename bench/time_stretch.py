@@ -1,4 +1,4 @@
-"""`speed`'s time stretch (serving/speed.py) on the preset clips: `python -m bench.time_stretch`.
+"""`speed`'s time stretch (serving/speed.py) on the preset clips: `python -m bench time_stretch`.
 
 For each clip (`presets/*.flac`), speed (0.25, 0.5, 1.5, 2, 4) and mode (the whole response through
 `change_speed`, or streamed through `StreamStretcher` in the engine's chunk sizes): the length ratio against the
@@ -56,21 +56,21 @@ def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
 
 def main(argv=None) -> int:
     import argparse
-    import os
     from pathlib import Path
 
-    from tts_engine.cpu.cpu_info import cpu_info
+    import torch
 
-    ap = argparse.ArgumentParser(prog="python -m bench.time_stretch", description=__doc__.splitlines()[0])
+    from bench.common import ROOT, device_name, load_average
+
+    ap = argparse.ArgumentParser(prog="python -m bench time_stretch", description=__doc__.splitlines()[0])
     ap.add_argument("--speeds", default="0.25,0.5,1.5,2,4", help="comma-separated speeds (0.25-4)")
     ap.add_argument("--clips", nargs="*", help="audio files (default: presets/*.flac)")
     a = ap.parse_args(argv)
-    presets = Path(__file__).resolve().parent.parent / "presets"
+    presets = ROOT / "presets"
     clips = [Path(c) for c in a.clips] if a.clips else sorted(presets.glob("*.flac"))
     rows = measure(clips, tuple(float(x) for x in a.speeds.split(",")))
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on {cpu_info().name}, "
-          f"load average {load}")
+    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on "
+          f"{device_name(torch.device('cpu'))}, {load_average()}")
     print("| clip | speed | mode | length ratio (wanted) | median f0 | pitch change | time |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
