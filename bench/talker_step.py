@@ -8,7 +8,7 @@ then, frame after frame (the code predictor's codes of each frame from `ModelRun
   - "python": `ModelRunner.advance` end to end on the Python path;
   - "split": the Python path split into its parts: embeddings (frame_embed + trailing vector), the stack call
     (`DecoderStack.run`, the fused step), codec head (+ .float()), sampling (`C0Processor`), state updates (pos, seen,
-    step, hidden, c0) and the rest (the caller's bookkeeping, aten_bf16_gemv);
+    step, hidden, c0) and the rest (the caller's bookkeeping, the step scope);
   - the plain read (`common.PlainRead`, once per frame) for the memory floor, and the talker weights' bytes per
     frame; read_GBps is its median (min-max), *_pct the median over frames of a path's GB/s / the same frame's read.
 Both paths advance the same runner, so they see the same lengths. Medians over --frames per path. The device and the
@@ -49,14 +49,12 @@ def talker_weight_bytes(talker) -> int:
 
 def split_python(r, rows, codes):
     """`ModelRunner.advance` over the Python path, timed part by part -> ({part: s}, done)."""
-    from tts_engine.engine.model_runner import aten_bf16_gemv
-
     clock = time.perf_counter
     t = [clock()]
     B = len(rows)
     read_len = max(r.host_len[i] for i in rows) + 1
     rr, cache_rows, rp = r.rows_view(rows)
-    with torch.inference_mode(), aten_bf16_gemv(r.uses_aten_gemv(B)):
+    with torch.inference_mode(), r.step_scope(B):
         t.append(clock())
         frame_idx = r.step[rr] - 1
         x = r.talker.frame_embed(codes) + r.text_vectors(rr, frame_idx)

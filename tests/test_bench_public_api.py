@@ -177,7 +177,7 @@ def test_every_part_the_engine_offers_to_wrap_is_called_through_the_wrapper_and_
 
 
 def test_the_runner_hooks_rebuild_the_talker_step_and_the_predictor_half_exactly(tiny_cv_folder):
-    """bench/talker_step.py's part-by-part talker step (`rows_view`, `uses_aten_gemv`, `text_vectors`, `finish_step`)
+    """bench/talker_step.py's part-by-part talker step (`rows_view`, `step_scope`, `text_vectors`, `finish_step`)
     leaves a runner exactly as `advance` does, and `predict_residuals` on a frame's inputs gives `complete`'s codes."""
     from bench.common import build_talker, make_runner
     from bench.talker_step import split_python

@@ -416,18 +416,18 @@ def test_frame_sampling_settings_are_built_once_per_batch_and_follow_a_new_reque
     try:
         r = eng.runner
         r._write_params(0, SamplingParams(do_sample=True, subtalker_dosample=True))
-        first = r._rows_view([0])[2]
-        assert r._rows_view([0])[2] is first and first.host["c0"]["any_sample"] is True
+        first = r.rows_view([0])[2]
+        assert r.rows_view([0])[2] is first and first.host["c0"]["any_sample"] is True
         r.release(0)
         r._write_params(0, SamplingParams(do_sample=False, subtalker_dosample=False))
-        again = r._rows_view([0])[2]
+        again = r.rows_view([0])[2]
         assert again is not first and again.host["c0"]["any_sample"] is False
         assert bool(again.do_sample[0]) is False
         r._write_params(1, SamplingParams(do_sample=True, top_k=70))
-        two = r._rows_view([0, 1])[2]
+        two = r.rows_view([0, 1])[2]
         assert two.host["c0"]["any_sample"] is True and two.host["c0"]["k_max"] == 70
         r.move_row(1, 0)
-        assert r._rows_view([0])[2].host["c0"]["k_max"] == 70
+        assert r.rows_view([0])[2].host["c0"]["k_max"] == 70
         # whole synthesis still the same with the kept views: two requests in turn, different settings
         a = eng.synthesize("Hello there.", voice="ryan", seed=3, max_new_tokens=6)
         b = eng.synthesize("Hello there.", voice="ryan", seed=3, max_new_tokens=6, sampling={"do_sample": False})

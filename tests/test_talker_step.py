@@ -129,7 +129,7 @@ def test_rows_out_of_order_and_logits_of_the_head(step_lib, own_kernels, ckpts, 
     assert torch.equal(st.c0, py.c0) and torch.equal(st.hidden, py.hidden) and torch.equal(st.seen, py.seen)
     # the head's logits of the call, against the eager head on the hidden state it wrote
     r = torch.tensor(rows)
-    rp = st._rows_view(rows)[2]
+    rp = st.rows_view(rows)[2]
     codes = st.complete(rows)
     done, logits = st.talker_step.plan.run(r, rp, codes, with_logits=True)
     assert torch.equal(logits, st.talker.codec_head(st.hidden[r]).float())

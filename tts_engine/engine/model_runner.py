@@ -261,7 +261,7 @@ class ModelRunner:
         """First half of `decode`: the code predictor completes the current frame of each row in `rows` ->
         codes [B, 16]. Changes no row state (only the predictor's scratch cache): call `advance` with these codes
         next, before any other step of these rows. Eager only (no CUDA graph)."""
-        r, _, rp = self._rows_view(rows)
+        r, _, rp = self.rows_view(rows)
         with aten_bf16_gemv(self._gemv(len(rows))):
             return self._predict_residuals(self.hidden[r], self.c0[r], self.step[r] - 1, rp)
 
@@ -273,7 +273,7 @@ class ModelRunner:
         read_len = max(self.host_len[i] for i in rows) + 1
         if read_len > self.max_len:
             raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        r, cache_rows, rp = self._rows_view(rows)
+        r, cache_rows, rp = self.rows_view(rows)
         with aten_bf16_gemv(self._gemv(B)):
             done = self._advance(r, cache_rows, rp, read_len, codes)
         for i in rows:
@@ -283,9 +283,9 @@ class ModelRunner:
     def _gemv(self, B: int) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.bfloat16 and B <= ATEN_GEMV_MAX_ROWS
 
-    def _rows_view(self, rows: list[int]):
-        """(row index tensor, cache rows (a slice where contiguous), RowParams) of `rows`, as `frame` and
-        `_frame_rows` build them."""
+    def rows_view(self, rows: list[int]) -> tuple[torch.Tensor, slice | torch.Tensor, RowParams]:
+        """(row index tensor, cache rows (a slice where contiguous), RowParams) of `rows`: what a step of these rows
+        reads. Dense rows 0..B-1 give the views `frame` uses."""
         B = len(rows)
         if rows == list(range(B)):
             return self.row_index[:B], slice(0, B), self._dense_params(B, general=False)
@@ -441,15 +441,10 @@ class ModelRunner:
     # bench/ uses these, never the private methods above (tests/test_bench_public_api.py checks it); each calls the
     # internals in one line, so a change inside the runner changes only that line.
 
-    def rows_view(self, rows: list[int]):
-        """(row index tensor, cache rows: a slice where `rows` are contiguous, RowParams of the rows with their host
-        facts) of `rows`, as a frame of those rows uses them."""
-        return self._rows_view(rows)
-
-    def uses_aten_gemv(self, b: int) -> bool:
-        """Whether a frame of `b` rows runs with oneDNN off (`aten_bf16_gemv`: bf16 on a CPU, up to
-        ATEN_GEMV_MAX_ROWS rows)."""
-        return self._gemv(b)
+    def step_scope(self, b: int):
+        """The context a frame step of `b` rows runs in (on a CPU in bf16 with up to ATEN_GEMV_MAX_ROWS rows, oneDNN
+        off: `aten_bf16_gemv`), for a tool that runs a step's parts itself. (`rows_view`, above, is public too.)"""
+        return aten_bf16_gemv(self._gemv(b))
 
     def predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                           rp: RowParams) -> torch.Tensor:
@@ -477,9 +472,9 @@ class ModelRunner:
         saved = {n: getattr(self, n)[idx].clone() for n in ("pos", "step", "seen", "hidden", "c0")}
         self.pos[idx] -= 1
         self.step[idx] -= 1
-        r, cache_rows, rp = self._rows_view(rows)
+        r, cache_rows, rp = self.rows_view(rows)
         try:
-            with aten_bf16_gemv(self._gemv(len(rows))):
+            with self.step_scope(len(rows)):
                 self._advance(r, cache_rows, rp, max(self.host_len[i] for i in rows), codes)
         finally:
             for n, v in saved.items():
