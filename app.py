@@ -23,8 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from tts_engine import TTSError, cache_paths
-from tts_engine.model.quant import QUANT_MODES
+from tts_engine import QUANT_MODES, TTSError, cache_paths
 from ui.config import DEFAULT_CHECKPOINTS, ENV, ROLE_LABEL, ROLES, AppConfig
 from ui.app import TTSApp
 from ui.server import create_server

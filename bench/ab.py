@@ -1,7 +1,7 @@
-"""Engine A/B in one process: `python -m bench.ab --base /path/to/other/checkout [--quantize int8]`.
+"""Engine A/B in one process: `python -m bench ab --base /path/to/other/checkout [--quantize int8]`.
 
 Loads the random-weight checkpoint twice, once with another checkout's `tts_engine` (A, e.g. /work/main, imported
-as `tts_base`) and once with this one (B), and runs the streaming benchmark (`bench.run_concurrency`: first audio
+as `tts_base`) and once with this one (B), and runs the streaming benchmark (`common.run_concurrency`: first audio
 from submit, x real time per stream, audio seconds per wall second) on each, interleaved round by round (A B, B A,
 ...), so a shared machine's load falls on both alike. Prints a markdown table of medians (and best) with the
 device and the load average; nothing is written (`--out FILE` appends the table to FILE). `--variant NAME=KEY=VAL[,KEY=VAL]`
@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import weakref
 
 import torch
 
-from bench.speed import checkpoint_for, device_name, run_concurrency
-from bench.step import load_checkout
-from bench.timing import load_average as _load
+from bench.common import command, device_name, load_checkout, random_checkpoint, report, run_concurrency
+from bench.common import load_average as _load
 
 
 def _value(v: str):
@@ -44,44 +44,48 @@ SWITCHES = ("overlap_codec", "govern_threads", "split_frames", "prefix_cache", "
             "codec_threads", "talker_step", "align_chunks", "int8_threshold")
 
 
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> what its load chose (put back)
+
+
 def _switch(engine, setting: dict) -> None:
     """Put B's engine in a variant's state (between runs, nothing in flight): overlap_codec (with codec_threads, its
-    intra-op threads, and codec_nice, its priority lowered), govern_threads, split_frames, prefix_cache (0: none; its entries stay for the runs that use it); what `setting` leaves out is
-    this checkout's default."""
+    intra-op threads, and codec_nice, its priority lowered), govern_threads, split_frames, prefix_cache (0: none; its
+    entries stay for the runs that use it); what `setting` leaves out is this checkout's default, or what the engine
+    chose at load (kept here the first time)."""
     from tts_engine.engine.engine import OVERLAP_CODEC_CPU_DEFAULT
 
     unknown = set(setting) - set(SWITCHES)
     if unknown:
         raise SystemExit(f"--variant: unknown setting(s) {sorted(unknown)}; use {', '.join(SWITCHES)}")
+    dec = engine.model.speech_tokenizer.decoder
+    if engine not in _KEPT:
+        _KEPT[engine] = {"governor": None, "prefix_cache": getattr(engine.runner, "prefix_cache", None),
+                         "codec_conv": dec.conv_mode,   # (the path chosen at load)
+                         # per conv, as measured at load (cpu/codec_int8_threshold.py)
+                         "int8_threshold": [m.int8_min_positions for m in dec.int8_convs()],
+                         # the talker's step in one call (cpu/talker_step.py), where attached
+                         "talker_step": getattr(engine.runner, "talker_step", None)}
+    kept = _KEPT[engine]
     ov = setting.get("overlap_codec", OVERLAP_CODEC_CPU_DEFAULT)
     engine.worker.overlap_codec(ov if ov in ("streams", "auto") else bool(ov), setting.get("codec_threads", 1),
                                 nice=setting.get("codec_nice", 0))
-    kept = engine.worker.governor or getattr(engine, "_kept_governor", None)   # what it learnt so far stays
-    engine._govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
-    if engine.worker.governor is not None and kept is not None:
-        engine.worker.governor = kept
-    engine._kept_governor = kept
+    governor = engine.worker.governor or kept["governor"]   # what it learnt so far stays
+    engine.govern_threads(bool(setting.get("govern_threads", True)) and engine.model.dtype != torch.float32)
+    if engine.worker.governor is not None and governor is not None:
+        engine.worker.governor = governor
+    kept["governor"] = governor
     engine.worker.split_frames = setting.get("split_frames")
     if hasattr(engine.worker, "align_chunks"):   # later chunks cut on frames shared with other streams (worker.py)
         engine.worker.align_chunks = bool(setting.get("align_chunks", True))
-    if not hasattr(engine, "_kept_prefix_cache"):
-        engine._kept_prefix_cache = getattr(engine.runner, "prefix_cache", None)
-    engine.runner.prefix_cache = engine._kept_prefix_cache if setting.get("prefix_cache", True) else None
-    dec = engine.model.speech_tokenizer.decoder
-    if not hasattr(engine, "_kept_codec_conv"):
-        engine._kept_codec_conv = dec.conv_mode   # (the path chosen at load)
-    dec.set_conv_mode(setting.get("codec_conv", engine._kept_codec_conv))
-    if not hasattr(engine, "_kept_int8_threshold"):   # per conv, as measured at load (codec/int8_threshold.py)
-        engine._kept_int8_threshold = [m.int8_min_positions for m in dec.int8_convs()]
-    for m, kept in zip(dec.int8_convs(), engine._kept_int8_threshold):
-        m.int8_min_positions = setting.get("int8_threshold", kept)
-    if not hasattr(engine, "_kept_talker_step"):   # the talker's step in one call (model/talker_step.py), where attached
-        engine._kept_talker_step = getattr(engine.runner, "talker_step", None)
-    engine.runner.talker_step = engine._kept_talker_step if setting.get("talker_step", True) else None
+    engine.runner.prefix_cache = kept["prefix_cache"] if setting.get("prefix_cache", True) else None
+    dec.set_conv_mode(setting.get("codec_conv", kept["codec_conv"]))
+    for m, threshold in zip(dec.int8_convs(), kept["int8_threshold"]):
+        m.int8_min_positions = setting.get("int8_threshold", threshold)
+    engine.runner.talker_step = kept["talker_step"] if setting.get("talker_step", True) else None
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench ab", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A), e.g. /work/main")
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--quantize", default="int8", help="int8, int4, w8a8, auto or none")
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     a = p.parse_args(argv)
     conc = [int(x) for x in a.concurrency.split(",")]
-    ckpt = str(checkpoint_for(a.arch, torch.bfloat16))
+    ckpt = str(random_checkpoint(a.arch))
     q = None if a.quantize == "none" else a.quantize
     kw = dict(device="cpu", quantize=q, max_batch=max(conc), max_seq_len=a.frames + 160)
     engines = {}
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     lines = [f"Device: **{device_name(torch.device('cpu'))}**. {a.arch} random weights, --quantize {a.quantize} "
              f"({engines[names[-1]].precision}), {a.frames} frames per stream, first chunk {a.first_chunk} frame(s); "
              f"{a.rounds} interleaved rounds, median (best, worst). {start_load} at the start, {_load()} at the end.",
-             "", f"Command: `python -m bench.ab {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             "", f"Command: `{command('ab', argv)}`",
              "", "| engine | streams | first audio p50 ms | first audio p99 ms | x real time per stream | "
              "audio s per wall s |", "|---|---|---|---|---|---|"]
     for (n, c), rows in res.items():
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
         lines.append(f"| {n} | {c} | {statistics.median(f):.0f} ({min(f):.0f}, {max(f):.0f}) | "
                      f"{statistics.median(f99):.0f} | {statistics.median(x):.3f} ({max(x):.3f}, {min(x):.3f}) | "
                      f"{statistics.median(s):.2f} ({max(s):.2f}, {min(s):.2f}) |")
-    cc = getattr(b.worker, "_kept_choice", None)
+    cc = b.worker.measured_codec_choice
     if cc is not None:
         lines.append(f"\nB: where chunks decode (overlap_codec auto; per batch-size bucket, ms per frame of one row) "
                      f"{cc.snapshot()}")
@@ -150,10 +154,7 @@ def main(argv=None) -> int:
         lines.append(f"\nB: thread governor's averages at the end ((rows 1-2 / more, codec busy): option: (ms per "
                      f"frame, frames)) {tc}")
     text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "a", encoding="utf-8") as fh:
-            fh.write("\n" + text + "\n")
+    report(text, a.out, append=True)
     for e in {id(e): e for e in engines.values()}.values():
         e.close()
     return 0

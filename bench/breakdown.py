@@ -1,8 +1,8 @@
-"""Where a stream's wall time goes: `python -m bench.breakdown --quantize auto --concurrency 1,4`.
+"""Where a stream's wall time goes: `python -m bench breakdown --quantize auto --concurrency 1,4`.
 
-Runs the streaming benchmark (`bench.run_concurrency`, random-weight checkpoint, fixed length) on one engine with
+Runs the streaming benchmark (`common.run_concurrency`, random-weight checkpoint, fixed length) on one engine with
 its worker's parts timed from the inside: each request's prefill, the code predictor half and the talker half of
-every frame (`ModelRunner._predict_residuals` / `_advance`), and every codec decode (by group size and chunk frames), each in
+every frame (`TTSEngine.wrap`: "code predictor" / "talker step"), and every codec decode (by group size and chunk frames), each in
 wall time and in the worker thread's CPU time (on a machine shared with other programs the CPU time is the steadier
 figure). Also the first audio of one stream split into its parts (request building, prefill, the first frame's code
 predictor, the first chunk's codec decode). `--threads 1` runs the engine at one thread without the thread
@@ -11,14 +11,12 @@ governor (the figures then do not include OpenMP waits). Prints markdown; nothin
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from bench.speed import checkpoint_for, device_name, run_concurrency
-from bench.timing import Laps
+from bench.common import Laps, bench_request, command, device_name, load1, random_checkpoint, run_concurrency
 
 
 class _Acc:
@@ -31,20 +29,22 @@ class _Acc:
         x[1] += cpu
         x[2] += 1
 
-    def wrap(self, obj, name: str, label) -> None:
-        f = getattr(obj, name)
-
-        def timed(*a, **k):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return f(*a, **k)
-            finally:
-                self.add(label(*a) if callable(label) else label, time.perf_counter() - t0, time.thread_time() - c0)
-        setattr(obj, name, timed)
+    def timer(self, label):
+        """A wrapper factory for `TTSEngine.wrap`: every call of the part timed under `label` (or `label(*args)`)."""
+        def wrapper(f):
+            def timed(*a, **k):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return f(*a, **k)
+                finally:
+                    self.add(label(*a) if callable(label) else label, time.perf_counter() - t0,
+                             time.thread_time() - c0)
+            return timed
+        return wrapper
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.breakdown", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench breakdown", description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--quantize", default="auto")
     p.add_argument("--frames", type=int, default=24)
@@ -59,30 +59,31 @@ def main(argv=None) -> int:
 
     conc = [int(x) for x in a.concurrency.split(",")]
     q = None if a.quantize == "none" else a.quantize
-    engine = TTSEngine.from_pretrained(str(checkpoint_for(a.arch, torch.bfloat16)), device="cpu", quantize=q,
+    engine = TTSEngine.from_pretrained(str(random_checkpoint(a.arch)), device="cpu", quantize=q,
                                        max_batch=max(conc), max_seq_len=a.frames + 160,
                                        govern_threads=None if (a.threads or 2) > 1 else False)
     engine.speakers_for_bench = engine.speakers
     acc = _Acc()
-    w, r = engine.worker, engine.runner
-    acc.wrap(w, "_prefill", "prefill (one request)")
-    acc.wrap(r, "_predict_residuals", lambda h, *a: f"code predictor half, {h.shape[0]} row(s)")
-    acc.wrap(r, "_advance", lambda rr, *a: f"talker half, {rr.shape[0]} row(s)")
-    acc.wrap(w, "_step", "worker step (all of it)")
-    acc.wrap(worker_mod, "decode_group",
-             lambda codec, items: f"codec decode, {len(items)} stream(s) x {items[0][1].shape[0]} frame(s)")
+    r = engine.runner
+    engine.wrap("prefill", acc.timer("prefill (one request)"))
+    engine.wrap("code predictor", acc.timer(lambda h, *a: f"code predictor half, {h.shape[0]} row(s)"))
+    engine.wrap("talker step", acc.timer(lambda rr, *a: f"talker half, {rr.shape[0]} row(s)"))
+    engine.wrap("worker step", acc.timer("worker step (all of it)"))
+    worker_mod.decode_group = acc.timer(
+        lambda codec, items: f"codec decode, {len(items)} stream(s) x {items[0][1].shape[0]} frame(s)")(
+        worker_mod.decode_group)
     run_concurrency(engine, 1, 4, a.first_chunk)   # warm-up
     out = [f"Device: **{device_name(torch.device('cpu'))}**. {a.arch} random weights, {engine.precision}, "
            f"{a.frames} frames per stream, first chunk {a.first_chunk} frame(s), thread governor "
            f"{'on' if engine.worker.governor is not None else 'off'}.", "",
-           f"Command: `python -m bench.breakdown {' '.join(argv if argv is not None else sys.argv[1:])}`"]
+           f"Command: `{command('breakdown', argv)}`"]
     for c in conc:
         acc.parts.clear()
-        load0 = os.getloadavg()[0]
+        load0 = load1()
         row = run_concurrency(engine, c, a.frames, a.first_chunk)
         out += ["", f"**{c} stream(s)**: wall {row['wall_s']:.2f} s for {row['audio_s']:.2f} s of audio = "
                 f"{row['audio_s_per_s']:.2f} audio s per wall s; first audio p50 {row['ttfa_p50_ms']:.0f} ms "
-                f"(load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after).", "",
+                f"(load average {load0:.2f} before, {load1():.2f} after).", "",
                 "| part | calls | wall ms (per call) | worker CPU ms (per call) | share of the worker's CPU |",
                 "|---|---|---|---|---|"]
         total_cpu = acc.parts.get("worker step (all of it)", [0, 1e-9, 0])[1]
@@ -95,8 +96,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for _ in range(3):
             laps = Laps()
-            req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers[0], "auto",
-                                          None, 0, {"ignore_eos": True}, False, 30, None, 1, 12)
+            req = bench_request(engine, 30, first_chunk_frames=1)
             laps.mark("request (text -> prompt)")
             state = codec.init_state(1, r.device)
             r.prefill(0, req.prompt, req.params)

@@ -1,4 +1,4 @@
-"""`python -m bench.speed --check`: does the fast path work on this machine?
+"""`python -m bench check`: does the fast path work on this machine?
 
 On a GPU: an engine that replays CUDA graphs (captured at start-up) and an engine that runs the very same padded
 bucket shapes eagerly (`cuda_graphs.EagerBuckets`) generate greedy codes for the same requests at batch 1 and
@@ -181,3 +181,14 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
             e.close()
     say("CHECK PASSED" if ok else "CHECK FAILED")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    """`python -m bench check [--arch A] [--model M] [--device D] [--dtype T] [--frames N]`: `speed --check`."""
+    from bench.speed import main as speed_main
+
+    return speed_main(["--check", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

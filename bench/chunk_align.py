@@ -1,13 +1,13 @@
 """The codec's work for concurrent streams with their chunks cut on a shared frame clock or each on its own schedule:
-`python -m bench.chunk_align [--starts 1,2,2,2] [--frames 60] [--conv int8] [--rounds 3]`.
+`python -m bench chunk_align [--starts 1,2,2,2] [--frames 60] [--conv int8] [--rounds 3]`.
 
 Streams starting at the frames `--starts` each get `--frames` frames; their chunks are cut by the engine worker's
-own rule (`EngineWorker._next_chunks`, with `align_chunks` on and off) and decoded as the worker groups them (the
+own rule (`EngineWorker.next_chunks`, with `align_chunks` on and off) and decoded as the worker groups them (the
 chunks that go out at one frame with one size: one batched call) by the codec decoder of the random-weight checkpoint,
 at one intra-op thread (the codec thread's), the two cuttings interleaved round by round. Prints the chunks per
 frame, the calls and the codec seconds of each, with the load average. No model but the decoder is loaded.
 `--int8-ways rows,batched,auto` times each cutting with each way of running a batch's int8 convs (row by row, one
-call, measured per conv: `codec/int8_conv.py`, TTS_CODEC_INT8_BATCH), e.g. `--cuts shared --int8-ways rows,auto`.
+call, measured per conv: `cpu/int8_conv.py`, TTS_CODEC_INT8_BATCH), e.g. `--cuts shared --int8-ways rows,auto`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from collections import defaultdict
 
 import torch
 
-from bench.speed import checkpoint_for, device_name
-from bench.timing import load_average as _load
+from bench.common import command, device_name, random_checkpoint
+from bench.common import load_average as _load
 
 
 def cut(starts: list[int], frames: int, align: bool, first: int = 1, cap: int = 12) -> list[tuple[int, list]]:
@@ -56,7 +56,7 @@ def cut(starts: list[int], frames: int, align: bool, first: int = 1, cap: int = 
                         w.scheduler.running.remove(s)
                     else:
                         going.append(s)
-        w._next_chunks(going)
+        w.next_chunks(going)
         if ready:
             out.append((t, ready))
     return out
@@ -86,7 +86,7 @@ def decode_all(dec, plan, codes: torch.Tensor) -> tuple[float, int, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.chunk_align", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench chunk_align", description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--starts", default="1,2,2,2", help="the frame each stream starts at")
     p.add_argument("--frames", type=int, default=60, help="frames per stream")
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     from tts_engine.codec.speech_tokenizer import SpeechTokenizer
 
     torch.set_num_threads(1)
-    dec = SpeechTokenizer(checkpoint_for(a.arch, torch.bfloat16) / "speech_tokenizer", torch.device("cpu"),
+    dec = SpeechTokenizer(random_checkpoint(a.arch) / "speech_tokenizer", torch.device("cpu"),
                           torch.bfloat16).decoder
     dec.set_conv_mode(a.conv)
     codes = torch.randint(0, dec.cfg.codebook_size, (len(starts), 16, a.frames),
@@ -130,8 +130,7 @@ def main(argv=None) -> int:
             print(f"round {r} {k}: {s:.2f} s, {cpu:.2f} CPU s, {calls} calls ({_load()})", file=sys.stderr)
     print(f"Device: **{device_name(torch.device('cpu'))}** (codec at 1 thread). {a.arch} decoder, conv {a.conv}, "
           f"streams starting at frames {starts}, {a.frames} frames each; {a.rounds} interleaved rounds. {start} at the "
-          f"start, {_load()} at the end.\n\nCommand: `python -m bench.chunk_align "
-          f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+          f"start, {_load()} at the end.\n\nCommand: `{command('chunk_align', argv)}`\n\n"
           "| chunks cut on | codec calls | codec s, median (best) | codec CPU s, median (best) |\n|---|---|---|---|")
     for k, v in res.items():
         w, c = [x[0] for x in v], [x[2] for x in v]

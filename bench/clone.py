@@ -1,7 +1,7 @@
 """First audio of a repeated Base clone request, with and without the reference cache, through the speech API.
 
-    python -m bench.clone --arch tiny          # tiny random Base checkpoint
-    python -m bench.clone --arch 0.6b          # the real 0.6B Base architecture, random weights
+    python -m bench clone --arch tiny          # tiny random Base checkpoint
+    python -m bench clone --arch 0.6b          # the real 0.6B Base architecture, random weights
 
 A server on loopback (uvicorn, this process) with one Base checkpoint; the client posts the same request
 `repeats` times (`ref_audio` = presets/oliver.flac, 5 s, with its transcript; `stream=true`, pcm) and times
@@ -22,21 +22,17 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, free_port
+
 CLIP = ROOT / "presets" / "oliver.flac"
 TRANSCRIPT = "Good morning. I hope you slept well, because today we have a great deal of work to do."
 
 
 def serve(app):
-    import socket
-
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=srv.run, daemon=True).start()
     while not srv.started:
@@ -64,14 +60,14 @@ def main(argv=None) -> int:
     from fastapi import FastAPI
 
     from tts_engine.audio import load_audio
-    from bench.speed import checkpoint_for, device_name, write_markdown
+    from bench.common import device_name, load1, random_checkpoint, write_markdown
 
     from serving.limits import Limits
     from server.openai_api import install
     from serving.registry import EngineRegistry
     from serving.voice_store import VoiceStore
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench clone", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], default="tiny")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--frames", type=int, default=4, help="max_new_tokens per request")
@@ -82,13 +78,13 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    ckpt = checkpoint_for(a.arch, torch.bfloat16, "base")
+    ckpt = random_checkpoint(a.arch, "base")
     registry = EngineRegistry({"base": str(ckpt)}, device=None, dtype=a.dtype, offline_fallback=False)
     registry.uploaded = VoiceStore(tempfile.mkdtemp(prefix="bench-voices-"), admin_key="")
     app = FastAPI()
     install(app, registry, Limits(max_new_tokens=a.frames))
     srv, url = serve(app)
-    load_before = os.getloadavg()[0]
+    load_before = load1()
     engine = registry.get("base")
     ref = "data:audio/flac;base64," + base64.b64encode(CLIP.read_bytes()).decode()
     body = {"input": "Hello there, this is a cloned voice.", "task_type": "Base", "ref_audio": ref,
@@ -110,14 +106,14 @@ def main(argv=None) -> int:
     xvec = {k: v for k, v in body.items() if k not in ("ref_audio", "ref_text")} | {"speaker_embedding": emb}
     off, on, uploaded, vector = [], [], [], []
     for _ in range(a.repeats):   # interleaved, so the load of a shared machine hits every row alike
-        saved = [dict(c._items) for c in caches]
+        saved = [c.items() for c in caches]
         for c in caches:                                                # before: no caches
             c.max_entries = 0
             c.clear()
         off.append(first_audio(url, body))
         for c, n, items in zip(caches, sizes, saved):                   # after: the caches, filled
             c.max_entries = n
-            for k, v in items.items():
+            for k, v in items:
                 c.put(k, v)
         on.append(first_audio(url, body))
         uploaded.append(first_audio(url, named))
@@ -150,8 +146,8 @@ def main(argv=None) -> int:
                f"({engine.precision}). Reference: presets/oliver.flac (5 s) with its transcript (in-context clone). "
                f"Request: `stream=true`, pcm, {a.frames} frames, {a.repeats} repeats; first audio = request sent to "
                f"first audio bytes at the client, through the HTTP server on loopback. Command: "
-               f"`python -m bench.clone --arch {a.arch}`. Load average (1 min) at the start / end: "
-               f"{load_before:.1f} / {os.getloadavg()[0]:.1f} (for {os.cpu_count()} CPUs): on a shared machine "
+               f"`python -m bench clone --arch {a.arch}`. Load average (1 min) at the start / end: "
+               f"{load_before:.1f} / {load1():.1f} (for {os.cpu_count()} CPUs): on a shared machine "
                "compare the rows of one run, which are interleaved.\n\n" + "\n".join(table))
     print(body_md)
     if not a.no_write:

@@ -1,6 +1,6 @@
 """Codec benchmark: the speech-tokenizer decoder's ms per frame, and the codec overlapped with generation A/B.
 
-    python -m bench.codec --arch 0.6b --quantize int8 --frames 24 --rounds 3
+    python -m bench codec --arch 0.6b --quantize int8 --frames 24 --rounds 3
 
 One process, one engine; every variant runs once per round, the variants interleaved (A, B, A, B, ...), and the
 table gives the median over rounds (and the best). Part 1 decodes a stream's chunks (first chunk, then doubling up
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.speed import checkpoint_for, device_name, run_concurrency
-from bench.timing import load_average as _load
+from bench.common import device_name, random_checkpoint, report, run_concurrency
+from bench.common import load_average as _load
 from tts_engine.engine.engine import TTSEngine
 
 
@@ -50,7 +50,7 @@ def codec_ms_per_frame(dec, frames: int, first: int, threads: int, cap: int = 12
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench codec", description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--model", help="a checkpoint folder instead of random weights")
     p.add_argument("--dtype")
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-overlap", action="store_true", help="only the codec ms per frame")
     p.add_argument("--out", help="append the tables to this markdown file")
     a = p.parse_args(argv)
-    ckpt = Path(a.model) if a.model else checkpoint_for(a.arch, torch.bfloat16)
+    ckpt = Path(a.model) if a.model else random_checkpoint(a.arch)
     conc = [int(x) for x in a.concurrency.split(",")]
     if a.codec_only:   # the speech tokenizer's decoder alone (bf16, its path chosen as the engine would), no talker
         from tts_engine.codec.speech_tokenizer import SpeechTokenizer
@@ -132,10 +132,7 @@ def main(argv=None) -> int:
                          f"({min(f):.0f}) | {statistics.median(s):.2f} ({max(s):.2f}) |")
     lines.append(f"\n{_load()} at the end.")
     text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "a", encoding="utf-8") as fh:
-            fh.write("\n" + text + "\n")
+    report(text, a.out, append=True)
     if engine is not None:
         engine.close()
     return 0

@@ -1,27 +1,27 @@
 """The talker step inside the engine against the same step alone, interleaved with the plain read:
-`python -m bench.engine_step [--quantize w8a8] [--frames 24] [--rounds 3] [--base /other/checkout]
+`python -m bench engine_step [--quantize w8a8] [--frames 24] [--rounds 3] [--base /other/checkout]
 [--variants served,codec_in_worker,no_governor,alone,alone_no_predictor] [--out /tmp/x.md]`.
 
-One process, one random-weight engine per checkout (this one: B; --base: A, imported as `tts_base`, as bench_ab does).
-Every variant times the SAME span, `ModelRunner._advance` (the talker step: embeddings, the stack, the codec head,
-codebook-0 sampling and the row state; where the step in one C++ call serves, that call), by wrapping it on the
-engine's instance, and records per call: its wall time, the calling thread's CPU time in it (wall minus CPU: waiting
+One process, one random-weight engine per checkout (this one: B; --base: A, imported as `tts_base`, as bench/ab.py does).
+Every variant times the SAME span, the engine's talker step (embeddings, the stack, the codec head, codebook-0
+sampling and the row state; where the step in one C++ call serves, that call), by wrapping it on the engine's
+instance (`TTSEngine.wrap("talker step")`; --base: a checkout with that hook), and records per call: its wall time, the calling thread's CPU time in it (wall minus CPU: waiting
 for a core or for OpenMP threads), the OpenMP threads it ran with (the governor's option: 1, N, or "matmul"), whether
 the engine's codec thread was decoding at its start, and the C++ call's own time inside it (`StepPlan.run`). Variants,
-run round by round in a rotating order, with a plain read (`plain_read.PlainRead`) before every block:
-  served              one stream through the public API (`bench.run_concurrency`), the engine as configured
+run round by round in a rotating order, with a plain read (`common.PlainRead`) before every block:
+  served              one stream through the public API (`common.run_concurrency`), the engine as configured
                       (thread governor, codec thread, split frames);
   codec_in_worker     the same with every chunk decoded in the worker (the codec thread set aside: nothing beside);
   no_governor         the same with the thread governor off (every frame with the process's threads);
   bare                governor off and the codec in the worker;
   alone               in the caller's thread on the idle engine: the predictor's frame (`ModelRunner.complete`), then
-                      the talker step (`advance`), frame after frame, with the process's threads (as bench_talker_step);
+                      the talker step (`advance`), frame after frame, with the process's threads (as bench/talker_step.py);
   alone_no_predictor  the talker step alone, step after step, no predictor frame between (warm caches and TLB).
-Reported per engine and variant: the step's median ms, GB/s of the talker's weights (`bench_talker_step.
+Reported per engine and variant: the step's median ms, GB/s of the talker's weights (`talker_step.
 talker_weight_bytes`), % of the plain reads taken beside that block, the median of the C++ call inside it, the
 wait (wall - CPU: the calling thread's own CPU only, so at N threads it also counts the time the caller waits for its
 team) and the options the steps ran with (count and median ms each; "busy": the codec thread was decoding at the step's
-start), and beside them the predictor frames' median ms per option (`ModelRunner._predict_residuals`: not slowed?).
+start), and beside them the predictor frames' median ms per option (`TTSEngine.wrap("code predictor")`: not slowed?).
 Nothing is written to
 docs/benchmarks.md (--out FILE writes the table there). The device and the load average go with the table.
 """
@@ -37,53 +37,58 @@ from collections import defaultdict
 
 import torch
 
+from bench.common import (PlainRead, bench_request, command, device_name, load_average, load_checkout,
+                          random_checkpoint, report, run_concurrency)
+
 VARIANTS = ("served", "codec_in_worker", "no_governor", "bare", "alone", "alone_no_predictor")
 
 
 class StepTimer:
-    """Wraps one engine's `ModelRunner._advance` (and the step's `StepPlan.run` inside it) -> a record per call."""
+    """Wraps one engine's talker step (`TTSEngine.wrap("talker step")`, and the step's `StepPlan.run` inside it) and
+    its predictor half ("code predictor") -> a record per call."""
 
     def __init__(self, engine):
         self.engine = engine
         self.records: list[dict] = []
         self.on = False
         self._inner = threading.local()
-        runner = engine.runner
-        orig = runner._advance
         mm = engine.worker.matmul_threads
 
-        def advance(*args, **kw):
-            if not self.on:
-                return orig(*args, **kw)
-            codec = engine.worker.codec
-            n = torch.get_num_threads()
-            option = "matmul" if mm is not None and mm.serial else str(n)
-            busy = bool(codec is not None and codec.busy)
-            self._inner.s = 0.0
-            c0, t0 = time.thread_time(), time.perf_counter()
-            try:
-                return orig(*args, **kw)
-            finally:
-                wall = time.perf_counter() - t0
-                self.records.append({"wall": wall, "cpu": time.thread_time() - c0, "option": option,
-                                     "codec_busy": busy, "call": self._inner.s})
+        def timed_step(orig):
+            def advance(*args, **kw):
+                if not self.on:
+                    return orig(*args, **kw)
+                codec = engine.worker.codec
+                n = torch.get_num_threads()
+                option = "matmul" if mm is not None and mm.serial else str(n)
+                busy = bool(codec is not None and codec.busy)
+                self._inner.s = 0.0
+                c0, t0 = time.thread_time(), time.perf_counter()
+                try:
+                    return orig(*args, **kw)
+                finally:
+                    wall = time.perf_counter() - t0
+                    self.records.append({"wall": wall, "cpu": time.thread_time() - c0, "option": option,
+                                         "codec_busy": busy, "call": self._inner.s})
+            return advance
 
-        runner._advance = advance
+        engine.wrap("talker step", timed_step)
         self.predictor: list[dict] = []   # the predictor's frames beside them (not slowed?)
-        pred = runner._predict_residuals
 
-        def predict(*args, **kw):
-            if not self.on:
-                return pred(*args, **kw)
-            option = "matmul" if mm is not None and mm.serial else str(torch.get_num_threads())
-            t0 = time.perf_counter()
-            try:
-                return pred(*args, **kw)
-            finally:
-                self.predictor.append({"wall": time.perf_counter() - t0, "option": option})
+        def timed_predictor(pred):
+            def predict(*args, **kw):
+                if not self.on:
+                    return pred(*args, **kw)
+                option = "matmul" if mm is not None and mm.serial else str(torch.get_num_threads())
+                t0 = time.perf_counter()
+                try:
+                    return pred(*args, **kw)
+                finally:
+                    self.predictor.append({"wall": time.perf_counter() - t0, "option": option})
+            return predict
 
-        runner._predict_residuals = predict
-        step = getattr(runner, "talker_step", None)
+        engine.wrap("code predictor", timed_predictor)
+        step = getattr(engine.runner, "talker_step", None)
         if step is not None:
             plan_run = step.plan.run
 
@@ -126,8 +131,7 @@ def alone(engine, frames: int, predictor: bool) -> None:
     """`frames` talker steps of row 0 in the caller's thread on the idle engine; predictor: the predictor's frame
     (`complete`) before each, else the first frame's codes again (the step consumes any valid codes)."""
     runner = engine.runner
-    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers[0], "auto", None, 0,
-                                  {"ignore_eos": True}, False, frames + 2, None, 2, 12)
+    req = bench_request(engine, frames + 2)
     with torch.inference_mode():
         runner.prefill(0, req.prompt, req.params)
         rows = [0]
@@ -143,8 +147,6 @@ def alone(engine, frames: int, predictor: bool) -> None:
 
 def run_block(engine, timer: StepTimer, name: str, frames: int, first_chunk: int) -> tuple[list, list]:
     """One variant's block -> (the talker steps' records, the predictor frames' records)."""
-    from bench.speed import run_concurrency
-
     with timer.recording() as recs, variant_state(engine, name):
         if name.startswith("alone"):
             alone(engine, frames, predictor=name == "alone")
@@ -183,7 +185,7 @@ def _pred(recs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench engine_step", description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b"])
     p.add_argument("--quantize", default="w8a8", help="w8a8, w4a8, int8, int4 or none (bf16)")
     p.add_argument("--frames", type=int, default=24)
@@ -193,17 +195,13 @@ def main(argv=None) -> int:
     p.add_argument("--base", help="another checkout (A), e.g. a detached worktree of main")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    from bench.speed import checkpoint_for, device_name
-    from bench.step import load_checkout
     from bench.talker_step import talker_weight_bytes
-    from bench.timing import load_average
-    from bench.plain_read import PlainRead
 
     variants = [v for v in a.variants.split(",") if v]
     bad = set(variants) - set(VARIANTS)
     if bad:
         raise SystemExit(f"unknown variant(s) {sorted(bad)}; use {', '.join(VARIANTS)}")
-    ckpt = str(checkpoint_for(a.arch, torch.bfloat16))
+    ckpt = str(random_checkpoint(a.arch))
     q = None if a.quantize == "none" else a.quantize
     kw = dict(device="cpu", quantize=q, max_batch=1, max_seq_len=4 * a.frames + 200)
     engines = {}
@@ -212,7 +210,6 @@ def main(argv=None) -> int:
         from importlib import import_module
 
         engines["A"] = import_module("tts_base.engine.engine").TTSEngine.from_pretrained(ckpt, **kw)
-    from bench.speed import run_concurrency
     from tts_engine.engine.engine import TTSEngine
 
     engines["B"] = TTSEngine.from_pretrained(ckpt, **kw)
@@ -250,7 +247,7 @@ def main(argv=None) -> int:
              f"{a.rounds} interleaved rounds (medians of every step of a variant). Plain read beside the blocks: "
              f"{floor_all['median']:.1f} GB/s median ({floor_all['min']:.1f}-{floor_all['max']:.1f}, {floor_all['n']} "
              f"reads). {start_load} at the start, {load_average()} at the end.", "",
-             f"Command: `python -m bench.engine_step {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"Command: `{command('engine_step', argv)}`",
              "", "| engine | variant | steps | step ms | GB/s | % of the read beside | C++ call ms | wait ms (wall - CPU) "
              "| options: steps x median ms | predictor frame ms (options) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -261,10 +258,7 @@ def main(argv=None) -> int:
         lines.append(f"| {n} | {v} | {s['n']} | {s['ms']:.2f} | {s['GBps']:.1f} | {s['pct']:.0f} | {s['call_ms']:.2f} "
                      f"| {s['wait_ms']:.2f} | {s['options']} | {_pred(preds[n, v])} |")
     text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    report(text, a.out)
     return 0
 
 

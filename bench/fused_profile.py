@@ -1,4 +1,4 @@
-"""Where the fused decode step's time goes: `python -m bench.fused_profile [--modes w8a8,w4a8,bf16]
+"""Where the fused decode step's time goes: `python -m bench fused_profile [--modes w8a8,w4a8,bf16]
 [--paths split,team] [--out /tmp/x.md]`.
 
 Builds the talker's and the code predictor's decoder stacks of the 0.6b architecture with random weights (W8A8,
@@ -9,7 +9,7 @@ W4A8 or bf16, as the engine quantises them) and times, in one process and interl
   - the matmuls alone (`ttsf_matmuls`: the stack's matmuls in order, nothing between them) over weights of the same
     shapes rotating over > 300 MB (several copies of the predictor's stack), to separate a kernel below the memory
     floor ("busy": the slower thread's time in the kernel) from the hand-offs between kernels and the other stages;
-  - the plain read (`plain_read.py`, one pass after each path's frames, interleaved), the floor everything is
+  - the plain read (`common.PlainRead`, one pass after each path's frames, interleaved), the floor everything is
     compared with: GB/s figures against the median of the reads taken in the same table's rounds.
 Paths (fused_step.team_setting): "split" (one at::parallel_for per matmul, small ops in the caller), "claim" and
 "barrier" (the whole stack in one parallel region, fused_step.cpp run_team). Prints a table per mode and stack (best of --rounds for each figure's
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
+
+from bench.common import PlainRead, device_name, load1, random_checkpoint, write_out
 
 STACK_STAGES = ("other", "norm_in", "quant", "qkv", "rope_cache", "attn", "o_proj", "resid", "norm_post", "gate_up",
                 "silu", "down")
@@ -70,12 +71,10 @@ def weight_bytes(stack) -> dict[str, int]:
 def end_report(out: list[str], path: str | None, pr) -> int:
     """The report's last line (the load average and the plain reads `pr` took over the whole run, printed; `pr` is
     closed), then the report written to `path` (--out) where one is given -> 0, main's exit status."""
-    out.append(f"load average after: {os.getloadavg()[0]:.2f}; over the whole run: {pr.describe()}")
+    out.append(f"load average after: {load1():.2f}; over the whole run: {pr.describe()}")
     pr.close()
     print(out[-1])
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(out) + "\n")
+    write_out("\n".join(out), path)   # (the tables were printed as they came)
     return 0
 
 
@@ -145,7 +144,7 @@ def table(name: str, mode: str, res: dict, wb: dict, floor: float, calls_per_fra
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fused_profile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench fused_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="w8a8,w4a8,bf16")
     ap.add_argument("--stacks", default="talker,predictor")
     ap.add_argument("--paths", default="split,claim", help="comma list of split / barrier / claim (fused_step.TEAM_MODES), "
@@ -155,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--talker-pos", type=int, default=60, help="the talker's cache position (prompt + frames)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--rotate-mb", type=int, default=320, help="the matmuls alone rotate over at least this much weight")
-    ap.add_argument("--read-mb", type=int, help="the plain read's buffer in MiB (default: plain_read.py's, 1 GiB or "
+    ap.add_argument("--read-mb", type=int, help="the plain read's buffer in MiB (default: common.PlainRead's, 1 GiB or "
                     "32x the L3; smaller only for tests)")
     ap.add_argument("--config", help="the model's config.json (default: the bench's random 0.6b checkpoint's)")
     ap.add_argument("--out", help="write the tables here (markdown)")
@@ -163,23 +162,19 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from tts_engine.config import TalkerConfig
-    from tts_engine.cpu.cpu_info import cpu_info
     from tts_engine.cpu import fused_step
     from tts_engine.model.layers import KVCache
-    from bench.plain_read import PlainRead
 
     if a.config is None:
-        from bench.speed import checkpoint_for
-
-        a.config = str(checkpoint_for("0.6b", torch.bfloat16) / "config.json")
+        a.config = str(random_checkpoint("0.6b") / "config.json")
     with open(a.config, encoding="utf-8") as f:
         talker_cfg = TalkerConfig.from_dict(json.load(f)["talker_config"])
-    device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    device = device_name(torch.device("cpu"))
     lib = fused_step.library()
     paths = a.paths.split(",")
     pr = PlainRead(None if a.read_mb is None else a.read_mb << 20)
-    head = [f"### Fused step profile ({device}, load {os.getloadavg()[0]:.2f})", "",
-            f"`python -m bench.fused_profile --modes {a.modes} --stacks {a.stacks} --paths {a.paths} "
+    head = [f"### Fused step profile ({device}, load {load1():.2f})", "",
+            f"`python -m bench fused_profile --modes {a.modes} --stacks {a.stacks} --paths {a.paths} "
             f"--rounds {a.rounds} --frames {a.frames}`: best round of {a.rounds}, {a.frames} frames per path per "
             "round, interleaved; ms per frame (talker: 1 call; code predictor: 15 calls).", ""]
     out = list(head)

@@ -1,36 +1,36 @@
-"""`python -m bench.matmuls int8,w8a8[,int4,bf16] [ROUNDS]`: one frame's matmuls of the real 0.6B
+"""`python -m bench matmuls int8,w8a8[,int4,bf16] [ROUNDS]`: one frame's matmuls of the real 0.6B
 architecture (random weights) in each mode, interleaved A, B, A, B... in one process, one input row, in model
 order as ModelRunner runs them (the talker's linear layers once, the code predictor's and one lm_head 15 times,
 under the runner's oneDNN switch for bf16 rows). Prints the min and median ms per frame of each mode: the part of
 the frame the kernel choice decides, without the rest of the engine. Loads one model per mode (~1 GB each).
 
-`python -m bench.matmuls gbps [ROUNDS] [ROWS[,ROWS...]] [--base DIR]`: the int8 kernels alone, in GB/s
+`python -m bench matmuls gbps [ROUNDS] [ROWS[,ROWS...]] [--base DIR]`: the int8 kernels alone, in GB/s
 of weight read: the talker's per-layer shapes (fused q/k/v, o, fused gate/up, down) x 28 layers of random int8
 weights (~430 MB, more than any L3), one call each, ROWS input rows (default 1; several streams decode several rows),
-candidates interleaved round by round: the plain read (the floor, `plain_read.py`), a read of the same weights,
+candidates interleaved round by round: the plain read (the floor, `common.PlainRead`), a read of the same weights,
 `_weight_int8pack_mm` (the int8 mode), the W8A8 mode through `_int_mm` (`kernels.w8a8_int_mm`, quantising included)
 and our own fused kernel (`kernels.w8a8_vnni`), with its lower code paths where this CPU runs a higher one
 (`w8a8_own_avx512bw_path`: AVX-512 without VNNI, `w8a8_own_avx2_path`: AVX2; the same bits). `--base DIR`: also another checkout's cpu_ext.cpp (same layout),
 built beside ours, its W8A8 and W4A8 calls interleaved with ours (an A/B of the kernel source). `TTS_THREADS`
 sets the threads (default 2).
 
-`python -m bench.matmuls levels [ROUNDS] [ROWS] [LAYERS]`: our kernels (plain read, W8A8, W4A8, the fused step's
+`python -m bench matmuls levels [ROUNDS] [ROWS] [LAYERS]`: our kernels (plain read, W8A8, W4A8, the fused step's
 bf16 matmul) at every CPU level this CPU runs (TTS_CPU_ISA's levels: avx2, avx512, avx512vnni, avx512bf16), levels
 interleaved, GB/s over weights rotated over > 300 MB (`levels`; LAYERS 1: ~16 MB of weights, served from the L3:
 each path's compute ceiling, which a busy machine's memory contention does not hide).
 
-`python -m bench.matmuls share [ROUNDS] [ROWS[,ROWS...]] [LAYERS]`: our W8A8 and W4A8 calls with their output
+`python -m bench matmuls share [ROUNDS] [ROWS[,ROWS...]] [LAYERS]`: our W8A8 and W4A8 calls with their output
 blocks split in fixed halves and claimed (`cpu_ext.set_share`: each thread its own part in order, then what is left
 of the other's) at every CPU level this CPU runs, the talker's per-layer shapes x LAYERS (default 28: weights far
-beyond the L3), interleaved with the plain read (`plain_read.py`); GB/s best (median) and % of the plain read's
+beyond the L3), interleaved with the plain read (`common.PlainRead`); GB/s best (median) and % of the plain read's
 median in the same rounds (`share`).
 
-`python -m bench.matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
+`python -m bench matmuls ceilings [ROUNDS]`: each kernel's compute ceiling per level, weights resident in L2,
 1 and 4 rows, one thread (`ceilings`).
 
-`python -m bench.matmuls quant_u8 [ROUNDS] [--base DIR]`: the codec's int8 activation quantisation
+`python -m bench matmuls quant_u8 [ROUNDS] [--base DIR]`: the codec's int8 activation quantisation
 (`cpu_ext.quant_u8`, two passes over the input) on fp32 and bf16 inputs of codec sizes, each of its loops (AVX-512,
-AVX2, scalar: those this CPU runs) and with --base another checkout's (DIR/tts_engine/model/cpu_ext.cpp), all
+AVX2, scalar: those this CPU runs) and with --base another checkout's (DIR/tts_engine/cpu/csrc/cpu_ext.cpp), all
 interleaved round by round; best and median us per call (`quant_u8_ab`)."""
 from __future__ import annotations
 
@@ -41,11 +41,10 @@ import time
 import torch
 from torch import nn
 
-from bench import speed as bench
+from bench.common import PlainRead, device_name, load1, random_checkpoint
 from tts_engine.cpu.backend import aten_bf16_gemv
-from tts_engine.model import quant
 from tts_engine.loader import Qwen3TTSModel
-from bench.plain_read import PlainRead
+from tts_engine.model import quant
 
 LINEARS = (nn.Linear, quant.Int8Linear, quant.W8A8Linear, quant.Int4Linear, quant.W4A8Linear)
 
@@ -70,23 +69,25 @@ def gbps(rounds: int = 7, rows_list=(1,), base: str | None = None) -> None:
         _gbps(rounds, rows, base)
 
 
+def _base_source(base: str):
+    """Another checkout's cpu_ext.cpp: tts_engine/cpu/csrc/ (tts_engine/model/ in checkouts before the move)."""
+    from pathlib import Path
+
+    new = Path(base) / "tts_engine" / "cpu" / "csrc" / "cpu_ext.cpp"
+    return new if new.exists() else Path(base) / "tts_engine" / "model" / "cpu_ext.cpp"
+
+
 def _with_lib(lib, f):
     """f() with cpu_ext's calls going to `lib` (another build of the same layout)."""
     from tts_engine.cpu import cpu_ext
 
     def run():
-        own = cpu_ext._state["lib"]
-        cpu_ext._state["lib"] = lib
-        try:
+        with cpu_ext.calls_to(lib):
             return f()
-        finally:
-            cpu_ext._state["lib"] = own
     return run
 
 
 def _gbps(rounds: int, rows: int, base: str | None) -> None:
-    from pathlib import Path
-
     from tts_engine.cpu import cpu_ext
     from tts_engine.cpu import kernels
 
@@ -114,7 +115,7 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
         print(f"own kernels not available: {cpu_ext.why_unavailable()}")
     base_lib = None
     if base and cpu_ext.available():
-        base_lib = cpu_ext.load_library(Path(base) / "tts_engine" / "model" / "cpu_ext.cpp")
+        base_lib = cpu_ext.load_library(_base_source(base))
         cands["w8a8_vnni (base)"] = _with_lib(base_lib, cands["w8a8_vnni"])
     # int4 (the same shapes; GB/s of the int4 bytes and scales each kernel reads): aten's int4pack, our W4A8
     q4 = [torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g) for n, k in shapes]
@@ -137,7 +138,7 @@ def _gbps(rounds: int, rows: int, base: str | None) -> None:
                 f()
                 times[n].append(time.perf_counter() - t0)
     print(f"own kernels: {cpu_ext.isa()}")
-    print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds, "
+    print(f"{device_name(torch.device('cpu'))}, load average {load1():.1f}, {rounds} rounds, "
           f"{rows} row(s), {total / 1e6:.0f} MB of int8 weights rotated ({len(W)} matmuls)")
     for n, v in times.items():
         v, b = sorted(v), (bytes4 if "int4" in n else pr.nbytes if n == "plain read" else total)
@@ -198,8 +199,8 @@ def levels(rounds: int = 7, rows: int = 1, layers: int = 28) -> list[str]:
     finally:
         cpu_ext.set_level(was)
     bf16_names = {3: "avx512-bf16", 2: "avx512f", 1: "avx2"}
-    lines = [f"{bench.device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
-             f"{os.getloadavg()[0]:.1f}; {rounds} rounds, {rows} row(s), levels interleaved; GB/s best (median)",
+    lines = [f"{device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
+             f"{load1():.1f}; {rounds} rounds, {rows} row(s), levels interleaved; GB/s best (median)",
              "| level (TTS_CPU_ISA) | W8A8/W4A8 path | bf16 path | plain read | W8A8 | W4A8 | bf16 |", "|---|---|---|---|---|---|---|"]
     for lv in lvls:
         cells = []
@@ -260,10 +261,10 @@ def share(rounds: int = 7, rows_list=(1, 4), layers: int = 28) -> list[str]:
         cpu_ext.set_level(was_level)
         cpu_ext.set_share(was_share)
     floor = statistics.median(reads)
-    lines = [f"{bench.device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
-             f"{os.getloadavg()[0]:.1f}; {rounds} rounds, levels, modes and the plain read interleaved; plain read "
+    lines = [f"{device_name(torch.device('cpu'))}; torch threads {torch.get_num_threads()}; load average "
+             f"{load1():.1f}; {rounds} rounds, levels, modes and the plain read interleaved; plain read "
              f"{floor:.1f} GB/s median ({min(reads):.1f}-{max(reads):.1f}); GB/s best (median), % of the plain read's "
-             f"median; `python -m bench.matmuls share {rounds} {','.join(map(str, rows_list))} {layers}`",
+             f"median; `python -m bench matmuls share {rounds} {','.join(map(str, rows_list))} {layers}`",
              "", "| rows | level | W8A8 split | W8A8 claim | W4A8 split | W4A8 claim |", "|---|---|---|---|---|---|"]
     for rows in rows_list:
         for lv in lvls:
@@ -332,7 +333,7 @@ def ceilings(rounds: int = 5, calls: int = 200) -> list[str]:
                                     best[k] = min(best.get(k, 1e9), t)
     finally:
         cpu_ext.set_level(was)
-    lines = [f"{bench.device_name(torch.device('cpu'))}; load average {os.getloadavg()[0]:.1f}; weights in L2; GB/s "
+    lines = [f"{device_name(torch.device('cpu'))}; load average {load1():.1f}; weights in L2; GB/s "
              f"raw (net of a tiny call's cost), best of {rounds} x {calls} calls",
              "| level | W8A8 1 row | W4A8 1 row | bf16 1 row | W8A8 4 rows | W4A8 4 rows | bf16 4 rows |",
              "|---|---|---|---|---|---|---|"]
@@ -351,7 +352,6 @@ def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
     """`quant_u8` (module doc): {(label, dtype, n): [seconds per call]} over interleaved rounds -> table lines."""
     import ctypes
     import statistics
-    from pathlib import Path
 
     from tts_engine.cpu import cpu_ext
 
@@ -360,7 +360,7 @@ def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
         return []
     libs = {"": cpu_ext.library()}
     if base:
-        libs[" (base)"] = cpu_ext.load_library(Path(base) / "tts_engine" / "model" / "cpu_ext.cpp")
+        libs[" (base)"] = cpu_ext.load_library(_base_source(base))
     for lib in libs.values():
         P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.ttsx_quant_u8.argtypes, lib.ttsx_quant_u8.restype = [P, I, I64, P, P, I], None
@@ -383,8 +383,8 @@ def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
                                       out.data_ptr(), isa)
                 times.setdefault((name, x.dtype, x.numel()), []).append((time.perf_counter() - t0) / reps)
     cols = [(x.dtype, x.numel()) for x in inputs]
-    lines = [f"cpu_ext.quant_u8, {bench.device_name(torch.device('cpu'))}, "
-             f"load average {os.getloadavg()[0]:.2f}; {rounds} rounds interleaved; us per call, best (median)", "",
+    lines = [f"cpu_ext.quant_u8, {device_name(torch.device('cpu'))}, "
+             f"load average {load1():.2f}; {rounds} rounds interleaved; us per call, best (median)", "",
              "| loops | " + " | ".join(f"{str(d).split('.')[-1]} {n / 1e6:.2f} M" for d, n in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for name in cands:
@@ -397,6 +397,9 @@ def quant_u8_ab(rounds: int = 15, base: str | None = None) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     base = None   # --base DIR (gbps, quant_u8): another checkout's cpu_ext.cpp beside ours
     if "--base" in argv:
         i = argv.index("--base")
@@ -428,7 +431,7 @@ def main(argv=None) -> int:
     modes = (argv[0] if argv else "int8,w8a8").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 7
     torch.set_num_threads(int(os.environ.get("TTS_THREADS", "2")))
-    ck = bench.checkpoint_for("0.6b", torch.bfloat16, "custom_voice")
+    ck = random_checkpoint("0.6b", "custom_voice")
     calls = {}
     for m in modes:
         model = Qwen3TTSModel.from_pretrained(str(ck), device="cpu", dtype="bf16", quantize=None if m == "bf16" else m)
@@ -442,7 +445,7 @@ def main(argv=None) -> int:
     from tts_engine.cpu import cpu_ext
 
     print(f"own kernels: {cpu_ext.isa()}")
-    print(f"{bench.device_name(torch.device('cpu'))}, load average {os.getloadavg()[0]:.1f}, {rounds} rounds")
+    print(f"{device_name(torch.device('cpu'))}, load average {load1():.1f}, {rounds} rounds")
     for m in modes:
         v = sorted(times[m])
         print(f"{m}: {len(calls[m])} matmuls per frame, min {v[0]:.1f} ms, median {v[len(v) // 2]:.1f} ms")

@@ -1,4 +1,4 @@
-"""Where the code predictor's frame in one call spends its time: `python -m bench.predictor_frame
+"""Where the code predictor's frame in one call spends its time: `python -m bench predictor_frame
 [--modes w8a8,w4a8,bf16] [--rows 1,4] [--base /work/main] [--shares split,claim] [--out /tmp/x.md]`.
 
 Builds the talker of the random-weight 0.6b architecture (its own stack cut to one layer: only the code predictor
@@ -8,11 +8,11 @@ is timed) in W8A8, W4A8 or bf16, a model runner over it with the fused step and 
     projection, the 15 stack calls, final norms, lm_heads, rounding, sampling, next embeddings) and the stack's own
     stages inside (fused_step.cpp's profile);
   - "plan.run": `FramePlan.run` (the call plus its Python: argument tensors, checks, the output);
-  - "runner": `ModelRunner._predict_residuals` (what the engine calls per frame: the frame's `takes`, its thread
+  - "runner": `ModelRunner.predict_residuals` (what the engine calls per frame: the frame's `takes`, its thread
     switch, `run`), wall time and the main thread's CPU time;
   - with --base: the same three of another checkout (A, e.g. main; its own library built from its sources, the same
     random weights), interleaved with this one (B).
-Sampling as the engine's default (sub-talker top-k 50, temperature 0.9). Also the plain read (`plain_read.py`, one pass
+Sampling as the engine's default (sub-talker top-k 50, temperature 0.9). Also the plain read (`common.PlainRead`, one pass
 after every frame series, interleaved; % of the median of those taken in the same table's rounds) and the GB/s of the predictor's weights per frame (15 stack passes and 15 heads). Prints a table per
 mode and row count (best of --rounds of the median frame), writes it to --out.
 """
@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from bench.common import PlainRead, build_talker, device_name, load1, load_checkout, make_runner, random_checkpoint
+
 
 def _env() -> None:
     os.environ["TTS_FUSED_STEP"] = "1"
@@ -36,12 +38,10 @@ def build(pkg: str, mode: str, rows: int, state=None):
     """(talker, runner, state) of package `pkg` (tts_engine or another checkout's, imported as tts_base)."""
     import importlib
 
-    from bench.speed import checkpoint_for
-    from bench.step import build_talker, make_runner
     from tts_engine.checkpoint import read_json
 
     cfg_mod = importlib.import_module(f"{pkg}.config")
-    d = read_json(checkpoint_for("0.6b", torch.bfloat16) / "config.json")
+    d = read_json(random_checkpoint("0.6b") / "config.json")
     d["talker_config"] = dict(d["talker_config"], num_hidden_layers=1)
     cfg = cfg_mod.ModelConfig.from_dict(d)
     t, state = build_talker(pkg, cfg, torch.bfloat16, None if mode == "bf16" else mode, state)
@@ -70,9 +70,9 @@ def weight_bytes(t) -> int:
     return books * stack + sum(lin(h) for h in cp.lm_head) + books * lin(cp.small_to_mtp_projection)
 
 
-def inputs(r, sp, B: int):
-    rr = torch.arange(B)
-    rp = r.rp.select(slice(0, B), r._host_facts(B, general=False))
+def inputs(r, B: int):
+    """(hidden, c0, frame indices, RowParams) of rows 0..B-1, as their next frame starts from."""
+    rr, _, rp = r.rows_view(list(range(B)))
     return r.hidden[rr].clone(), r.c0[rr].clone(), (r.step[rr] - 1).clone(), rp
 
 
@@ -97,7 +97,7 @@ def one(variant, B: int, frames: int) -> dict:
         from tts_engine.cpu import cpu_ext
 
         cpu_ext.set_share(share)
-    h, c0, fi, rp = inputs(r, sp, B)
+    h, c0, fi, rp = inputs(r, B)
     h = (torch.randn(h.shape, generator=torch.Generator().manual_seed(B)) * 0.5).to(h.dtype)
     frame = t.code_predictor.frame
     wall_run, wall_runner, cpu_runner, call = [], [], [], []
@@ -114,7 +114,7 @@ def one(variant, B: int, frames: int) -> dict:
             for k, v in prof.stack.items():
                 stack[k] = stack.get(k, 0) + v / frames
             a, ac = time.perf_counter(), time.thread_time()
-            r._predict_residuals(h, c0, fi, rp)
+            r.predict_residuals(h, c0, fi, rp)
             wall_runner.append(time.perf_counter() - a)
             cpu_runner.append(time.thread_time() - ac)
     med = statistics.median
@@ -123,7 +123,7 @@ def one(variant, B: int, frames: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.predictor_frame", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench predictor_frame", description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="w8a8,w4a8,bf16")
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--rounds", type=int, default=5)
@@ -142,23 +142,18 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from bench.fused_profile import end_report
-    from tts_engine.cpu.cpu_info import cpu_info
-    from bench.plain_read import PlainRead
     from tts_engine.cpu import predictor_frame
 
     pkgs = [("B", "tts_engine", predictor_frame)]
     if a.base:
         import importlib
 
-        from bench.step import load_checkout
-
         load_checkout("tts_base", a.base)
-        pkgs.insert(0, ("A", "tts_base", importlib.import_module("tts_base.model.predictor_frame")))
+        pkgs.insert(0, ("A", "tts_base", importlib.import_module("tts_base.cpu.predictor_frame")))
     rows = [int(x) for x in a.rows.split(",")]
     pr = PlainRead()
-    device = f"CPU: {cpu_info().name}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    out = [f"### Code predictor frame ({device}, load {os.getloadavg()[0]:.2f}, {pr.describe()} before)", "",
-           f"`python -m bench.predictor_frame --modes {a.modes} --rows {a.rows} --rounds {a.rounds} "
+    out = [f"### Code predictor frame ({device_name(torch.device('cpu'))}, load {load1():.2f}, {pr.describe()} before)", "",
+           f"`python -m bench predictor_frame --modes {a.modes} --rows {a.rows} --rounds {a.rounds} "
            f"--frames {a.frames}{' --base ' + a.base if a.base else ''}{' --teams ' + a.teams if a.teams else ''}"
            f"{' --threads ' + str(a.threads) if a.threads else ''}`: ms per frame, best round's median"
            f"{' (A: ' + a.base + ', B: this checkout, interleaved)' if a.base else ''}.", ""]
@@ -196,7 +191,7 @@ def main(argv=None) -> int:
             floor = pr.spread(mark)["median"]
             names = list(best)
             lines = [f"#### {mode}, {B} row(s): {wb / 1e6:.0f} MB of predictor weights per frame, load "
-                     f"{os.getloadavg()[0]:.2f}, {pr.describe(mark)}: % of its median", "",
+                     f"{load1():.2f}, {pr.describe(mark)}: % of its median", "",
                      "| | " + " | ".join(f"{n} ms | {n} GB/s (% of plain read)" for n in names) + " |",
                      "|---|" + "---|---|" * len(names)]
 
@@ -207,7 +202,7 @@ def main(argv=None) -> int:
                     cells += [f"{1e3 * s:.2f}", f"{wb / s / 1e9:.1f} ({100 * wb / s / 1e9 / floor:.0f} %)" if gb else ""]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-            row("runner._predict_residuals (engine's call)", lambda x: x["runner"], True)
+            row("runner.predict_residuals (engine's call)", lambda x: x["runner"], True)
             row("runner, main thread CPU time", lambda x: x["runner_cpu"])
             row("FramePlan.run", lambda x: x["plan_run"], True)
             row("C++ frame call", lambda x: x["call"], True)

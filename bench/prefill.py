@@ -1,5 +1,5 @@
 """First audio with and without the prompt-prefix cache, interleaved in one engine:
-`python -m bench.prefill --quantize w8a8 --rounds 15`.
+`python -m bench prefill --quantize w8a8 --rounds 15`.
 
 One engine (random-weight checkpoint), the first audio of one stream part by part as the worker runs it (prefill,
 the first frame's code predictor, a one-frame codec decode), alternating call by call between the prefix cache
@@ -10,20 +10,16 @@ time (steadier on a shared machine); medians over the rounds. Prints markdown; n
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import torch
 
-from bench.speed import checkpoint_for, device_name
-from bench.timing import Laps
-
-TEXT = "Ladies and gentlemen, please remain calm."
+from bench.common import TEXT, Laps, command, device_name, load1, random_checkpoint
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench prefill", description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--quantize", default="w8a8")
     p.add_argument("--rounds", type=int, default=15)
@@ -36,12 +32,12 @@ def main(argv=None) -> int:
     from tts_engine.engine.prefix_cache import PrefixCache
 
     q = None if a.quantize == "none" else a.quantize
-    engine = TTSEngine.from_pretrained(str(checkpoint_for(a.arch, torch.bfloat16)), device="cpu", quantize=q,
+    engine = TTSEngine.from_pretrained(str(random_checkpoint(a.arch)), device="cpu", quantize=q,
                                        max_batch=1, max_seq_len=400, govern_threads=False)
     r, codec = engine.runner, engine.model.speech_tokenizer.decoder
     cache = r.prefix_cache or PrefixCache()
-    req, _ = engine._make_request(a.text, engine.speakers[0], "auto", None, 0, {"ignore_eos": True}, False, 30, None,
-                                  1, 12)
+    req, _ = engine.make_request(a.text, voice=engine.speakers[0], seed=0, sampling={"ignore_eos": True},
+                                 max_new_tokens=30, first_chunk_frames=1)
     L, P = req.prompt.prefill.shape[0], req.prompt.prefix_len
     res: dict = {}
 
@@ -67,14 +63,14 @@ def main(argv=None) -> int:
         for k in kinds:   # warm-up
             once(k)
         res.clear()
-        load0 = os.getloadavg()
+        load0 = load1()
         for i in range(a.rounds):
             for k in kinds[i % 3:] + kinds[:i % 3]:
                 once(k)
     out = [f"Device: **{device_name(torch.device('cpu'))}**, {torch.get_num_threads()} threads (no thread governor). "
            f"{a.arch} random weights, {engine.precision}; prompt {L} positions, prefix {P}; {a.rounds} interleaved "
-           f"rounds, median. Load average {load0[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end.", "",
-           f"Command: `python -m bench.prefill {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+           f"rounds, median. Load average {load0:.2f} at the start, {load1():.2f} at the end.", "",
+           f"Command: `{command('prefill', argv)}`", "",
            "| prefix cache | prefill ms (CPU ms) | first frame's code predictor | one-frame codec decode | "
            "**first audio** |", "|---|---|---|---|---|"]
     for k in kinds:

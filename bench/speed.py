@@ -1,4 +1,4 @@
-"""Benchmark: `python -m bench.speed`.
+"""Benchmark: `python -m bench speed` (`--peers`: `python -m bench peers`; `--check`: `python -m bench check`).
 
 Builds a checkpoint of the chosen architecture with random weights (no download) or loads one, forces a
 fixed output length (end-of-speech disabled), and measures through the public streaming API:
@@ -7,7 +7,7 @@ worst p99), total audio seconds per wall second, at each concurrency, and peak m
 implementation is installed (the oracle venv), it is timed on the same weights and the speed ratio printed.
 A per-frame profile (talker, code predictor, sampling, codec, host overhead) is taken at concurrency 1: each part
 timed alone in the caller's thread; with --profile (CPU) also the split of a real stream's wall time per frame as the
-engine's threads serve it (`bench_stream_split`: parts, glue, codec thread) and the same stream with its chunks
+engine's threads serve it (`stream_split`: parts, glue, codec thread) and the same stream with its chunks
 decoded in the worker.
 Results go to stdout and to docs/benchmarks.md, with the device named.
 """
@@ -19,91 +19,28 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tts_engine.cache_paths import cache_root
-from tts_engine.cpu.cpu_info import cpu_info
-from tts_engine.engine.engine import TTSEngine
+from bench.common import (ROOT, bench_request, command, device_name, random_checkpoint, run_concurrency,
+                          write_markdown)
 from bench.stream_split import split_lines
+from tts_engine.engine.engine import TTSEngine
 from tts_engine.model.quant import QUANT_MODES
-from tts_engine.tiny import make_tiny
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = cpu_info().name
-    forced = ""
-    if os.environ.get("TTS_CPU_ISA", "native").strip().lower() not in ("", "native", "auto") \
-            or os.environ.get("TTS_CPU_EXT_ISA"):   # a forced CPU level of our kernels: say so beside every figure
-        from tts_engine.cpu import cpu_ext
-
-        if cpu_ext.available() and cpu_ext.level() < cpu_ext.cpu_level():
-            forced = f", our kernels forced to {cpu_ext.level_name()} (TTS_CPU_ISA; this CPU: " \
-                     f"{cpu_ext.LEVEL_NAMES[cpu_ext.cpu_level()]})"
-    return f"CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{forced}"
-
-
-def checkpoint_for(arch: str, dtype: torch.dtype, kind: str = "custom_voice") -> Path:
-    folder = cache_root() / "bench" / f"{arch}-{kind}"
-    if not (folder / "speech_tokenizer" / "model.safetensors").exists():
-        print(f"writing a random {arch} {kind} checkpoint to {folder} ...", file=sys.stderr)
-        make_tiny(folder, kind=kind, size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,
-                  dtype=torch.bfloat16 if arch in ("0.6b", "1.7b") else torch.float32)
-    return folder
-
-
-def pct(xs, q):
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else float("nan")
-
-
-def run_concurrency(engine: TTSEngine, c: int, frames: int, first_chunk: int) -> dict:
-    results = [None] * c
-    start = threading.Barrier(c)
-
-    def client(i):
-        start.wait()
-        t0 = time.perf_counter()
-        voices = engine.speakers_for_bench
-        s = engine.stream("Ladies and gentlemen, please remain calm.", voice=voices[i % len(voices)],
-                          seed=i, max_new_tokens=frames + 1, sampling={"ignore_eos": True},
-                          first_chunk_frames=first_chunk)
-        first, n = None, 0
-        for chunk in s:
-            if first is None:
-                first = time.perf_counter() - t0
-            n += len(chunk)
-        results[i] = (first, time.perf_counter() - t0, n / engine.sample_rate)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    ttfa = [r[0] for r in results]
-    xrt = [r[2] / r[1] for r in results]
-    return {"concurrency": c, "ttfa_p50_ms": 1000 * pct(ttfa, 50), "ttfa_p99_ms": 1000 * pct(ttfa, 99),
-            "xrt_p50": pct(xrt, 50), "xrt_p99_worst": pct(xrt, 1), "audio_s_per_s": sum(r[2] for r in results) / wall,
-            "audio_s": sum(r[2] for r in results), "wall_s": wall}
 
 
 def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
     """Per-frame time split at batch 1, measured around each part with device synchronisation. The codec
-    decodes the frames in the engine's chunks (2, 4, 8, 12, 12, ...), as a stream does. `between`: called after
-    each frame's parts, outside the timings (bench_peers: the plain read, interleaved with the parts)."""
+    decodes the frames in the engine's chunks (2, 4, 8, 12, 12, ...), as a stream does. Each frame's parts are then
+    run again alone as the engine serves them: the code predictor (`ModelRunner.complete` of the next frame: it
+    changes no row state) and the talker step the frame ran (`ModelRunner.replay_talker_step`). `between`: called
+    after each frame's parts, outside the timings (the peers bench: the plain read, interleaved with the parts)."""
     runner, model = engine.runner, engine.model
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
-                                  {"ignore_eos": True}, False, frames + 1, None, 2, 12)
+    req = bench_request(engine, frames + 1)
     row = 0  # the engine is idle: row 0 is free
     codec = model.speech_tokenizer.decoder
     acc = {"talker_ms": 0.0, "code_predictor_ms": 0.0, "codec_ms": 0.0, "frame_total_ms": 0.0}
@@ -111,8 +48,6 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
         runner.prefill(row, req.prompt, req.params)
         state = codec.init_state(1)
         rows = [row]
-        r = torch.tensor(rows, device=model.device)
-        rp = runner.rp.select(slice(0, 1), runner._host_facts(1, general=False))
         chunks, pending = req.chunk_sizes(), []
         target = next(chunks)
         for f in range(frames):
@@ -129,16 +64,14 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
                 acc["codec_ms"] += 1000 * (time.perf_counter() - t1)
                 pending, target = [], next(chunks)
             # the same frame's parts, timed separately (results discarded)
-            fi = runner.step[r] - 1
-            with runner.step_scope(1):  # as decode does
-                sync()
-                a = time.perf_counter()
-                runner._predict_residuals(runner.hidden[r], runner.c0[r], fi, rp)
-                sync()
-                b = time.perf_counter()
-                _replay_talker_step(runner, row, rows, codes)
-                sync()
-                c = time.perf_counter()
+            sync()
+            a = time.perf_counter()
+            runner.complete(rows)
+            sync()
+            b = time.perf_counter()
+            runner.replay_talker_step(rows, codes)
+            sync()
+            c = time.perf_counter()
             acc["code_predictor_ms"] += 1000 * (b - a)
             acc["talker_ms"] += 1000 * (c - b)
             if between is not None:
@@ -148,22 +81,6 @@ def profile_frame(engine: TTSEngine, frames: int, between=None) -> dict:
     if runner.graphs is None:   # the parts are what the frame ran: the rest is sampling and host work
         out["sampling_and_host_ms"] = out["frame_total_ms"] - out["talker_ms"] - out["code_predictor_ms"]
     return out
-
-
-def _replay_talker_step(runner, row: int, rows: list[int], codes: torch.Tensor) -> None:
-    """The talker step this frame ran, run again as the engine serves it (`ModelRunner._advance`: the C++ talker
-    step where it serves, else the Python path) from the state it started in; the row's state is put back after
-    (the cache position it rewrites gets the same values)."""
-    names = ("pos", "step", "seen", "hidden", "c0")
-    saved = {n: getattr(runner, n)[row].clone() for n in names}
-    runner.pos[row] -= 1
-    runner.step[row] -= 1
-    r, cache_rows, rp = runner.rows_view(rows)
-    try:
-        runner._advance(r, cache_rows, rp, runner.host_len[row], codes)
-    finally:
-        for n, v in saved.items():
-            getattr(runner, n)[row] = v
 
 
 def frame_split_line(prof: dict, graphs: bool) -> str:
@@ -184,8 +101,7 @@ def torch_profile(engine: TTSEngine, frames: int, top: int = 25) -> tuple[str, d
     from torch.profiler import ProfilerActivity, profile
 
     runner, model = engine.runner, engine.model
-    req, _ = engine._make_request("Ladies and gentlemen, please remain calm.", engine.speakers_for_bench[0], "auto", None, 0,
-                                  {"ignore_eos": True}, False, frames + 1, None, 2, 12)
+    req = bench_request(engine, frames + 1)
     codec = model.speech_tokenizer.decoder
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with torch.inference_mode():
@@ -256,23 +172,13 @@ def peak_memory(device: torch.device) -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB host RSS (peak)"
 
 
-def write_markdown(path: Path, header: str, body: str) -> None:
-    """Replace (or add) the section that starts with `header` in docs/benchmarks.md."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\nWritten by `python -m bench.speed`.\n"
-    sections = text.split("\n## ")
-    kept = [sections[0]] + ["## " + s for s in sections[1:] if not ("## " + s).startswith(header)]
-    path.write_text("\n".join(k.rstrip("\n") + "\n" for k in kept) + "\n" + header + "\n\n" + body + "\n",
-                    encoding="utf-8")
-
-
 def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--peers" in args:  # the side-by-side CPU benchmark has its own options (python -m bench.speed --peers -h)
+    if "--peers" in args:  # the side-by-side CPU benchmark has its own options (python -m bench peers -h)
         from bench.peers.run import main as peers_main
 
         return peers_main([x for x in args if x != "--peers"])
-    p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench speed", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], help="random-weight architecture "
                    "(default: 0.6b on a GPU, small on a CPU)")
     p.add_argument("--model", help="a checkpoint folder or hub id instead of random weights")
@@ -293,11 +199,11 @@ def main(argv=None) -> int:
     p.add_argument("--quality-frames", type=int, default=100, help="teacher-forced frames of the quality check "
                    "against fp32, run when the mode is not fp32 (4 prompts share them); 0 skips it")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over frames at one stream, "
-                   "split a stream's wall time per frame in the engine (CPU: bench_stream_split), print the top ops by self CPU time and write them to docs/benchmarks.md "
+                   "split a stream's wall time per frame in the engine (CPU: stream_split.py), print the top ops by self CPU time and write them to docs/benchmarks.md "
                    "(section 'CPU profile of one frame')")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--peers", action="store_true", help="instead: ours and the independent CPU engines side by side "
-                   "in one interleaved run (bench/peers/run.py; see python -m bench.speed --peers -h)")
+                   "in one interleaved run (bench/peers/run.py; see python -m bench peers -h)")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
@@ -305,12 +211,12 @@ def main(argv=None) -> int:
         from bench.check import run_check
 
         arch = a.arch or ("0.6b" if gpu else "tiny")
-        ckpt = a.model or str(checkpoint_for(arch, torch.bfloat16, a.kind))
+        ckpt = a.model or str(random_checkpoint(arch, a.kind))
         return run_check(ckpt, device, a.dtype, a.frames or (64 if gpu else 12))
     arch = a.arch or ("0.6b" if gpu else "small")
     frames = a.frames or (250 if gpu else 40)
     conc = [int(x) for x in (a.concurrency or ("1,4,16,64" if gpu else "1,4")).split(",")]
-    ckpt = Path(a.model) if a.model else checkpoint_for(arch, torch.bfloat16, a.kind)
+    ckpt = Path(a.model) if a.model else random_checkpoint(arch, a.kind)
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
                                        max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu,
@@ -355,7 +261,7 @@ def main(argv=None) -> int:
              + f". Peak: {mem}." + (" Text embedding kept on the CPU." if a.text_embedding_on_cpu else "")
              + (f" CUDA graphs: {graphs}." if gpu else ""),
              "",
-             f"Command: `python -m bench.speed {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
+             f"Command: `{command('speed', argv)}`",
              "",
              "| concurrency | first audio p50 (ms) | first audio p99 (ms) | x real time per stream p50 | worst stream p99 | audio s per wall s |",
              "|---|---|---|---|---|---|"]
@@ -364,7 +270,7 @@ def main(argv=None) -> int:
                      f"{r['xrt_p99_worst']:.2f} | {r['audio_s_per_s']:.2f} |")
     lines += ["", frame_split_line(prof, engine.runner.graphs is not None)]
     if stream_lines:   # the parts above were timed alone; in a stream the worker's threads serve them
-        lines += ["", f"In a stream of {frames} frames (`bench_stream_split`, ms per frame):", ""]
+        lines += ["", f"In a stream of {frames} frames (`stream_split`, ms per frame):", ""]
         lines += [f"- {ln}" for ln in stream_lines]
     if off is not None:
         ours = rows[0]["xrt_p50"]
@@ -384,8 +290,7 @@ def main(argv=None) -> int:
                  f"stream (talker, code predictor, sampling, and the codec decode of those frames in the engine's "
                  f"chunks 2, 4, 8, ...), top ops by self CPU time, per frame. {summ['aten_calls_per_frame']:.0f} aten "
                  f"calls and {summ['self_cpu_ms_per_frame']:.0f} ms self CPU per frame (profiler overhead "
-                 f"included).\n\nCommand: `python -m bench.speed "
-                 f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{table}")
+                 f"included).\n\nCommand: `{command('speed', argv)}`\n\n{table}")
         print("\n" + pbody)
         write_markdown(Path(a.out), f"## CPU profile of one frame — {engine.precision}" if not gpu else
                        f"## Profile of one frame — {dev}, {engine.precision}", pbody)

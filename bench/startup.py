@@ -2,13 +2,13 @@
 a request, on an EMPTY cache folder (as on a free Hugging Face CPU Space without persistent storage), and every
 load-time trial (measured choice) with its seconds.
 
-    python -m bench.startup --out /tmp/startup.md                 # tiny and 0.6b, this checkout
-    python -m bench.startup --arch 0.6b --rounds 3 \\
+    python -m bench startup --out /tmp/startup.md                 # tiny and 0.6b, this checkout
+    python -m bench startup --arch 0.6b --rounds 3 \\
         --checkout A=/work/wt/startup-base --checkout B=. --out /tmp/startup.md   # A/B interleaved
 
 Each run starts `python app.py` (in the checkout named, on a port of --port's range) with a fresh empty cache
 folder (`--cache-dir`), `--tiny` or the benchmarks' random-weight 0.6B CustomVoice checkpoint (the one
-`python -m bench.speed --arch 0.6b` builds, only the custom_voice role), polls the page until it answers 200
+`python -m bench speed --arch 0.6b` builds, only the custom_voice role), polls the page until it answers 200
 ("served"), then sends one streamed `POST /v1/audio/speech` (voice ryan, pcm) and notes the first audio bytes
 ("first audio", from process start; the request waits for the model to load and warm up; MAX_FRAMES frames at
 most), then a second one ("warm first audio", from its own request). The trials are timed inside the app's process: a small wrapper
@@ -31,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.timing import load_average
+from bench.common import load_average
 
 # (label, module, attribute path, label of the trial it runs inside or "")
 TRIALS = (
@@ -223,7 +223,7 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench startup", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", action="append", choices=["tiny", "0.6b"], help="model(s) (default: both)")
     p.add_argument("--checkout", action="append", default=[],
                    help="NAME=PATH of a checkout to start (repeatable, interleaved; default: this one as 'this')")
@@ -240,10 +240,9 @@ def main(argv=None) -> None:
     env_extra = dict(e.split("=", 1) for e in a.env)
     checkpoint = None
     if "0.6b" in archs:
-        import torch
+        from bench.common import random_checkpoint
 
-        from bench.speed import checkpoint_for
-        checkpoint = checkpoint_for("0.6b", torch.bfloat16).resolve()
+        checkpoint = random_checkpoint("0.6b").resolve()
     scratch = Path(a.scratch) if a.scratch else Path(tempfile.mkdtemp(prefix="bench-startup-"))
     scratch.mkdir(parents=True, exist_ok=True)
     results: dict = {}
@@ -263,7 +262,7 @@ def main(argv=None) -> None:
     text = report(results, a.rounds, [load[0], load[-1]], cpu_name())
     print(text)
     if a.out:
-        from bench.speed import write_markdown
+        from bench.common import write_markdown
         write_markdown(Path(a.out), "## Cold start on a CPU", text)
 
 

@@ -1,9 +1,9 @@
-"""Per-frame step A/B: `python -m bench.step --base /path/to/other/checkout [--mode int8] [--batch 1]`.
+"""Per-frame step A/B: `python -m bench step --base /path/to/other/checkout [--mode int8] [--batch 1]`.
 
 Builds the talker of the random-weight 0.6b architecture twice in one process, once from another checkout's
 `tts_engine` (A, e.g. main; imported under the name `tts_base`) and once from this one (B), with the same
 random weights, and runs their model runners' per-frame step interleaved frame by frame (A B C, B C A, ...), timing
-each frame and, separately as `bench.profile_frame` does, its code predictor and talker parts. `--compile` adds
+each frame and, separately as `speed.profile_frame` does, its code predictor and talker parts. `--compile` adds
 C: B with the compiled code-predictor pass (tts_engine/cpu/compiled_predictor.py), and prints its warm-up
 time. `--profile` counts aten calls per frame. Prints one JSON line with medians (ms). Generation only: no codec,
 no prompt building. On a busy machine use `--threads 1` (OpenMP threads that wait on each other under
@@ -13,75 +13,26 @@ do not count the time the scheduler gave to other processes.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import os
 import sys
 import time
 
 import torch
-from torch import nn
 
-
-def load_checkout(name: str, repo: str):
-    spec = importlib.util.spec_from_file_location(name, f"{repo}/tts_engine/__init__.py",
-                                                  submodule_search_locations=[f"{repo}/tts_engine"])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def build_talker(pkg: str, cfg, dtype, quant, state=None):
-    """The talker of `pkg` with random weights (or `state`), without the 151936-row text embedding."""
-    talker_mod = importlib.import_module(f"{pkg}.model.talker")
-    quant_mod = importlib.import_module(f"{pkg}.model.quant")
-    with torch.device("meta"):
-        t = talker_mod.Talker(cfg.talker)
-    t.model.text_embedding = nn.Embedding(4, cfg.talker.text_hidden_size, device="meta")
-    t = t.to_empty(device="cpu").to(dtype)
-    if state is None:
-        with torch.no_grad():
-            for n, p in t.named_parameters():
-                p.fill_(1.0) if n.endswith("norm.weight") else p.normal_(0, 0.02)
-        state = {k: v.clone() for k, v in t.state_dict().items()}
-    else:
-        t.load_state_dict(state)
-    t.build_frame_table()
-    if hasattr(t, "fuse_projections") and (quant or dtype != torch.float32):   # as Qwen3TTSModel does
-        t.fuse_projections()
-    if quant:
-        quant_mod.quantize_talker(t, quant)
-    return t.eval(), state
-
-
-def make_runner(pkg: str, talker, cfg, dtype, batch: int, max_len: int):
-    mr = importlib.import_module(f"{pkg}.engine.model_runner")
-    pr = importlib.import_module(f"{pkg}.model.prompt")
-    sp = importlib.import_module(f"{pkg}.model.sampling")
-    D = cfg.talker.hidden_size
-    r = mr.ModelRunner(talker, torch.zeros(D, dtype=dtype), rows=batch, max_len=max_len,
-                       eos_id=cfg.talker.codec_eos_token_id)
-    g = torch.Generator().manual_seed(1)
-    p = pr.Prompt(prefill=(torch.randn(40, D, generator=g) * 0.05).to(dtype),
-                  trailing=(torch.randn(8, D, generator=g) * 0.05).to(dtype))
-    for row in range(batch):
-        r.prefill(row, p, sp.SamplingParams(seed=row, ignore_eos=True))
-    return r, mr, sp
+from bench.common import build_talker, device_name, load1, load_checkout, make_runner, random_config
 
 
 def part_times(r, mr, sp, talker, batch: int, bf16: bool):
     """(code predictor s, talker s, the same in this thread's CPU time) of one more frame, timed apart (results
-    discarded)."""
+    discarded): the predictor's half as the engine serves it (`ModelRunner.complete`: no row state changes), the
+    talker's forward over its codes."""
     rr = torch.arange(batch)
-    rp = sp.RowParams(**{k: (v[:batch] if k != "host" else r._host_facts(batch, general=False))
-                         for k, v in r.rp.__dict__.items()})
+    with torch.inference_mode():
+        a, ac = time.perf_counter(), time.thread_time()
+        codes = r.complete(list(range(batch)))
+        b, bc = time.perf_counter(), time.thread_time()
     scope = r.step_scope(batch) if hasattr(r, "step_scope") else mr.aten_bf16_gemv(bf16 and batch <= 2)
     with torch.inference_mode(), scope:
-        a, ac = time.perf_counter(), time.thread_time()
-        codes = r._predict_residuals(r.hidden[rr], r.c0[rr], r.step[rr] - 1, rp)
-        b, bc = time.perf_counter(), time.thread_time()
         talker.forward_embeds(talker.frame_embed(codes)[:, None], r.cache, slice(0, batch), r.pos[rr] - 1,
                               max(r.host_len[:batch]))
         c, cc = time.perf_counter(), time.thread_time()
@@ -89,7 +40,7 @@ def part_times(r, mr, sp, talker, batch: int, bf16: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench step", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A), e.g. /work/main")
     p.add_argument("--arch", choices=["tiny", "small", "0.6b", "1.7b"], default="0.6b")
     p.add_argument("--mode", choices=["fp32", "bf16", "int8", "int4", "w8a8", "w4a8"], default="int8")
@@ -105,11 +56,7 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     load_checkout("tts_base", a.base)
-    from bench.speed import checkpoint_for
-    from tts_engine.checkpoint import read_json
-    from tts_engine.config import ModelConfig
-
-    cfg = ModelConfig.from_dict(read_json(checkpoint_for(a.arch, torch.bfloat16) / "config.json"))
+    cfg = random_config(a.arch)
     base_mode = a.base_mode or a.mode
     if (base_mode == "fp32") != (a.mode == "fp32"):
         p.error("--base-mode and --mode must both be fp32 or both not")
@@ -123,7 +70,7 @@ def main(argv=None) -> int:
     rA, mA, sA = make_runner("tts_base", tA, cfg, dtype, a.batch, max_len)
     rB, mB, sB = make_runner("tts_engine", tB, cfg, dtype, a.batch, max_len)
     rows = list(range(a.batch))
-    out = {"device": _device(), "arch": a.arch, "mode": a.mode, "base_mode": base_mode, "batch": a.batch, "threads": torch.get_num_threads()}
+    out = {"device": device_name(torch.device("cpu")), "arch": a.arch, "mode": a.mode, "base_mode": base_mode, "batch": a.batch, "threads": torch.get_num_threads()}
     variants = [("A", rA, mA, sA, tA), ("B", rB, mB, sB, tB)]
     compiled = None
     if a.compile:
@@ -163,15 +110,9 @@ def main(argv=None) -> int:
                 for _ in range(3):
                     r.decode(rows)
             out[n]["aten_calls_per_frame"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 3
-    out["load_average"] = round(os.getloadavg()[0], 2)
+    out["load_average"] = round(load1(), 2)
     print(json.dumps(out))
     return 0
-
-
-def _device() -> str:
-    from bench.speed import device_name
-
-    return device_name(torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Where a stream's per-frame wall time goes, measured in the running engine: `stream_split(engine, frames)`.
+"""Where a stream's per-frame wall time goes, measured in the running engine: `stream_split(engine, frames)`, or
+`python -m bench stream_split [--arch small] [--quantize w8a8] [--frames 24]` on a random-weight CPU engine.
 
-`bench.profile_frame` times the frame's parts one after another in the caller's thread with nothing beside them
+`speed.profile_frame` times the frame's parts one after another in the caller's thread with nothing beside them
 (no codec thread, no thread governor): the parts' own cost. This one times a real stream through the public API
-(`bench.run_concurrency`, one stream) with the engine's own threads as they serve it, by wrapping the worker's and
-the runner's calls on this engine instance (restored after; nothing else changes), and splits the wall time per
+(`common.run_concurrency`, one stream) with the engine's own threads as they serve it, by wrapping the engine's parts
+on this instance (`TTSEngine.wrap`, restored after; nothing else changes), and splits the wall time per
 frame into:
-  code_predictor_ms   the predictor's frame (`ModelRunner._predict_residuals`: 15 passes, heads, sampling)
-  talker_step_ms      the talker step (`ModelRunner._advance`: embeddings, stack, codec head, codebook-0 sampling),
+  code_predictor_ms   the predictor's frame ("code predictor": 15 passes, heads, sampling)
+  talker_step_ms      the talker step ("talker step": embeddings, stack, codec head, codebook-0 sampling),
   talker_stack_ms       of which the talker's decoder stack call (`DecoderStack.run`)
   between_halves_ms   between the two halves of a split frame: the chunk decoded here, or handed to the codec thread
   emit_ms             chunks emitted after a frame (outside the halves; a stream's last chunk)
@@ -29,6 +30,8 @@ import threading
 import time
 from collections import defaultdict
 
+from bench.common import run_concurrency
+
 PARTS = ("code_predictor", "talker_step", "talker_stack", "between_halves", "emit", "prefill", "glue",
          "outside_steps", "codec_thread", "codec_thread_cpu", "worker_cpu")
 
@@ -43,12 +46,12 @@ class _Timer:
         self.calls = defaultdict(int)
         self._local = threading.local()
 
-    def wrap(self, obj, name: str, key: str, only_inside: str | None = None, cpu: bool = False):
-        """Replace obj.name by a timed wrapper (an instance attribute); only_inside: count only calls made while
-        the innermost timed call is `only_inside`. -> a function that restores it."""
-        had = name in vars(obj)
-        orig = getattr(obj, name)
+    def wrap(self, engine, part: str, key: str, only_inside: str | None = None, cpu: bool = False):
+        """Time every call of the engine's `part` (`TTSEngine.wrap`) under `key`; only_inside: count only calls made
+        while the innermost timed call is `only_inside`. -> a function that restores it."""
+        return engine.wrap(part, lambda orig: self._timed(orig, key, only_inside, cpu))
 
+    def _timed(self, orig, key: str, only_inside: str | None, cpu: bool):
         def timed(*args, **kw):
             stack = getattr(self._local, "stack", None)
             if stack is None:
@@ -70,29 +73,20 @@ class _Timer:
                     self.cpu[key] += time.thread_time() - c0
                 if stack:
                     stack[-1][1] += dt
-
-        setattr(obj, name, timed)
-
-        def restore():
-            if had:
-                setattr(obj, name, orig)
-            else:
-                delattr(obj, name)
-        return restore
+        return timed
 
 
 @contextlib.contextmanager
 def _instrumented(engine, timer: _Timer):
-    worker, runner = engine.worker, engine.runner
-    undo = [timer.wrap(worker, "_step", "step", cpu=True),
-            timer.wrap(worker, "_prefill", "prefill"),
-            timer.wrap(worker, "_emit", "emit"),
-            timer.wrap(runner, "_predict_residuals", "code_predictor"),
-            timer.wrap(runner, "_advance", "talker_step"),
-            timer.wrap(runner, "_hand_over", "between_halves"),
-            timer.wrap(engine.model.talker.model, "run", "talker_stack", only_inside="talker_step")]
-    if worker.codec is not None:
-        undo.append(timer.wrap(worker.codec, "_decode", "codec_thread", cpu=True))
+    undo = [timer.wrap(engine, "worker step", "step", cpu=True),
+            timer.wrap(engine, "prefill", "prefill"),
+            timer.wrap(engine, "emit", "emit"),
+            timer.wrap(engine, "code predictor", "code_predictor"),
+            timer.wrap(engine, "talker step", "talker_step"),
+            timer.wrap(engine, "between halves", "between_halves"),
+            timer.wrap(engine, "talker stack", "talker_stack", only_inside="talker_step")]
+    if engine.worker.codec is not None:
+        undo.append(timer.wrap(engine, "codec thread", "codec_thread", cpu=True))
     try:
         yield
     finally:
@@ -103,7 +97,6 @@ def _instrumented(engine, timer: _Timer):
 def stream_split(engine, frames: int, first_chunk: int = 1) -> dict:
     """One stream of `frames` frames through the engine as it is configured -> {part_ms: ms per frame} (module doc),
     with "wall_ms" (the stream's wall time per frame) and "xrt" (its x real time)."""
-    from bench.speed import run_concurrency
 
     timer = _Timer()
     with _instrumented(engine, timer):
@@ -128,7 +121,7 @@ def stream_split(engine, frames: int, first_chunk: int = 1) -> dict:
 
 
 def _emit_inside_halves(timer: _Timer) -> float:
-    """Seconds of `_emit` calls made between the halves (counted in between_halves already)."""
+    """Seconds of "emit" calls made between the halves (counted in between_halves already)."""
     return timer.incl["between_halves"] - timer.excl["between_halves"]
 
 
@@ -171,3 +164,32 @@ def split_lines(engine, frames: int) -> list[str]:
         lines.append(f"The codec thread beside the frames: code predictor + talker step {lost:+.1f} ms per frame; "
                      f"wall {s['wall_ms'] - w['wall_ms']:+.1f} ms per frame.")
     return lines
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    import torch
+
+    from bench.common import command, device_name, load_average, random_checkpoint
+    from tts_engine.engine.engine import TTSEngine
+
+    p = argparse.ArgumentParser(prog="python -m bench stream_split", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="small", choices=["tiny", "small", "0.6b", "1.7b"])
+    p.add_argument("--quantize", default="none", help="int8, int4, w8a8, w4a8, auto or none")
+    p.add_argument("--frames", type=int, default=24)
+    a = p.parse_args(argv)
+    engine = TTSEngine.from_pretrained(str(random_checkpoint(a.arch)), device="cpu",
+                                       quantize=None if a.quantize == "none" else a.quantize, max_batch=1,
+                                       max_seq_len=a.frames + 200)
+    engine.speakers_for_bench = engine.speakers
+    run_concurrency(engine, 1, 4, 1)   # warm-up
+    print(f"{device_name(torch.device('cpu'))}; {a.arch} random weights, {engine.precision}; {load_average()}. "
+          f"Command: `{command('stream_split', argv)}`\n")
+    print("\n".join(f"- {line}" for line in split_lines(engine, a.frames)))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

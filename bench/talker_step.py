@@ -1,7 +1,7 @@
-"""Where the talker's per-frame step goes at one stream: `python -m bench.talker_step [--modes w8a8,w4a8,bf16]
+"""Where the talker's per-frame step goes at one stream: `python -m bench talker_step [--modes w8a8,w4a8,bf16]
 [--frames 24] [--out /tmp/x.md]`.
 
-Builds the 0.6b architecture's (--arch) talker with random weights (as bench_step does) in each mode and a one-row model runner,
+Builds the 0.6b architecture's (--arch) talker with random weights (as bench/step.py does) in each mode and a one-row model runner,
 then, frame after frame (the code predictor's codes of each frame from `ModelRunner.complete`), times in turn
 (interleaved, the order rotating):
   - "step": `ModelRunner.advance` end to end with the talker step in one C++ call (`talker_step`, forced on: --step);
@@ -9,7 +9,7 @@ then, frame after frame (the code predictor's codes of each frame from `ModelRun
   - "split": the Python path split into its parts: embeddings (frame_embed + trailing vector), the stack call
     (`DecoderStack.run`, the fused step), codec head (+ .float()), sampling (`C0Processor`), state updates (pos, seen,
     step, hidden, c0) and the rest (the caller's bookkeeping, the step scope);
-  - the plain read (`plain_read.PlainRead`, once per frame) for the memory floor, and the talker weights' bytes per
+  - the plain read (`common.PlainRead`, once per frame) for the memory floor, and the talker weights' bytes per
     frame; read_GBps is its median (min-max), *_pct the median over frames of a path's GB/s / the same frame's read.
 Both paths advance the same runner, so they see the same lengths. Medians over --frames per path. The device and the
 load average go with the table.
@@ -23,6 +23,9 @@ import statistics
 import time
 
 import torch
+
+from bench.common import PlainRead, build_talker, device_name, load1, make_runner, percent, random_config, \
+    report
 
 
 def talker_weight_bytes(talker) -> int:
@@ -54,7 +57,7 @@ def split_python(r, rows, codes):
     with torch.inference_mode(), r.step_scope(B):
         t.append(clock())
         frame_idx = r.step[rr] - 1
-        x = r.talker.frame_embed(codes) + r._trailing_at(rr, frame_idx)
+        x = r.talker.frame_embed(codes) + r.text_vectors(rr, frame_idx)
         t.append(clock())
         h = r.talker.model.run(x[:, None], r.cache, cache_rows, r.pos[rr], read_len)[:, -1]
         t.append(clock())
@@ -63,7 +66,7 @@ def split_python(r, rows, codes):
         c0 = r.c0_proc(logits, r.seen[rr], r.step[rr], rp)
         t.append(clock())
         r.pos[rr] = (r.pos[rr] + 1).clamp(max=r.max_len - 1)
-        done = r._after_c0(rr, h, c0)
+        done = r.finish_step(rr, h, c0)
         t.append(clock())
     for i in rows:
         r.host_len[i] += 1
@@ -76,13 +79,7 @@ def split_python(r, rows, codes):
 
 
 def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
-    from bench.speed import checkpoint_for
-    from bench.step import build_talker, make_runner
-    from tts_engine.checkpoint import read_json
-    from tts_engine.config import ModelConfig
-    from bench.plain_read import PlainRead, percent
-
-    cfg = ModelConfig.from_dict(read_json(checkpoint_for(arch, torch.bfloat16) / "config.json"))
+    cfg = random_config(arch)
     dtype = torch.bfloat16
     quant = mode if mode in ("int8", "int4", "w8a8", "w4a8") else None
     torch.manual_seed(0)
@@ -126,7 +123,7 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.talker_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench talker_step", description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="w8a8,w4a8,bf16")
     p.add_argument("--frames", type=int, default=24)
     p.add_argument("--arch", default="0.6b", choices=["tiny", "0.6b"],
@@ -139,8 +136,6 @@ def main(argv=None) -> int:
     os.environ["TTS_TALKER_STEP"] = a.step
     if a.threads:
         torch.set_num_threads(a.threads)
-    from bench.step import _device
-
     rows = []
     for mode in a.modes.split(","):
         rows.append(run_mode(mode, a.frames, a.arch))
@@ -148,17 +143,14 @@ def main(argv=None) -> int:
     head = ["mode", "python_ms", "step_ms", "split_total_ms", "split_embed_ms", "split_stack_ms", "split_head_ms",
             "split_sampling_ms", "split_state_ms", "split_rest_ms", "weights_MB", "python_GBps", "step_GBps",
             "stack_GBps", "read_GBps", "python_pct", "step_pct", "talker_step"]
-    lines = [f"Talker step at one row, {a.arch}, {_device()}, {torch.get_num_threads()} threads, load average "
-             f"{os.getloadavg()[0]:.2f} (medians of {a.frames} frames per path; read_GBps: the plain read, "
-             "plain_read.py, once per frame: median (min-max); *_pct: median over frames of GB/s / that frame's read)",
+    lines = [f"Talker step at one row, {a.arch}, {device_name(torch.device('cpu'))}, load average "
+             f"{load1():.2f} (medians of {a.frames} frames per path; read_GBps: the plain read, "
+             "common.PlainRead, once per frame: median (min-max); *_pct: median over frames of GB/s / that frame's read)",
              "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r.get(h, "")) for h in head) + " |" for r in rows]
     text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    report(text, a.out)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The OpenMP stall: `python -m bench.threads [--busy] [--frames-mode int8]`.
+"""The OpenMP stall: `python -m bench threads [--busy] [--frames-mode int8]`.
 
 Part 1 times the small ops of a decode frame alone (attention matmuls and softmax of 2 queries, a one-row RMSNorm,
 top-k, argmax) at 1 thread and at the process's threads, median and mean over many calls: a 2-thread median at or
@@ -11,12 +11,13 @@ one core busy) for the whole run. Prints markdown with the load average; nothing
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 
 import torch
+
+from bench.common import build_talker, device_name, load1, make_runner, random_config
 
 
 def _time(fn, n: int) -> tuple[float, float]:
@@ -54,13 +55,9 @@ def small_ops(keys_len: int) -> dict:
 
 
 def frames(mode: str, n: int, threads: int) -> dict:
-    from bench.speed import checkpoint_for
-    from bench.step import build_talker, make_runner
-    from tts_engine.checkpoint import read_json
-    from tts_engine.config import ModelConfig
     from tts_engine.cpu.threads import serial_between_matmuls
 
-    cfg = ModelConfig.from_dict(read_json(checkpoint_for("0.6b", torch.bfloat16) / "config.json"))
+    cfg = random_config("0.6b")
     quant = mode if mode in ("int8", "int4", "w8a8") else None
     t, _ = build_talker("tts_engine", cfg, torch.bfloat16, quant)
     switch = serial_between_matmuls(t, threads)
@@ -85,20 +82,18 @@ def frames(mode: str, n: int, threads: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench threads", description=__doc__.split("\n")[0])
     p.add_argument("--busy", action="store_true", help="a busy-looping process beside the run")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--keys", type=int, default=200, help="attention keys (cache positions read)")
     p.add_argument("--frames-mode", choices=["bf16", "int8", "int4", "w8a8"], help="also whole 0.6b frames")
     p.add_argument("--frames", type=int, default=8, help="frames per option (interleaved)")
     a = p.parse_args(argv)
-    from bench.speed import device_name
-
     threads = torch.get_num_threads()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.busy else None
     try:
         time.sleep(0.5 if busy else 0)
-        load = os.getloadavg()[0]
+        load = load1()
         ops = small_ops(a.keys)
         res = {}
         for nt in (1, threads):
@@ -114,7 +109,7 @@ def main(argv=None) -> int:
         if a.frames_mode:
             fr = frames(a.frames_mode, a.frames, threads)
             out += ["", f"Whole {a.frames_mode} frames of the 0.6b talker, one row, options interleaved "
-                    f"({a.frames} each; load average {os.getloadavg()[0]:.2f} at the end):", "",
+                    f"({a.frames} each; load average {load1():.2f} at the end):", "",
                     "| option | wall ms median (best) | CPU ms of the frame's thread, median |", "|---|---|---|"]
             for name, xs in fr.items():
                 w = sorted(x[0] for x in xs)

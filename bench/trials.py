@@ -1,11 +1,11 @@
 """The load-time trials alone, two checkouts interleaved: how long each takes on an empty cache folder.
 
-    python -m bench.trials --base /work/wt/startup-base --rounds 2
+    python -m bench trials --base /work/wt/startup-base --rounds 2
 
 Per round and checkout (in that checkout's code, a fresh process, a fresh cache folder whose `cpu_ext/` holds
 the C++ libraries already built, so that only the trials are timed): the kernel table of the random 0.6B
 architecture's per-frame shapes in bf16, int8 and W8A8 (what `--quantize auto` times; one row), and the codec
-decoder's int8 threshold trial (`codec/int8_threshold.measure`, on the 0.6B codec decoder in bf16). Prints the
+decoder's int8 threshold trial (`cpu/codec_int8_threshold.measure`, on the 0.6B codec decoder in bf16). Prints the
 seconds of each (median over rounds) and the choices they made, with the load average. Nothing is asserted.
 """
 from __future__ import annotations
@@ -20,14 +20,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.timing import load_average
+from bench.common import load_average
 
 CHILD = r'''
 import json, sys, time
 from pathlib import Path
 import torch
 out = {}
-from tts_engine.model import auto_precision, kernels
+try:
+    from tts_engine.cpu import auto_precision, kernels
+    from tts_engine.cpu import codec_int8_threshold as int8_threshold
+except ImportError:   # (a checkout from before the CPU paths moved to tts_engine/cpu/)
+    from tts_engine.model import auto_precision, kernels
+    from tts_engine.codec import int8_threshold
 tab = kernels.KernelTable(path=Path(sys.argv[1]) / "kernels.json")
 cfg = auto_precision.default_talker_config()
 for fmt in ("bf16", "int8", "w8a8"):
@@ -36,7 +41,6 @@ for fmt in ("bf16", "int8", "w8a8"):
     out[f"kernels {fmt}"] = time.perf_counter() - t
 out["winners"] = sorted({v["winner"] for v in tab.entries.values()})
 from tts_engine.checkpoint import SafetensorsFile, load_module, read_json
-from tts_engine.codec import int8_threshold
 from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
 folder = Path(sys.argv[2]) / "speech_tokenizer"
 cfg = CodecDecoderConfig.from_dict(read_json(folder / "config.json").get("decoder_config") or {})
@@ -68,17 +72,15 @@ def run(checkout: Path, libs: Path, checkpoint: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench trials", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (A); this one is B")
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
-    import torch
-
-    from bench.speed import checkpoint_for
+    from bench.common import random_checkpoint
     from tts_engine.cpu import cpu_build
     from tts_engine.cpu import cpu_ext
 
-    checkpoint = checkpoint_for("0.6b", torch.bfloat16).resolve()
+    checkpoint = random_checkpoint("0.6b").resolve()
     cpu_build.build_all()   # the libraries once, into this user's cache folder: copied into each fresh one
     libs = cpu_ext.build().parent
     here = Path(__file__).resolve().parent.parent

@@ -7,6 +7,9 @@
   POST /v1/audio/voices, DELETE /v1/audio/voices/{name}   uploaded voices (server/voices_api.py)
   WS   /v1/audio/speech/stream                           text in as it is written (server/speech_ws.py)
 
+Answers of /v1/audio/speech carry X-Seed, X-TTS-Precision ("... (lossy)" for quantised weights), X-TTS-Paths
+("part=path; ..." from `engine.paths()`: what served each part of a frame) and X-Notice (`SPEECH_HEADERS`, shown on
+the API docs page /docs).
 Errors use the OpenAI shape {"error": {"message", "type", "param", "code"}} with a matching status code.
 `ref_audio` must be inline (a data: URI or base64 of an audio file): this server fetches no URLs.
 Also `speaker` (= voice), `stream_format`, `initial_codec_chunk_frames`. The checks and their bounds (vLLM-Omni's)
@@ -36,6 +39,7 @@ from serving.reference import prepare_reference, transcribe_reference
 from serving.registry import EngineRegistry
 from server.speech_request import APIError, SpeechRequest, check_request, model_role
 from serving.speed import StreamStretcher, change_speed
+from serving import voice_store
 
 log = logging.getLogger("tts_server")
 DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)
@@ -77,12 +81,41 @@ def _precision(engine) -> dict:
     return {"precision": p, "lossy": bool(getattr(engine, "lossy", False))} if p else {}
 
 
+def _ascii(s) -> str:
+    return str(s).encode("ascii", "replace").decode()
+
+
+def paths_header(engine) -> str:
+    """`engine.paths()` in one header value: "part=path; part=path; ..." (what served each part of a frame; the
+    reasons are in the page's footer and the engine's log). "" for an engine that does not say (a remote one)."""
+    paths = engine.paths()
+    clean = lambda s: re.sub(r"[;=\r\n]", " ", _ascii(s)).strip()
+    return "; ".join(f"{clean(part)}={clean(e.get('path', ''))}" for part, e in paths.items())
+
+
+# the headers of a /v1/audio/speech answer, as the API docs page (/docs) lists them
+SPEECH_HEADERS = {
+    "X-Seed": {"description": "the seed the generation used (send it as `seed` to get the same audio again)",
+               "schema": {"type": "string"}},
+    "X-TTS-Precision": {"description": "what the model computes with, e.g. `bf16` or `int8 weights (bf16 "
+                                       "activations) (lossy)`; `(lossy)` when the weights are quantised",
+                        "schema": {"type": "string"}},
+    "X-TTS-Paths": {"description": "what served each part of a frame, `part=path; part=path; ...`, e.g. "
+                                   "`frame=off; talker step=on; ...` (the engine's `paths()`)",
+                    "schema": {"type": "string"}},
+    "X-Notice": {"description": "what the server changed about the request (a trimmed reference clip, a "
+                                "transcript written by Whisper), `; `-separated", "schema": {"type": "string"}},
+}
+
+
 def _headers(stream, notices: list[str], engine=None) -> dict:
     h = {"X-Seed": str(stream.seed)}
     if label := _precision(engine):
         h["X-TTS-Precision"] = label["precision"] + (" (lossy)" if label["lossy"] else "")
+    if engine is not None and (paths := paths_header(engine)):
+        h["X-TTS-Paths"] = paths
     if notices:
-        h["X-Notice"] = "; ".join(notices).encode("ascii", "replace").decode()
+        h["X-Notice"] = _ascii("; ".join(notices))
     return h
 
 
@@ -136,7 +169,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             if registry.configured("custom_voice"):
                 if req.voice.strip().lower() in registry.get("custom_voice").speakers:
                     return "custom_voice"
-            if registry.voices.get(req.voice) is not None or voices_api.find(registry, req.voice) is not None:
+            if registry.voices.get(req.voice) is not None or voice_store.find(registry, req.voice) is not None:
                 return "base"
             raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
         if req.instructions and registry.configured("voice_design"):
@@ -170,7 +203,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         if req.speaker_embedding is not None:
             return engine.voice_from_embedding(req.speaker_embedding)
         if req.voice:
-            v = registry.voices.get(req.voice) or voices_api.voice_for(registry, req.voice, engine)
+            v = registry.voices.get(req.voice) or voice_store.voice_for(registry, req.voice, engine)
             if v is None:
                 raise APIError(400, f"unknown voice {req.voice!r}", param="voice", code="voice_not_found")
             return v
@@ -184,7 +217,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
     speech_ws.install(app, prepare, SpeechRequest, limits, slots)    # /v1/audio/speech/stream
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", responses={200: {"description": "the audio (streamed as it is generated with "
+                                                  "`stream=true`)", "headers": SPEECH_HEADERS}})
     def speech(req: SpeechRequest, request: Request):
         fmt = check_request(req, limits)
         client = request.client.host if request.client else "unknown"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mimetypes
 
-import torch
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
@@ -27,29 +26,9 @@ from tts_engine import TTSError
 from serving.limits import Limits
 from serving.reference import prepare_reference, transcribe_reference
 from serving.registry import EngineRegistry
-from serving.voice_store import VoiceStore, VoiceStoreError
+from serving.voice_store import VoiceStore, VoiceStoreError, keep_clip, store_of
 
 OWNER_HEADER = "x-voice-owner-token"
-
-
-def store_of(registry) -> VoiceStore | None:
-    return getattr(registry, "uploaded", None)
-
-
-def find(registry, name: str | None):
-    """The uploaded voice called `name` (case-insensitive), or None."""
-    store = store_of(registry)
-    return store.get(name) if store is not None and name else None
-
-
-def voice_for(registry, name: str, engine):
-    """The uploaded voice `name`, fitted to `engine` (cloned again from its kept clip, through the engine's
-    reference cache, when it was made for a Base checkpoint of another width). None when unknown."""
-    v = find(registry, name)
-    if v is None or v.hidden_size == engine.hidden_size or v.ref_audio is None:
-        return v
-    wav = v.ref_audio.float().numpy() / 32767.0
-    return engine.clone_voice((wav, v.ref_sr), ref_text=v.ref_text, x_vector_only=v.kind != "icl", name=v.name)
 
 
 def listing(registry, precision: dict | None = None) -> tuple[list[dict], list[dict]]:
@@ -141,8 +120,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> VoiceStor
             voice = engine.clone_voice((wav, sr), ref_text=None if xvec else text, x_vector_only=xvec, name=name)
         except TTSError as e:
             raise VoiceStoreError(400, str(e), param="audio_sample") from None
-        voice.ref_audio = torch.from_numpy((wav.clip(-1, 1) * 32767).astype("int16"))   # kept to re-clone
-        voice.ref_sr = int(sr)
+        keep_clip(voice, wav, sr)   # to clone it again for another Base checkpoint
         mime = upload.content_type or mimetypes.guess_type(upload.filename or "")[0] or "application/octet-stream"
         meta = {"consent": consent, "file_size": len(data), "mime_type": mime, "ref_text": None if xvec else text,
                 "speaker_description": desc or None, "mode": "x_vector" if xvec else "icl",

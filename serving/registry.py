@@ -103,7 +103,7 @@ class EngineRegistry:
             if not self.offline_fallback or Path(str(ckpt)).exists():
                 raise
             log.warning("%s: %s -- falling back to a tiny random checkpoint", role, e)
-        from tts_engine.tiny import make_tiny
+        from tts_engine import make_tiny
 
         folder = self.cache_dir / role
         if not (folder / "speech_tokenizer" / "model.safetensors").exists():

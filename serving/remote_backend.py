@@ -175,6 +175,10 @@ class RemoteEngine:
         return Voice(kind="embedding", name=name, embedding=check_embedding(vector), model_type="base",
                      meta=meta or {})
 
+    def paths(self) -> dict:
+        """{}: what serves a frame is the remote server's to say (its answers' X-TTS-Paths header)."""
+        return {}
+
     def preset_embedding(self, speaker: str):
         raise TTSError("a remote server does not share its preset speakers' embeddings, so presets cannot be "
                        "blended in remote mode; blend voice files instead")

@@ -1,7 +1,5 @@
 """`speed` for the speech API and the page: a pitch-preserving time stretch (the Rubber Band library, bundled in
-the `pylibrb` wheel: no system package).
-
-    python -m serving.speed        # measure it on the preset clips: length ratio, pitch kept (pYIN), time taken
+the `pylibrb` wheel: no system package). `python -m bench.time_stretch` measures it on the preset clips.
 
 Speed 2.0 halves the length and keeps the pitch; 0.5 doubles it. Whole responses are stretched by Rubber Band's
 offline mode, which studies the whole clip first (`change_speed`: the options of `pedalboard.time_stretch` with
@@ -122,60 +120,3 @@ class StreamStretcher:
             y = np.concatenate([y, np.zeros(total - self.n_out, np.float32)])
             self.n_out = total
         return y
-
-
-def _median_f0(wav: np.ndarray, sr: int) -> float:
-    import librosa
-
-    f0, voiced, _ = librosa.pyin(wav, fmin=60, fmax=500, sr=sr, frame_length=1024)
-    return float(np.nanmedian(f0[voiced])) if voiced.any() else float("nan")
-
-
-def _streamed(wav: np.ndarray, sr: int, speed: float) -> np.ndarray:
-    """`wav` through a StreamStretcher in the chunk sizes the engine streams (1, 2, 4, 8, then 12 frames)."""
-    st, out, i, k = StreamStretcher(sr, speed), [], 0, 0
-    while i < len(wav):
-        n = (1, 2, 4, 8, 12)[min(k, 4)] * sr * 2 // 25          # frames of 80 ms
-        out.append(st.push(wav[i:i + n]))
-        i, k = i + n, k + 1
-    out.append(st.finish())
-    return np.concatenate(out)
-
-
-def measure(paths, speeds=(0.25, 0.5, 1.5, 2.0, 4.0)) -> list[dict]:
-    """For each clip, speed and mode (whole response / stream): length ratio (wanted 1/speed), pitch change in
-    cents (pYIN median f0) and the time the stretch took."""
-    import time
-
-    import soundfile as sf
-
-    rows = []
-    for p in paths:
-        wav, sr = sf.read(str(p), dtype="float32", always_2d=True)
-        wav = wav.mean(axis=1)
-        f0 = _median_f0(wav, sr)
-        for s in speeds:
-            for mode, fn in (("whole", change_speed), ("stream", _streamed)):
-                t = time.perf_counter()
-                out = fn(wav, sr, s)
-                dt = time.perf_counter() - t
-                g = _median_f0(out, sr)
-                rows.append({"clip": p.name, "speed": s, "mode": mode, "length_ratio": len(out) / len(wav),
-                             "wanted": 1 / s, "f0_hz": f0, "cents": 1200 * np.log2(g / f0), "ms": dt * 1000,
-                             "audio_s": len(wav) / sr})
-    return rows
-
-
-if __name__ == "__main__":
-    from pathlib import Path
-
-    from tts_engine.cpu.cpu_info import cpu_info
-
-    rows = measure(sorted((Path(__file__).resolve().parent.parent / "presets").glob("*.flac")))
-    cpu = cpu_info().name
-    print(f"time stretch (Rubber Band through pylibrb: whole = offline, stream = real-time) on {cpu}")
-    print("| clip | speed | mode | length ratio (wanted) | median f0 | pitch change | time |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['clip']} | {r['speed']:g} | {r['mode']} | {r['length_ratio']:.3f} ({r['wanted']:.3f}) | "
-              f"{r['f0_hz']:.0f} Hz | {r['cents']:+.0f} cents | {r['ms']:.0f} ms for {r['audio_s']:.1f} s |")

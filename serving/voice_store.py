@@ -205,3 +205,36 @@ class VoiceStore:
                 self._voices[name.lower()] = (voice, meta)
             except (TTSError, json.JSONDecodeError) as e:
                 log.warning("skipping uploaded voice file %s: %s", p.name, e)
+
+
+# --- the uploaded voices of an engine registry (its `uploaded` store), for the page and the API alike -----------
+
+def store_of(registry) -> VoiceStore | None:
+    """The registry's store of uploaded voices; None where it keeps none (a remote backend, no Base model)."""
+    return getattr(registry, "uploaded", None)
+
+
+def find(registry, name: str | None) -> Voice | None:
+    """The uploaded voice called `name` (case-insensitive), or None."""
+    store = store_of(registry)
+    return store.get(name) if store is not None and name else None
+
+
+def voice_for(registry, name: str, engine) -> Voice | None:
+    """The uploaded voice `name`, fitted to `engine` (cloned again from its kept clip, through the engine's
+    reference cache, when it was made for a Base checkpoint of another width). None when unknown."""
+    v = find(registry, name)
+    if v is None or v.hidden_size == engine.hidden_size or v.ref_audio is None:
+        return v
+    wav = v.ref_audio.float().numpy() / 32767.0
+    return engine.clone_voice((wav, v.ref_sr), ref_text=v.ref_text, x_vector_only=v.kind != "icl", name=v.name)
+
+
+def keep_clip(voice: Voice, wav, sr: int) -> Voice:
+    """`voice` with its reference clip (float samples in [-1, 1]) kept as int16, so the store can clone it again
+    for a Base checkpoint of another width."""
+    import torch
+
+    voice.ref_audio = torch.from_numpy((wav.clip(-1, 1) * 32767).astype("int16"))
+    voice.ref_sr = int(sr)
+    return voice

@@ -55,6 +55,13 @@ def test_remote_preset_design_and_clone(remote_app):
     assert registry.get("base").model.speech_tokenizer.encoder_loaded
 
 
+def test_remote_footer_points_to_the_servers_paths(remote_app):
+    """The page's Details fold says the remote server generates the audio (its X-TTS-Paths header says how)."""
+    app, _, _ = remote_app
+    footer = next(str(b.value) for b in app.build().blocks.values() if "Details:" in str(getattr(b, "value", "")))
+    assert app.cfg.backend in footer.split("<details", 1)[1] and "X-TTS-Paths" in footer
+
+
 def test_remote_blend_of_voice_files(remote_app):
     app, _, d = remote_app
     files = []

@@ -1,4 +1,4 @@
-"""bench/engine_step.py: every variant times the same span (`ModelRunner._advance`) once per frame, with the
+"""bench/engine_step.py: every variant times the same span (the engine's "talker step", `TTSEngine.wrap`) once per frame, with the
 option the governor ran it with, and leaves the engine as it was."""
 from __future__ import annotations
 

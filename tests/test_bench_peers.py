@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from bench.peers import run as bench_peers
-from bench.peers import c_engine, machine, vox
+from bench import common
+from bench.peers import c_engine, vox
 from bench.peers.ours import module_bytes
 from bench.peers.table import OURS, Run, markdown, precision_class, ratios, summarize
 
@@ -184,10 +184,10 @@ def test_cpuinfo_and_machine_key():
     text = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n"
             "model name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_tile\n\n"
             "processor\t: 1\nmodel name\t: other\n")
-    info = machine.cpuinfo(text)
+    info = common.cpuinfo(text)
     assert info["model"] == "Intel(R) Xeon(R) Platinum" and (info["family"], info["model_no"]) == ("6", "207")
-    assert machine.machine_key(info).startswith("Intel(R) Xeon(R) Platinum (family 6 model 207), ")
-    assert machine.simd_flags(info) == "avx2 fma avx512f avx512_bf16 amx_tile"
+    assert common.machine_key(info).startswith("Intel(R) Xeon(R) Platinum (family 6 model 207), ")
+    assert common.simd_flags(info) == "avx2 fma avx512f avx512_bf16 amx_tile"
 
 
 def test_module_bytes_counts_parameters_and_buffers_once():

@@ -1,10 +1,10 @@
-"""bench/timing.py: the benchmark scripts' lap timer, and the two scripts that use it (bench_prefill,
-bench_breakdown) run end to end on a tiny random checkpoint (their tables come out, every part timed)."""
+"""bench/common.py's lap timer (`Laps`), and the two scripts that use it (`python -m bench prefill`, `python -m bench
+breakdown`) run end to end on a tiny random checkpoint (their tables come out, every part timed)."""
 from __future__ import annotations
 
 import pytest
 
-from bench import timing as bench_timing
+from bench import common as bench_timing
 
 
 def test_laps_time_each_part_since_the_previous_mark(monkeypatch):

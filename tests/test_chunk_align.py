@@ -1,5 +1,5 @@
-"""Chunks on a shared frame clock (`EngineWorker._next_chunks`, `align_chunks`), as the worker cuts them
-(`bench_chunk_align.cut` steps the worker's own rule frame by frame, no model): streams that started a few frames
+"""Chunks on a shared frame clock (`EngineWorker.next_chunks`, `align_chunks`), as the worker cuts them
+(bench/chunk_align.py's `cut` steps the worker's own rule frame by frame, no model): streams that started a few frames
 apart cut their later chunks on the same frames; a first chunk, a lone stream and the schedule's sizes as upper bounds
 are kept."""
 from __future__ import annotations

@@ -63,11 +63,11 @@ def test_no_proc_cpuinfo(fake_proc):
 
 
 def test_the_five_readers_go_through_cpu_info(fake_proc):
-    from bench import speed as bench
+    from bench import common as bench
     from tts_engine.cpu import codec_dtype as dtype_choice
     from tts_engine.cpu import kernels
     from tts_engine import loader as qwen3_tts
-    from bench.peers import machine
+    from bench import common as machine
 
     fake_proc(XEON)
     name = "Intel(R) Xeon(R) Platinum 8581C"

@@ -161,7 +161,7 @@ def test_team_setting_reads_the_env(monkeypatch):
 
 
 def test_profile_bench_prints_every_stage(fused_lib, own_kernels, tmp_path, threads):  # noqa: F811
-    """`python -m bench.fused_profile` on a small config: a table per stack with every stage, the
+    """`python -m bench fused_profile` on a small config: a table per stack with every stage, the
     matmuls' GB/s and the plain read."""
     import json
 

@@ -1,4 +1,4 @@
-"""The plain large read (bench/plain_read.py): one definition of the memory floor for every bench, sized beyond
+"""The plain large read (bench/common.py's PlainRead; `python -m bench plain_read` watches it): one definition of the memory floor for every bench, sized beyond
 the L3, non-repeating bytes, sampled between a bench's timings and reported as a spread; the peers table's
 "% of plain read" column compares each profile's parts with the reads taken between its frames."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import plain_read
+from bench import common, plain_read
+from bench.common import PlainRead, buffer_bytes, last_level_cache_bytes, percent
 from bench.peers.table import OURS, Run, markdown, summarize
-from bench.plain_read import PlainRead, buffer_bytes, last_level_cache_bytes, percent
 
 
 def test_buffer_is_a_gib_or_32_last_level_caches():
@@ -29,7 +29,7 @@ def test_last_level_cache_from_sysfs(tmp_path):
 
 def test_fill_repeats_no_word_and_no_page():
     buf = torch.empty(4 << 20, dtype=torch.uint8)
-    plain_read._fill(buf)
+    common._fill(buf)
     words = buf.view(torch.int64)
     assert torch.unique(words).numel() == words.numel()
     pages = buf.view(-1, 4096)
@@ -53,7 +53,7 @@ def test_samples_and_spread(reader):
     assert s["n"] == 4 and since["n"] == 1 and since["median"] == pr.samples[-1]
     assert s["min"] <= s["median"] <= s["max"]
     assert len(pr.cpu_shares) == 4 and all(0 <= c <= 1.5 for c in pr.cpu_shares)
-    assert s["full_cpu"] == sum(c >= plain_read.FULL_CPU for c in pr.cpu_shares)
+    assert s["full_cpu"] == sum(c >= common.FULL_CPU for c in pr.cpu_shares)
     assert f"{reader}" in pr.describe() and "median" in pr.describe()
     with pytest.raises(ValueError):
         PlainRead(1 << 20, reader="memcpy")
@@ -70,13 +70,12 @@ def test_every_bench_takes_the_one_definition():
     import importlib
     import inspect
 
-    for name in ("bench_peers", "bench_talker_step", "bench_predictor_frame", "bench_fused_profile", "bench_matmuls"):
-        src = inspect.getsource(importlib.import_module(f"tts_engine.{name}"))
+    for name in ("peers.run", "talker_step", "predictor_frame", "fused_profile", "matmuls", "engine_step"):
+        src = inspect.getsource(importlib.import_module(f"bench.{name}"))
         assert "PlainRead(" in src, name
         assert "torch.ones(512" not in src and "plain_read_gbps" not in src and "read_bandwidth" not in src, name
-    from bench.peers import machine
-
-    assert not hasattr(machine, "read_bandwidth") and not hasattr(machine, "best_read_bandwidth")
+        assert "class PlainRead" not in src and "def buffer_bytes" not in src, name
+    assert not hasattr(common, "read_bandwidth") and not hasattr(common, "best_read_bandwidth")
 
 
 def _run(engine, prec, xrt, frames=48, rep=0, **kw):
@@ -143,7 +142,7 @@ def test_interleave_samples_the_read_after_every_run_and_gives_it_to_the_profile
 
 
 def test_our_engine_profile_reads_between_its_frames(tiny_cv_folder):
-    """The peers bench's profile of our engine (bench.profile_frame) samples the plain read once after each
+    """The peers bench's profile of our engine (speed.profile_frame) samples the plain read once after each
     frame's parts and returns their spread beside the parts."""
     from bench.peers.ours import OurEngine
 
@@ -177,7 +176,7 @@ def test_claimed_read_reads_every_chunk():
     if not cpu_ext.available():
         pytest.skip(f"cpu_ext: {cpu_ext.why_unavailable()}")
     buf = torch.empty(8 << 20, dtype=torch.uint8)
-    plain_read._fill(buf)
+    common._fill(buf)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -5,6 +5,7 @@ the footer says which and why."""
 from __future__ import annotations
 
 import contextlib
+import html
 
 import httpx
 import pytest
@@ -13,9 +14,8 @@ import torch
 import app as app_mod
 from serving.limits import Limits
 from tests.live_server import tiny_api
+from tts_engine import expected_precision, make_tiny
 from tts_engine import loader as qwen3_tts
-from tts_engine.loader import expected_precision
-from tts_engine.tiny import make_tiny
 from ui.app import TTSApp
 from ui.config import AppConfig
 
@@ -112,6 +112,19 @@ def test_the_api_labels_precision(tmp_path):
         assert r.status_code == 200 and r.headers["x-tts-precision"] == voices[0]["precision"] + " (lossy)"
 
 
+def test_the_api_says_what_served_each_part_of_a_frame(tmp_path):
+    """X-TTS-Paths: `engine.paths()` as "part=path; ...", on whole and streamed answers alike."""
+    with tiny_api(tmp_path, ["custom_voice"], Limits(max_new_tokens=8)) as (url, registry, _):
+        for stream in (False, True):
+            r = httpx.post(f"{url}/v1/audio/speech", json={"model": "tts", "voice": "ryan", "input": "Hi there.",
+                                                           "stream": stream}, timeout=120)
+            assert r.status_code == 200
+            got = dict(kv.split("=", 1) for kv in r.headers["x-tts-paths"].split("; "))
+            paths = registry.get("custom_voice").paths()
+            assert got == {part: e["path"] for part, e in paths.items()} and "frame" in got
+        assert "X-TTS-Paths" in httpx.get(f"{url}/openapi.json").text      # on the API docs page
+
+
 def test_the_footer_measures_nothing_while_the_loader_does(cv, tmp_path, monkeypatch):
     """With --quantize auto and the models loading in the background, building the page (served at once) times no
     kernels of its own: the footer says the choice is being measured, and a page load after the engine loaded
@@ -134,3 +147,18 @@ def test_the_footer_measures_nothing_while_the_loader_does(cv, tmp_path, monkeyp
         on_load = next(f.fn for f in demo.fns.values() if f.api_name == "ui_footer")
         text = on_load()                                            # a page load after the engine loaded
         assert f"precision: **{eng.precision}**" in text and "fastest measured here (int8 9 ms)" in text
+
+
+def test_the_footer_keeps_the_kernel_choices_in_a_closed_fold(cv, tmp_path):
+    """Visitors read the models and the precision (lossy or not); what serves each part of a frame
+    (`engine.paths()`) and why sits in a <details> fold, closed, listing every part."""
+    with built_app(cv, tmp_path, dtype="fp32", quantize="none") as (a, footer):
+        line, fold = footer.value.split("<details", 1)
+        assert "precision: **fp32** (not lossy" in line and "`" + cv + "`" in line
+        assert " open" not in fold.split(">", 1)[0] and "Shown once a model has loaded" in fold
+        eng = a.models.registry.get("custom_voice")
+        text = next(f.fn for f in a.build().fns.values() if f.api_name == "ui_footer")()
+        line, fold = text.split("<details", 1)
+        assert "lossy" in line and "frame" not in line
+        for part, e in eng.paths().items():
+            assert f"<li>{html.escape(part)}: <b>{html.escape(e['path'])}</b> ({html.escape(e['how'])}" in fold

@@ -1,6 +1,6 @@
 """Cold start (issue 14): the load-time trials are bounded, our C++ libraries are built together, and measured
 choices are kept where a Hugging Face Space keeps files across restarts. Figures: `python -m
-bench.startup` (never asserted here)."""
+bench startup` (never asserted here)."""
 from __future__ import annotations
 
 import threading

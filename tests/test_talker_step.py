@@ -212,10 +212,9 @@ def test_engine_synthesis_through_the_step_equals_the_python_path(step_lib, own_
 @torch.inference_mode()
 def test_the_bench_profile_replays_the_served_step_and_leaves_the_row_as_it_was(step_lib, own_kernels, ckpts,
                                                                                    monkeypatch):
-    """bench.profile_frame times the talker step the engine serves (the C++ step here, not the Python path), run
-    again from the state it started in: the row's state is put back, so the stream's next frames are unchanged."""
-    from bench.speed import _replay_talker_step
-
+    """`ModelRunner.replay_talker_step` (what `python -m bench speed`'s frame profile times) runs the talker step the
+    engine serves (the C++ step here, not the Python path) again from the state it started in: the row's state is
+    put back, so the stream's next frames are unchanged."""
     model = load(ckpts["0b6"], "w8a8", "bf16", monkeypatch)
     plain, prof = runner(model, 1, monkeypatch, "1"), runner(model, 1, monkeypatch, "1")
     for r in (plain, prof):
@@ -231,7 +230,7 @@ def test_the_bench_profile_replays_the_served_step_and_leaves_the_row_as_it_was(
         got, _ = prof.decode([0])
         assert torch.equal(got, want), f"frame {f}"
         before = calls["step"]
-        _replay_talker_step(prof, 0, [0], got)
+        prof.replay_talker_step([0], got)
         assert calls["step"] == before + 1
         for name in ("pos", "step", "seen", "hidden", "c0"):
             assert torch.equal(getattr(prof, name), getattr(plain, name)), (f, name)

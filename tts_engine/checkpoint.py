@@ -9,6 +9,7 @@ memory. `SafetensorsFile.tensors_read` counts what was read, which the lazy-load
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -131,3 +132,30 @@ def build_on_meta(factory):
     """Construct a module without allocating or initialising its weights (they are assigned on load)."""
     with torch.device("meta"):
         return factory()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint is, read from its config.json (`inspect_checkpoint`): nothing of the weights is read."""
+
+    folder: Path
+    kind: str                     # "custom_voice" | "base" | "voice_design"
+    size: str                     # "0b6" | "1b7"
+    speakers: list[str]           # CustomVoice preset speakers ([] otherwise)
+    languages: list[str]          # "auto" first
+    supports_instruct: bool       # takes an `instruct` (VoiceDesign, 1.7B CustomVoice)
+    supports_clone: bool          # Base: voices from reference clips
+    hidden_size: int              # the talker's width: a voice embedding's length
+
+
+def inspect_checkpoint(model: str | os.PathLike) -> CheckpointInfo:
+    """Find a checkpoint (a local folder, or a Hugging Face repo id downloaded or found in the cache, as
+    `TTSEngine.from_pretrained` does) and say what it is, without loading it. TTSError when it cannot be had or
+    is not a Qwen3-TTS 12 Hz checkpoint."""
+    from tts_engine.config import ModelConfig
+
+    folder = resolve_checkpoint(model)
+    mc = ModelConfig.from_dict(read_json(folder / "config.json"))
+    return CheckpointInfo(folder=folder, kind=mc.tts_model_type, size=mc.tts_model_size, speakers=mc.speakers,
+                          languages=mc.languages, supports_instruct=mc.supports_instruct,
+                          supports_clone=mc.supports_clone, hidden_size=mc.talker.hidden_size)

@@ -71,3 +71,8 @@ class BoundedLRU:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+
+    def items(self) -> list[tuple[str, object]]:
+        """The kept (key, value) pairs, least recently used first (a copy: `put` them back to restore a state)."""
+        with self._lock:
+            return list(self._items.items())

@@ -188,3 +188,19 @@ def make_tiny(folder: str | Path, kind: str = "custom_voice", size: str = "0b6",
     codec.update(_prefixed("decoder.", CodecDecoder(CodecDecoderConfig.from_dict(st["decoder_config"])), dtype))
     save_file(codec, str(folder / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def random_checkpoint(arch: str, kind: str = "custom_voice") -> Path:
+    """A random-weight checkpoint of the real `arch` ("0.6b", "1.7b") or a small one ("tiny", "small"), of `kind`,
+    written once into the cache folder (`cache_paths.cache_root() / "bench"`) and reused: what the benchmarks and the
+    codec quality check run on without a download. -> its folder."""
+    import sys
+
+    from tts_engine.cache_paths import cache_root
+
+    folder = cache_root() / "bench" / f"{arch}-{kind}"
+    if not (folder / "speech_tokenizer" / "model.safetensors").exists():
+        print(f"writing a random {arch} {kind} checkpoint to {folder} ...", file=sys.stderr)
+        make_tiny(folder, kind=kind, size="0b6" if arch != "1.7b" else "1b7", seed=0, arch=arch,
+                  dtype=torch.bfloat16 if arch in ("0.6b", "1.7b") else torch.float32)
+    return folder

@@ -19,6 +19,7 @@ import gradio as gr
 import numpy as np
 
 from serving.limits import Limits
+from serving.reference import prepare_reference
 from serving.registry import check_name
 from serving.speed import SPEED_MAX, SPEED_MIN, change_speed
 from tts_engine import EngineBusyError, TTSError
@@ -258,18 +259,10 @@ class Handlers:
                                note=" · ".join(notes), extra_final=extra, live_token=live_token, speed=speed)
 
     def _reference_clip(self, ref_audio) -> tuple[np.ndarray, int, list[str]]:
-        """The uploaded clip as float32 mono, checked (long enough, not silent) and trimmed to the limit."""
-        from tts_engine.audio import load_audio, trim_reference
-
-        wav, sr = load_audio(ref_audio)
-        dur = len(wav) / sr
-        if dur < self.limits.min_reference_seconds:
-            raise TTSError(f"the reference clip is too short ({dur:.2f} s); record at least "
-                           f"{self.limits.min_reference_seconds:g} s (3-10 s works best)")
-        if not np.any(np.abs(wav) > 1e-4):
-            raise TTSError("the reference clip is silent")
-        wav, trimmed = trim_reference(wav, sr, self.limits.max_reference_seconds)
-        return wav, sr, [f"reference trimmed to {self.limits.max_reference_seconds:g} s"] if trimmed else []
+        """The uploaded clip as float32 mono, checked (long enough, not silent) and trimmed to the limit, as the
+        API checks its clips (serving/reference.py)."""
+        (wav, sr), notes = prepare_reference(ref_audio, self.limits)
+        return wav, sr, notes
 
     def load_voice(self, voice_file, voice_name: str = "", session: dict | None = None):
         """Load a voice file (.safetensors or .json, made by this app or the engine) into this session, so the

@@ -4,13 +4,13 @@ shared "tts" concurrency group. Also the small UI-only callbacks (slot visibilit
 examples and the CSS. Components are kept by name in `app.c`, which the handlers use as output keys."""
 from __future__ import annotations
 
+import html
 import json
 import logging
 from pathlib import Path
 
 import gradio as gr
 
-from tts_engine.cpu import remembered_choice
 from tts_engine.voices import blend as blendlib
 
 from ui.config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
@@ -19,6 +19,7 @@ from ui import live_player as lp
 from ui import model_loader
 from ui import transcribe
 from ui.handlers import api_doc, guard
+from ui.roles import MEASURING
 
 log = logging.getLogger("qwen3_tts_live")
 
@@ -111,22 +112,49 @@ def _player_column(app, c, max_frames, default_frames):
 
 
 def _footer(models) -> str:
+    """One line for visitors (the models, their precision, lossy or not) and a closed "Details" fold with what
+    `--quantize auto` chose and what serves each part of a frame (`engine.paths()` of each loaded engine)."""
     rows = [f"{ROLE_LABEL[r]}: `{i.checkpoint}`" + (" (random tiny weights)" if i.random else "")
             for r, i in models.roles.items()]
+    details = []
     precision = models.expected_precision()
     if precision:
         lossy = "weights" in precision   # a quantised label names the weights' format
         rows.append(f"precision: **{precision}**" + (" (lossy: quantised weights; `--quantize none` for the "
-                                                     "checkpoint's own)" if lossy else ""))
-        why = models.expected_choice()[1] if hasattr(models, "expected_choice") else ""
+                                                     "checkpoint's own)" if lossy else "" if precision == MEASURING
+                                                     else " (not lossy: the checkpoint's own weights)"))
+        why = models.expected_choice()[1]
         if why:
-            rows.append(f"chosen by `--quantize auto`: {why}")
-    made = remembered_choice.made()   # the code paths this process measured (now or on an earlier start) or defaulted
-    if made:
-        rows.append("choices on this CPU: " + ", ".join(f"{k}: {v}" for k, v in made.items()))
+            details.append(f"chosen by `--quantize auto`: {why}")
+    if models.cfg.backend:
+        details.append(f"The speech server at `{models.cfg.backend}` generates the audio: the `X-TTS-Paths` header "
+                       "of its answers says what serves each part of a frame there.")
+    else:
+        details.append(_paths_html(models.paths()))
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
-            "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")
+            "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>\n\n"
+            "<details id=\"engine-details\"><summary><small>Details: what serves each part of a frame</small>"
+            "</summary>\n\n" + "\n\n".join(details) + "\n\n</details>")
+
+
+def _paths_html(paths: dict[str, dict[str, dict[str, str]]]) -> str:
+    """`engine.paths()` of each loaded role as a list (one list when every role's is the same)."""
+    if not paths:
+        return "Shown once a model has loaded (reload the page)."
+
+    def item(part: str, e: dict) -> str:
+        how, why = e.get("how", ""), e.get("why", "")
+        note = f"{how}: {why}" if why and why != how else how
+        return f"<li>{html.escape(part)}: <b>{html.escape(e.get('path', ''))}</b> ({html.escape(note)})</li>"
+
+    def items(p: dict) -> str:
+        return "".join(item(part, e) for part, e in p.items())
+
+    groups = list(paths.items())
+    if all(p == groups[0][1] for _, p in groups):
+        return f"<ul>{items(groups[0][1])}</ul>"
+    return "".join(f"<p>{html.escape(ROLE_LABEL[r])}:</p><ul>{items(p)}</ul>" for r, p in groups)
 
 
 def _preset_examples(voices, examples: dict) -> list[list]:

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.registry import EngineRegistry
-from tts_engine import TTSError, cache_paths
-from tts_engine.voices.voice import Voice
+from tts_engine import CheckpointInfo, TTSError, Voice, cache_paths, expected_choice, inspect_checkpoint, make_tiny
 
 from ui.config import NATIVE, ROLE_LABEL, ROLES, AppConfig
 
@@ -48,44 +47,37 @@ def cache_root(cfg: AppConfig) -> Path:
     return Path(cfg.cache_dir) if cfg.cache_dir else cache_paths.cache_root()
 
 
-def _tiny_checkpoint(role: str, cache: Path) -> Path:
-    from tts_engine.checkpoint import resolve_checkpoint
-    from tts_engine.tiny import make_tiny
-
+def _tiny_checkpoint(role: str, cache: Path) -> CheckpointInfo:
     folder = cache / "tiny" / role
     try:
-        return resolve_checkpoint(str(folder))
+        return inspect_checkpoint(str(folder))
     except TTSError:
         shutil.rmtree(folder, ignore_errors=True)
         make_tiny(folder, kind=role, size="1b7" if role == "voice_design" else "0b6", seed=0)
-        return resolve_checkpoint(str(folder))
+        return inspect_checkpoint(str(folder))
 
 
 def prepare_role(role: str, checkpoint: str, cfg: AppConfig) -> RoleInfo:
     """Find (download, or find in the cache) a role's checkpoint and read its config; weights load later.
     When the hub cannot be reached and nothing is cached, fall back to a tiny random checkpoint."""
-    from tts_engine.checkpoint import read_json, resolve_checkpoint
-    from tts_engine.config import ModelConfig
-
     random_weights = cfg.tiny
     if cfg.tiny:
-        folder = _tiny_checkpoint(role, cache_root(cfg))
+        info = _tiny_checkpoint(role, cache_root(cfg))
     else:
         try:
-            folder = resolve_checkpoint(checkpoint)
+            info = inspect_checkpoint(checkpoint)
         except TTSError as e:
             if not cfg.offline_fallback or Path(checkpoint).expanduser().exists() or checkpoint.count("/") != 1:
                 raise
             log.warning("%s checkpoint %s unavailable (%s): falling back to a tiny random checkpoint",
                         ROLE_LABEL[role], checkpoint, e)
-            folder, random_weights = _tiny_checkpoint(role, cache_root(cfg)), True
-    mc = ModelConfig.from_dict(read_json(folder / "config.json"))
-    if mc.tts_model_type != role:
-        raise TTSError(f"{checkpoint} is a {ROLE_LABEL.get(mc.tts_model_type, mc.tts_model_type)} checkpoint, "
+            info, random_weights = _tiny_checkpoint(role, cache_root(cfg)), True
+    if info.kind != role:
+        raise TTSError(f"{checkpoint} is a {ROLE_LABEL.get(info.kind, info.kind)} checkpoint, "
                        f"but it was given as the {ROLE_LABEL[role]} model")
-    return RoleInfo(role=role, checkpoint=checkpoint, folder=folder, random=random_weights, kind=mc.tts_model_type,
-                    speakers=mc.speakers, languages=mc.languages, supports_instruct=mc.supports_instruct,
-                    hidden_size=mc.talker.hidden_size, size=mc.tts_model_size)
+    return RoleInfo(role=role, checkpoint=checkpoint, folder=info.folder, random=random_weights, kind=info.kind,
+                    speakers=info.speakers, languages=info.languages, supports_instruct=info.supports_instruct,
+                    hidden_size=info.hidden_size, size=info.size)
 
 
 class Models:
@@ -168,16 +160,21 @@ class Models:
         for role in self.roles:
             if self.registry.loaded(role):
                 eng = self.registry.get(role)
-                return eng.precision, getattr(getattr(eng, "model", None), "quantize_why", "")
+                return eng.precision, getattr(eng, "precision_why", "")
         if getattr(self, "_expected", None) is None:
             auto = str(self.cfg.quantize or "").strip().lower() == "auto"
             if auto and any(self.loader.busy(r) for r in self.roles):
                 return MEASURING, ""
-            from tts_engine.loader import expected_choice
-
             folder = next((i.folder for i in self.roles.values()), None)
             self._expected = expected_choice(self.cfg.device, self.cfg.dtype, self.cfg.quantize, folder)
         return self._expected
+
+    def paths(self) -> dict[str, dict[str, dict[str, str]]]:
+        """{role: engine.paths()} of the local engines loaded so far: what serves each part of a frame and why
+        ({} before any has loaded, and against a remote server, whose own responses say it: X-TTS-Paths)."""
+        if self.cfg.backend:
+            return {}
+        return {r: self.registry.get(r).paths() for r in self.roles if self.registry.loaded(r)}
 
     def has(self, role: str) -> bool:
         return role in self.roles

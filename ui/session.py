@@ -18,7 +18,7 @@ from tts_engine import TTSError
 from tts_engine.voices.presets import PresetLibrary
 from tts_engine.voices.voice import Voice
 
-from server import voices_api
+from serving import voice_store
 
 from ui.config import FILE_CHOICE, ROLE_LABEL, SR
 from ui.roles import Models, speaker_label
@@ -64,7 +64,7 @@ class Voices:
         return voice
 
     def _uploaded_names(self) -> list[str]:
-        store = voices_api.store_of(self.models.registry)
+        store = voice_store.store_of(self.models.registry)
         return store.names() if store is not None else []
 
     def _is_preset_clip(self, key: str) -> bool:
@@ -85,7 +85,7 @@ class Voices:
             return self.models.role_of(v), v
         if key.startswith(UPLOADED):
             engine = self.models.engine("base")
-            v = voices_api.voice_for(self.models.registry, key[len(UPLOADED):], engine)
+            v = voice_store.voice_for(self.models.registry, key[len(UPLOADED):], engine)
             if v is None:
                 raise TTSError(f"there is no uploaded voice named {key[len(UPLOADED):]!r} (any more): reload the page")
             return "base", v

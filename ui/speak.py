@@ -22,8 +22,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from serving.speed import StreamStretcher
-from tts_engine import EngineBusyError
-from tts_engine.engine.request import chunk_schedule
+from tts_engine import EngineBusyError, chunk_schedule
 
 from ui.config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
 from ui.text import chunk_text, to_int16

@@ -333,14 +333,14 @@ class MainProcessEngine:
         return getattr(self._engine, name)
 
     def preset_embedding(self, speaker: str):
-        self._engine._speaker_id(speaker)    # an unknown name: the engine's own message (config only)
+        self._engine.speaker_id(speaker)    # an unknown name: the engine's own message (config only)
         return self._embeddings[str(speaker).strip().lower()].clone()
 
     def clone_voice(self, ref_audio, ref_text: str | None = None, x_vector_only: bool = False, name: str = ""):
         from tts_engine import TTSError
         from tts_engine.audio import load_audio
 
-        if not self._engine.config.supports_clone:
+        if not self._engine.supports_clone:
             raise TTSError("voice cloning needs a Base checkpoint (Qwen3-TTS-12Hz-*-Base)")
         if not x_vector_only and not (ref_text or "").strip():
             raise TTSError("in-context cloning needs the transcript of the reference clip "
@@ -388,7 +388,7 @@ def prepare(app) -> None:
         _ENGINES[role] = engine
         emb = {s: engine.preset_embedding(s) for s in engine.speakers} if engine.kind == "custom_voice" else {}
         registry.put(role, MainProcessEngine(role, engine, emb))
-        log.info("ZeroGPU: %s loaded in %.1f s (%s, %s)", role, time.perf_counter() - t, engine.model.device,
+        log.info("ZeroGPU: %s loaded in %.1f s (%s, %s)", role, time.perf_counter() - t, engine.device,
                  engine.precision)
     if "base" in _ENGINES:
         from tts_engine import TTSError

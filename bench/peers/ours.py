@@ -1,5 +1,5 @@
 """Our engine in the side-by-side CPU benchmark: one loaded `TTSEngine` per precision, timed through the public
-streaming API exactly as `python -m bench.speed` times it (one stream, end-of-speech disabled, first chunk
+streaming API exactly as `python -m bench speed` times it (one stream, end-of-speech disabled, first chunk
 after one frame), plus the bench's per-part profile and the weight bytes each frame reads.
 
 Precisions: the checkpoint's weights in the dtype the engine picks on this CPU (bf16 where native, else fp32),
@@ -18,7 +18,7 @@ from tts_engine.engine.engine import TTSEngine
 from tts_engine.model.quant import available_modes
 from bench.peers.table import OURS, Run
 
-TEXT = "Ladies and gentlemen, please remain calm."   # the text of python -m bench.speed
+TEXT = "Ladies and gentlemen, please remain calm."   # the text of python -m bench speed
 
 
 def modes() -> list[str | None]:
@@ -80,7 +80,7 @@ class OurEngine:
         self.run(self.precision, 4, rep=-1)                    # warm-up
 
     def run(self, precision: str, frames: int, rep: int) -> Run:
-        from bench.speed import run_concurrency
+        from bench.common import run_concurrency
 
         try:
             r = run_concurrency(self.engine, 1, frames, first_chunk=1)
@@ -91,7 +91,7 @@ class OurEngine:
 
     def profile(self, frames: int, floor=None) -> dict:
         """The bench's per-part split (talker, code predictor, codec, ms per frame) at one stream. floor: a
-        `plain_read.PlainRead` sampled after each frame's parts; its spread over this profile goes in "plain_read"."""
+        `common.PlainRead` sampled after each frame's parts; its spread over this profile goes in "plain_read"."""
         from bench.speed import profile_frame
 
         if floor is None:

@@ -1,4 +1,4 @@
-"""`python -m bench.speed --peers`: our engine and the independent CPU engines side by side, in one run.
+"""`python -m bench peers`: our engine and the independent CPU engines side by side, in one run.
 
 Every engine gets the same random-weight checkpoint of the real 0.6B CustomVoice architecture (made here by
 `make_tiny`, converted for each peer), the same text and speaker, the same thread count (2 by default), one
@@ -8,7 +8,7 @@ repeat, so a noisy neighbour on a shared machine slows every engine alike instea
 
 Engines: ours at the dtype it picks on this CPU and at every `--quantize` mode it offers; the C engine
 (`bench.peers.c_engine`) in bf16 / int8 / int4; vox (`bench.peers.vox`) in q8 / q4. A peer that cannot
-be set up is skipped with a line that says why. Also measured: the plain large memory read (`plain_read.py`, taken
+be set up is skipped with a line that says why. Also measured: the plain large memory read (`common.PlainRead`, taken
 after every run and between the profiles' frames; its min / median / max) and, for each of our precisions, the
 weight bytes a frame reads over the bench's per-part profile -> effective GB/s and % of the reads beside them.
 
@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 
 from tts_engine.cache_paths import cache_root
-from bench.peers import machine
+from bench import common
+from bench.common import PlainRead
 from bench.peers.ours import weight_bytes, weight_counts
-from bench.plain_read import PlainRead
 from bench.peers.table import OURS, Run, markdown, ratios, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## CPU: side by side with the peers"
-INTRO = """Written by `python -m bench.speed --peers` (`bench/peers/run.py`; one table per machine, a
+INTRO = """Written by `python -m bench peers` (`bench/peers/run.py`; one table per machine, a
 rerun on the same machine replaces its table). All engines run the **same random-weight checkpoint of the real 0.6B
 CustomVoice architecture** (converted for each peer), the same text ("Ladies and gentlemen, please remain calm.")
 and speaker, one stream, the same thread count, fixed lengths, **generation time only** (no model load; the prompt's
@@ -56,7 +56,7 @@ engine's int8/int4 quantise activations too (W8A8 / W4A8) and decode codebooks 1
 samples codebooks 1-15 as the official implementation does. GB/s = weight bytes read per frame / time per frame:
 ours measured from the loaded modules and the bench's per-part profile (taken after every repeat; the least per
 part; each part timed alone in one thread with nothing beside it, so neither the codec thread nor the worker's glue is
-in them: the third figure is the rest of our frame, its sampling and host work; `python -m bench.speed --profile`
+in them: the third figure is the rest of our frame, its sampling and host work; `python -m bench speed --profile`
 splits a real stream's wall time), the C engine's estimated from its formats (bf16; int8 + a scale per row; Q4_0 18 bytes per 32 weights) and its own
 per-frame split, vox's talker from its plan's stage bytes and its own split, its predictor estimated for q8."""
 
@@ -158,7 +158,7 @@ def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: 
                floor=None) -> tuple[list[Run], dict]:
     """Ours and the peers' precisions, mixed (ours, C engine, vox, ours, ...), timed in the schedule's order;
     after each repeat, the bench's per-part profile of each of our precisions (so it too sees every phase of a
-    shared machine). floor: a `plain_read.PlainRead`, sampled after every run and after each profiled frame (its
+    shared machine). floor: a `common.PlainRead`, sampled after every run and after each profiled frame (its
     spread over a profile goes in the profile's "plain_read"). Returns (runs, {our precision: [profile per repeat]})."""
     per_engine = [[(e, p) for p in e.precisions] for e in engines]
     configs = []
@@ -193,7 +193,7 @@ def interleave(engines: list, lengths: list[int], repeats: int, profile_frames: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.speed --peers", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
     p.add_argument("--frames", type=int, nargs="+", default=[24, 48], help="fixed lengths in frames (80 ms each)")
     p.add_argument("--repeats", type=int, default=3)
@@ -215,9 +215,9 @@ def main(argv=None) -> int:
     t_start, load_start = time.perf_counter(), _loadavg()
     started = dt.datetime.now(dt.timezone.utc)
     torch.set_num_threads(a.threads)
-    info = machine.cpuinfo()
-    key = machine.machine_key(info)
-    print(f"{key}; SIMD flags: {machine.simd_flags(info)}; {a.threads} threads", file=sys.stderr)
+    info = common.cpuinfo()
+    key = common.machine_key(info)
+    print(f"{key}; SIMD flags: {common.simd_flags(info)}; {a.threads} threads", file=sys.stderr)
     floor = PlainRead()
     for _ in range(3):
         floor.sample()
@@ -302,13 +302,13 @@ def _doc_body(a, info, key, started, minutes, bw, notes, table, loads, argv) -> 
                      if busy else "."))
     lines = [f"Measured {started:%Y-%m-%d %H:%M} UTC, {minutes:.0f} min for the whole run. CPU: {info['model']}, "
              f"family {info['family']} model {info['model_no']}, {info['cpus']} CPUs; SIMD flags: "
-             f"{machine.simd_flags(info)}. torch {torch.__version__}. **{a.threads} threads** per engine, one stream, "
+             f"{common.simd_flags(info)}. torch {torch.__version__}. **{a.threads} threads** per engine, one stream, "
              f"{' and '.join(map(str, a.frames))} frames, {a.repeats} interleaved repeats.{shared}"
              + (f" {a.note}" if a.note else ""),
              "",
              f"Command: `{cmd}`",
              "",
-             f"Plain large memory read on this machine (`bench/plain_read.py`: {bw['bytes'] / 2**30:.0f} GiB, "
+             f"Plain large memory read on this machine (`bench/common.py` PlainRead: {bw['bytes'] / 2**30:.0f} GiB, "
              f"{bw['reader']}, {bw['threads']} threads, {bw['n']} reads interleaved with the runs and the profiles' "
              f"frames): **median {bw['median']:.1f} GB/s** (min {bw['min']:.1f}, max {bw['max']:.1f}). A part's % of "
              "plain read compares it with the reads taken between the frames of its own profiles.",

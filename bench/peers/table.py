@@ -74,7 +74,7 @@ class Summary:
     other_ms: float | None = None   # ours: the rest of the frame (sampling, host work), from the profile
     talker_gbs: float | None = None
     cp_gbs: float | None = None
-    talker_pct: float | None = None  # % of the plain read taken beside the part (plain_read.py)
+    talker_pct: float | None = None  # % of the plain read taken beside the part (common.PlainRead)
     cp_pct: float | None = None
     errors: list = field(default_factory=list)
 
@@ -93,10 +93,10 @@ def summarize(runs: list[Run], parts: dict | None = None, weight_bytes: dict | N
               part_floors: dict | None = None, read_floor: float | None = None) -> list[Summary]:
     """One Summary per (engine, precision), in the order first seen. Talker / code predictor ms per frame: the
     least over the runs (like x real time, the best the machine allowed); parts: {(engine, precision): (talker_ms,
-    cp_ms[, other_ms])} from a separate profile (ours: `bench.profile_frame`, each part timed alone with nothing beside
+    cp_ms[, other_ms])} from a separate profile (ours: `speed.profile_frame`, each part timed alone with nothing beside
     it; other_ms: the rest of that frame, sampling and host work), used where the runs carry no split; weight_bytes: {(engine, precision):
     (talker bytes, code predictor bytes) read per frame} -> effective GB/s = bytes / time.
-    % of the plain read (plain_read.py): part_floors {(engine, precision): [(talker_ms, cp_ms, plain read GB/s median)
+    % of the plain read (common.PlainRead): part_floors {(engine, precision): [(talker_ms, cp_ms, plain read GB/s median)
     per profile]}, each profile's parts against the reads taken between its frames, the median over the profiles;
     else (the peers: no profile of ours beside them) the part's GB/s against `read_floor`, the run's median read."""
     parts, weight_bytes, part_floors = parts or {}, weight_bytes or {}, part_floors or {}

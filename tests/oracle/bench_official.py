@@ -1,4 +1,4 @@
-"""Times the official implementation on a checkpoint (oracle venv only), for `python -m bench.speed`.
+"""Times the official implementation on a checkpoint (oracle venv only), for `python -m bench speed`.
 
 usage: bench_official.py CKPT FRAMES DEVICE DTYPE
 Prints one JSON line: {"wall_s": ..., "frames": ...}. The official code cannot force an output length, so

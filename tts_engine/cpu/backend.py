@@ -121,15 +121,13 @@ class CpuBackend:
     # --- attach -----------------------------------------------------------------------------------------------------
     def attach(self, runner) -> "CpuBackend":
         """Give `runner` its CPU fast paths (see the module's docstring); never raises. Sets on the runner:
-        `fused_status`, `frame_status`, `talker_step` / `talker_step_status` and `step_scope`."""
+        `backend` (self), `fused_status`, `frame_status`, `talker_step` / `talker_step_status`."""
         from tts_engine.cpu import fused_step, predictor_frame, talker_step
 
         self.runner = runner
         talker = runner.talker
-        runner.backend = self
+        runner.backend = self   # (from here on the runner's steps run in `step_scope`)
         self.gemv_rows = ATEN_GEMV_MAX_ROWS if runner.dtype == torch.bfloat16 else 0
-        runner.step_scope = self.step_scope
-        runner.outside_step_scope = onednn_as_outside
         build_libraries(includers=fused_step_may_serve(talker, runner.dtype))
         if runner.dtype != torch.float32:
             talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
@@ -147,6 +145,11 @@ class CpuBackend:
     def step_scope(self, rows: int):
         """What a frame step of `rows` rows runs inside (`ModelRunner.step_scope`): oneDNN off for 1-2 bf16 rows."""
         return aten_bf16_gemv(0 < rows <= self.gemv_rows)
+
+    @staticmethod
+    def outside_step_scope():
+        """What the codes' hand-over between a frame's halves runs inside (`ModelRunner._hand_over`)."""
+        return onednn_as_outside()
 
     @torch.inference_mode()
     def _measure_predictor_frame(self, runner) -> None:

@@ -10,14 +10,12 @@ A lossy mode may be chosen automatically only where snr_db >= MIN_SNR_DB and lsd
 The thresholds sit below what bf16 measures (~45-47 dB, ~0.1-0.2 dB on the random and tiny checkpoints) with room for
 int8 (~40 dB) and far above an audibly wrong decode (a wrong sign or scale of one layer gives < 10 dB).
 
-    python -m tts_engine.cpu.codec_quality --arch 0.6b --frames 120      (prints the table; nothing is written)
+    python -m bench codec_quality --arch 0.6b --frames 120      (prints the table; nothing is written)
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
-import sys
 
 import torch
 
@@ -97,30 +95,3 @@ def measure(dec, modes: list[tuple[str, object, str]], frames: int = FRAMES, see
         out[label] = compare(ref, decode_stream(d, codes))
     return out
 
-
-def main(argv=None) -> int:
-    from bench.speed import checkpoint_for
-    from tts_engine.codec.speech_tokenizer import SpeechTokenizer
-
-    p = argparse.ArgumentParser(prog="python -m tts_engine.cpu.codec_quality", description=__doc__.split("\n")[0])
-    p.add_argument("--arch", default="0.6b,tiny", help="comma list of random checkpoints (bench's)")
-    p.add_argument("--frames", type=int, default=FRAMES)
-    a = p.parse_args(argv)
-    modes = [("bf16 packed", torch.bfloat16, "packed"), ("bf16 int8", torch.bfloat16, "int8"),
-             ("fp32 int8", torch.float32, "int8")]
-    print(f"Codec decoder against fp32, {a.frames} frames of the same random codes, decoded in a stream's chunks. "
-          f"Acceptable for the automatic choice: SNR >= {MIN_SNR_DB} dB and LSD <= {MAX_LSD_DB} dB.\n")
-    print("| checkpoint | mode | waveform SNR (dB) | log-spectral distance (dB) | acceptable |\n|---|---|---|---|---|")
-    for arch in a.arch.split(","):
-        import os
-        os.environ.setdefault("TTS_CODEC_DTYPE", "model")
-        os.environ.setdefault("TTS_CODEC_CONV", "aten")
-        dec = SpeechTokenizer(checkpoint_for(arch, torch.bfloat16) / "speech_tokenizer", torch.device("cpu"),
-                              torch.float32).decoder
-        for label, q in measure(dec, modes, a.frames).items():
-            print(f"| {arch} random | {label} | {q['snr_db']:.1f} | {q['lsd_db']:.3f} | {acceptable(q)} |")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -144,7 +144,7 @@ def _compile(cxx: str, source: Path, out: Path, torch_dir: Path) -> Path:
 
 def load_library(source: Path | None = None) -> ctypes.CDLL:
     """Build `source` (if needed) and load it with its functions' C types (no state kept: `library()` is the
-    engine's; another checkout's source is loaded here by `bench_matmuls gbps --base`)."""
+    engine's; another checkout's source is loaded here by `python -m bench matmuls gbps --base`)."""
     lib = ctypes.CDLL(str(build() if source is None else build(source=source)))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     types = {   # name: (argtypes, restype)
@@ -157,7 +157,7 @@ def load_library(source: Path | None = None) -> ctypes.CDLL:
         "ttsx_read_claim": ([P, I64], I64), "ttsx_set_share": ([I], I), "ttsx_claim_chunk": ([I64, I64, I], I64)}
     for name, (args, res) in types.items():
         if source is not None and not hasattr(lib, name):
-            continue   # an older checkout's source (bench_matmuls --base) lacks the newer functions
+            continue   # an older checkout's source (python -m bench matmuls --base) lacks the newer functions
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
@@ -603,3 +603,20 @@ def quant_u8(x: torch.Tensor) -> tuple[torch.Tensor, float, int] | None:
     lib.ttsx_quant_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel(), q.data_ptr(), out.data_ptr(),
                       _state["quant_u8"])
     return q, float(out[0]), int(out[1])
+
+
+# --- for tools and benchmarks: documented, stable ----------------------------------------------------------------
+def calls_to(lib: ctypes.CDLL):
+    """A context manager: this module's kernel calls go to `lib` (another build of the same source layout, from
+    `load_library`) while inside, then back to the loaded library. Benchmarks A/B two kernel sources in one process."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def switched():
+        own = _state["lib"]
+        _state["lib"] = lib
+        try:
+            yield
+        finally:
+            _state["lib"] = own
+    return switched()

@@ -4,10 +4,11 @@
   CPU   `tts_engine.cpu.backend.CpuBackend(**options).attach(runner)` (options: compile_predictor, govern_threads);
   CUDA  `tts_engine.gpu.backend.attach(runner)` where that module imports (absent or raising: one log line, and
         the runner serves its plain path, eager or CUDA graphs).
-A backend may set on the runner, and only here: `backend` (an object whose `path_entries()` gives {part: {"path",
-"how", "why"}}: read through `ModelRunner.path_entries`), `step_scope(rows)` and `outside_step_scope()` (context
-managers around a frame step and around the codes' hand-over between its halves), `talker_step` (a one-call talker
-step), and its parts' hooks on the model (`DecoderStack.fused`, `CodePredictor.frame`, `CodePredictor.compiled`).
+The backend is recorded as `runner.backend`: an object with `path_entries()` ({part: {"path", "how", "why"}}, read
+through `ModelRunner.path_entries`) and, optionally, `step_scope(rows)` and `outside_step_scope()` (context managers
+around a frame step and around the codes' hand-over between its halves). It may set, and only when it attaches, the
+runner's `talker_step` (a one-call talker step) and the model's hooks (`DecoderStack.fused`, `CodePredictor.frame`,
+`CodePredictor.compiled`).
 A runner built with `fast_paths=False` gets none of them: the plain PyTorch path of model/.
 """
 from __future__ import annotations

@@ -321,6 +321,27 @@ class TTSEngine:
     def sample_rate(self) -> int:
         return SAMPLE_RATE
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes ("cpu", "cuda:0")."""
+        return self.model.device
+
+    @property
+    def supports_clone(self) -> bool:
+        """True for a Base checkpoint: `clone_voice` makes voices from reference clips."""
+        return self.config.supports_clone
+
+    @property
+    def precision_why(self) -> str:
+        """Why `precision` is what it is when `quantize="auto"` chose it (what was measured on this CPU);
+        "" when the caller named the mode."""
+        return self.model.quantize_why
+
+    def speaker_id(self, speaker: str) -> int:
+        """The codec-embedding row of a CustomVoice preset speaker (case-insensitive name); TTSError naming the
+        speakers there are for an unknown one. Reads the config only: a cheap check of a name."""
+        return self._speaker_id(speaker)
+
     def preset_embedding(self, speaker: str) -> torch.Tensor:
         """The codec-embedding row of a CustomVoice speaker [H] (float32, CPU): the basis for blending presets."""
         sid = self._speaker_id(speaker)
@@ -517,3 +538,44 @@ class TTSEngine:
         if params.max_new_tokens < 1:
             raise TTSError("max_new_tokens must be at least 1")
         return params
+
+    # --- for tools and benchmarks: documented, stable -------------------------------------------------------------
+    # bench/ uses these, never the private methods above (tests/test_bench_public_api.py checks it); each calls the
+    # internals in one line, so a change inside the engine changes only that line.
+
+    def make_request(self, text: str, *, voice: Voice | str | None = None, language: str = "auto",
+                     instruct: str | None = None, seed: int | None = None,
+                     sampling: SamplingParams | dict | None = None, greedy: bool = False,
+                     max_new_tokens: int | None = None, non_streaming_mode: bool | None = None,
+                     first_chunk_frames: int | tuple[int, ...] = 2, max_chunk_frames: int = 12) -> tuple[Request, int]:
+        """The request that `stream` with the same arguments would submit (checked: TTSError on bad input; its prompt
+        built), not submitted -> (request, seed). A benchmark runs it on an idle runner row itself:
+        `engine.runner.prefill(row, req.prompt, req.params)`, then `decode` / `complete` + `advance`."""
+        return self._make_request(text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
+                                  non_streaming_mode, first_chunk_frames, max_chunk_frames)
+
+    def govern_threads(self, on: bool) -> None:
+        """The thread governor on (a fresh `threads.ThreadGovernor`, where the engine runs 2+ threads) or off (every
+        frame with the process's threads), between requests: `govern_threads` of `__init__`, switched later."""
+        self._govern_threads(on)
+
+    def wrap(self, part: str, wrapper):
+        """Route every call of one part of the engine's work through `wrapper(inner) -> callable` (on this engine's
+        objects only; e.g. a timer around `inner`) -> a function that puts the part back. Parts: "worker step" (one
+        step of the worker: admissions, a frame of the running rows, the chunks that go out), "prefill" (one
+        request's prompt), "emit" (chunks going out after a frame), "code predictor" (a frame's predictor half ->
+        codes), "talker step" (a frame's talker half -> done flags), "between halves" (a split frame's codes handed
+        over: the chunk decoded here or passed to the codec thread), "talker stack" (the talker's decoder stack
+        call), "codec thread" (one decode on the codec thread; while there is one)."""
+        w, r = self.worker, self.runner
+        points = {"worker step": (w, "_step"), "prefill": (w, "_prefill"), "emit": (w, "_emit"),
+                  "code predictor": (r, "_predict_residuals"), "talker step": (r, "_advance"),
+                  "between halves": (r, "_hand_over"), "talker stack": (self.model.talker.model, "run"),
+                  "codec thread": (w.codec, "_decode")}
+        obj, name = points.get(part, (None, None))
+        if obj is None:
+            raise ValueError(f"no part {part!r} to wrap in this engine; parts: "
+                             + ", ".join(k for k, (o, _) in points.items() if o is not None))
+        had, inner = name in vars(obj), getattr(obj, name)
+        setattr(obj, name, wrapper(inner))
+        return lambda: setattr(obj, name, inner) if had else delattr(obj, name)

@@ -41,10 +41,6 @@ GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
 log = logging.getLogger("tts_engine")
 
 
-def _no_scope(*_):
-    return contextlib.nullcontext()
-
-
 class ModelRunner:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_len: int, eos_id: int,
                  trailing_cap: int = 1024, fast_paths: bool = True, **backend_options):
@@ -84,9 +80,7 @@ class ModelRunner:
         self.on_frame_codes = None
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
         # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
-        self.backend = None                    # its `path_entries()` say what serves each part of a frame
-        self.step_scope = _no_scope            # step_scope(rows): the context a frame step of `rows` rows runs in
-        self.outside_step_scope = _no_scope    # outside_step_scope(): the context of on_frame_codes inside a step
+        self.backend = None   # its `path_entries()` say what serves each part of a frame; `step_scope` its context
         self.talker_step, self.talker_step_status = None, "off (no backend)"   # the talker step in one call
         self.fused_status = {"talker": "off (no backend)", "predictor": "off (no backend)"}
         self.frame_status = "off (no backend)"
@@ -271,7 +265,8 @@ class ModelRunner:
     def _hand_over(self, codes: torch.Tensor) -> None:
         """on_frame_codes(codes), in the backend's `outside_step_scope` (on a CPU: oneDNN as it is outside every
         thread's step, since the codec decodes there)."""
-        with self.outside_step_scope():
+        scope = getattr(self.backend, "outside_step_scope", None)
+        with scope() if scope is not None else contextlib.nullcontext():
             self.on_frame_codes(codes)
 
     def rows_view(self, rows: list[int]) -> tuple[torch.Tensor, slice | torch.Tensor, RowParams]:
@@ -351,3 +346,48 @@ class ModelRunner:
             if j + 1 < self.n_books - 1:
                 x = cp.model.codec_embedding[j](c)[:, None]                      # [B, 1, D]
         return torch.stack(out, dim=-1)
+
+    # --- for tools and benchmarks: documented, stable -------------------------------------------------------------
+    # bench/ uses these, never the private methods above (tests/test_bench_public_api.py checks it); each calls the
+    # internals in one line, so a change inside the runner changes only that line.
+
+    def step_scope(self, b: int):
+        """The context a frame step of `b` rows runs in: the backend's (CPU: oneDNN off for 1-2 bf16 rows,
+        `cpu.backend.aten_bf16_gemv`), else none; for a tool that runs a step's parts itself. (`rows_view`, above,
+        is public too.)"""
+        scope = getattr(self.backend, "step_scope", None)
+        return scope(b) if scope is not None else contextlib.nullcontext()
+
+    def predict_residuals(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
+                          rp: RowParams) -> torch.Tensor:
+        """The code predictor's half of a frame on given inputs (talker hidden h [B, D], codebook-0 ids c0 [B], frame
+        indices [B], the rows' RowParams) -> codes [B, 16], as the engine serves it (the frame in one C++ call where it
+        serves, else the Python loop). Uses the predictor's scratch cache only."""
+        return self._predict_residuals(h, c0, frame_idx, rp)
+
+    def text_vectors(self, r: torch.Tensor, frame_idx: torch.Tensor) -> torch.Tensor:
+        """The text-track vectors fed beside frame `frame_idx` of rows `r` -> [B, D] (tts_pad past a row's text)."""
+        return self._trailing_at(r, frame_idx)
+
+    def finish_step(self, r: torch.Tensor, h: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        """The end of a talker step: rows `r` take codebook-0 ids `c0` drawn from hidden `h` as their next frame's
+        start (seen ids, step count, hidden, c0) -> done [B]."""
+        return self._after_c0(r, h, c0)
+
+    @torch.inference_mode()
+    def replay_talker_step(self, rows: list[int], codes: torch.Tensor) -> None:
+        """Run again the talker step that the last `decode` / `advance` of `rows` ran, as the engine serves it (the
+        C++ step where it serves, else the Python path), from the state it started in and on the same `codes`
+        [B, 16]; the rows' state is put back after (the cache positions it rewrites get the same values). For
+        timing the served step on its own."""
+        idx = torch.tensor(rows, device=self.device)
+        saved = {n: getattr(self, n)[idx].clone() for n in ("pos", "step", "seen", "hidden", "c0")}
+        self.pos[idx] -= 1
+        self.step[idx] -= 1
+        r, cache_rows, rp = self.rows_view(rows)
+        try:
+            with self.step_scope(len(rows)):
+                self._advance(r, cache_rows, rp, max(self.host_len[i] for i in rows), codes)
+        finally:
+            for n, v in saved.items():
+                getattr(self, n)[idx] = v

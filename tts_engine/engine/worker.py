@@ -82,7 +82,7 @@ class EngineWorker:
         if old is not None:
             old.close()
         self.codec_min_rows = 2 if on == "streams" else 1
-        if on == "auto":   # what an earlier "auto" measured stays (a switch back and forth, e.g. bench_ab)
+        if on == "auto":   # what an earlier "auto" measured stays (a switch back and forth, e.g. python -m bench ab)
             self._kept_choice = self.codec_choice = getattr(self, "_kept_choice", None) or CodecChoice()
         else:
             self.codec_choice = None
@@ -493,6 +493,17 @@ class EngineWorker:
             if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()
         self._end(seq, _user_error(type(exc), exc))
+
+    # --- for tools and benchmarks: documented, stable -------------------------------------------------------------
+    def next_chunks(self, seqs: list[Sequence]) -> None:
+        """Cut the next chunk of each of `seqs` (whose chunk just went out) by the worker's rule: the schedule's next
+        size, aligned with the other running sequences' chunks where `align_chunks` (the module's doc)."""
+        self._next_chunks(seqs)
+
+    @property
+    def measured_codec_choice(self) -> CodecChoice | None:
+        """What `overlap_codec("auto")` measured so far (kept while another setting serves), or None."""
+        return getattr(self, "_kept_choice", None)
 
 
 def _exc():

@@ -1003,7 +1003,7 @@ void ttsx_w4a8(const void* x, int is_bf16, int64_t M, int64_t K, int64_t ldx, co
 }
 
 // A plain read of n bytes (64-byte loads, split over torch's threads): the memory floor beside the kernels
-// (tts_engine.bench_matmuls gbps). Returns a value that depends on every byte so the reads cannot be dropped.
+// (python -m bench matmuls gbps). Returns a value that depends on every byte so the reads cannot be dropped.
 int64_t ttsx_read(const uint8_t* p, int64_t n) {
   const int64_t chunk = 1 << 16, nc = n / chunk;
   std::vector<int64_t> part(std::max<int64_t>(1, nc), 0);

@@ -970,7 +970,7 @@ void run_team(const Plan& p, const Cache& c, const int64_t* row, const int64_t* 
   sy.profile_done();
 }
 
-// ---- the matmuls alone (benchmarks: tts_engine.bench_fused_profile) -------------------------------------------
+// ---- the matmuls alone (benchmarks: python -m bench fused_profile) -------------------------------------------
 // Every layer's four matmuls in the stack's order on one fixed activation row set, nothing between them: split as
 // run_stack (team = 0) or run_team (team = 1) splits them, with the same hand-offs, so the profile tells the kernel
 // time (BUSY_MAX), the hand-offs and the gaps that the rest of a step adds.
