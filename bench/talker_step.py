@@ -83,6 +83,7 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     from tts_engine.checkpoint import read_json
     from tts_engine.config import ModelConfig
     from bench.plain_read import PlainRead, percent
+    from tts_engine.cpu.measured import describe
 
     cfg = ModelConfig.from_dict(read_json(checkpoint_for(arch, torch.bfloat16) / "config.json"))
     dtype = torch.bfloat16
@@ -91,7 +92,8 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     t, _ = build_talker("tts_engine", cfg, dtype, quant)
     r, mr, sp = make_runner("tts_engine", t, cfg, dtype, 1, 4 * frames + 120)
     rows = [0]
-    out = {"mode": mode, "fused": r.fused_status.get("talker"), "talker_step": r.talker_step_status}
+    out = {"mode": mode, "fused": describe(r.path_entries.get("talker stack", {})),
+           "talker_step": describe(r.path_entries.get("talker step", {}))}
     step = r.talker_step
     floor = PlainRead()
     variants = ["python", "split"] + (["step"] if step is not None else [])

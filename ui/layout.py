@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from tts_engine.cpu import remembered_choice
+from tts_engine.cpu import measured
 from tts_engine.voices import blend as blendlib
 
 from ui.config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
@@ -121,9 +121,9 @@ def _footer(models) -> str:
         why = models.expected_choice()[1] if hasattr(models, "expected_choice") else ""
         if why:
             rows.append(f"chosen by `--quantize auto`: {why}")
-    made = remembered_choice.made()   # the code paths this process measured (now or on an earlier start) or defaulted
+    made = measured.made()   # the machine-wide choices this process measured (now or on an earlier start) or defaulted
     if made:
-        rows.append("choices on this CPU: " + ", ".join(f"{k}: {v}" for k, v in made.items()))
+        rows.append("choices on this CPU: " + ", ".join(f"{k}: {e['path']} ({e['how']})" for k, e in made.items()))
     return ("<small>Models: " + " · ".join(rows) + ". Preset clips: see `presets/README.md` (source and licence "
             "per voice). Use the microphone over HTTPS (or on localhost). API: “Use via API” below; programs that "
             "want audio as it is generated: `POST /v1/audio/speech` with `stream=true`.</small>")

@@ -85,21 +85,23 @@ class ModelRunner:
         # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
         # talker step (outside the bf16 gemv switch); the worker decodes completed chunks there
         self.on_frame_codes = None
-        self.graph_status = "off"
+        # what serves each part of a frame, and why: {part: an object with .entry() (a cpu.measured.MeasuredChoice or
+        # Record) or a {"path", "how", "why"} dict}, written by whatever attaches a path (the CPU's below, a GPU
+        # backend's, the engine's CUDA graphs); `TTSEngine.paths()` lists them
+        self.path_entries: dict = {}
         # quantised CPU stacks: the fused decode step where it runs and is measured faster (model/fused_step.py; its
         # trial runs now, timing the eager path as a one-row decode runs it)
-        self.fused_status = {}
         if self.device.type == "cpu":
             with aten_bf16_gemv(self._gemv(1)):
-                self.fused_status = fused_step.attach(talker)
+                self.path_entries.update(fused_step.attach(talker))
         # ... and the code predictor's 15 passes of a frame in one call of it (model/predictor_frame.py), its trial
         # run now too, so that no request sees it
-        self.frame_status = predictor_frame.attach(talker) if self.device.type == "cpu" else "off (CPU only)"
         if self.device.type == "cpu":
+            self.path_entries.update(predictor_frame.attach(talker))
             self._measure_predictor_frame()
         # ... and the talker's whole step around its fused stack in one call of it (model/talker_step.py), its trial
         # run now too (on row 0, put back afterwards)
-        self.talker_step, self.talker_step_status = None, "off (CPU only)"
+        self.talker_step = None
         if self.device.type == "cpu":
             self._attach_talker_step()
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
@@ -112,12 +114,16 @@ class ModelRunner:
 
         cp = self.talker.code_predictor
         if self.device.type != "cpu" or cp.model.layers[0].self_attn.qkv_proj is None:
+            self.path_entries["compiled predictor"] = {"path": "eager", "how": "default",
+                                                       "why": "CPU 16-bit or quantised engines only"}
             return "off (CPU 16-bit or quantised engines only)"
         try:
             cp.compiled = CompiledPredictorPass(cp, self.device, self.dtype)
         except Exception as e:   # e.g. no C++ compiler: never an outage
             log.warning("compiled code predictor not used: %s", e)
+            self.path_entries["compiled predictor"] = {"path": "eager", "how": "fell back", "why": type(e).__name__}
             return f"off ({type(e).__name__})"
+        self.path_entries["compiled predictor"] = cp.compiled
         cp.compiled.warm_up(self.cp_cache)
         return cp.compiled.status
 
@@ -126,7 +132,7 @@ class ModelRunner:
         if self.graphs is not None:
             log.warning("CUDA graphs turned off, serving on the eager path from now on: %s", reason)
         self.graphs = None
-        self.graph_status = f"off ({reason})"
+        self.path_entries["frame"] = {"path": "eager", "how": "fell back", "why": reason}
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
@@ -361,7 +367,7 @@ class ModelRunner:
     def _attach_talker_step(self) -> None:
         """Attach `talker_step.TalkerStep` where it runs and run its trial (`TalkerStep.measure`, on row 0 before
         any request holds it). Never raises."""
-        self.talker_step, self.talker_step_status = talker_step.attach(self)
+        self.talker_step, self.path_entries["talker step"] = talker_step.attach(self)
         step = self.talker_step
         if step is None or step.state != "trial":
             return
@@ -373,7 +379,6 @@ class ModelRunner:
 
         with aten_bf16_gemv(self._gemv(1)):
             step.measure(self, rp, python_step)
-        self.talker_step_status = step.status
 
     def _advance_python(self, r, cache_rows, rp: RowParams, read_len: int, codes: torch.Tensor) -> torch.Tensor:
         frame_idx = self.step[r] - 1
@@ -421,7 +426,6 @@ class ModelRunner:
                               lambda: self._predict_residuals_loop(h, c0, frame_idx, rp))
         except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
             frame.disable(f"{type(e).__name__}: {e}")
-        self.frame_status = frame.status
 
     def _predict_residuals_loop(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor,
                                 rp: RowParams) -> torch.Tensor:
