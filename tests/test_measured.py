@@ -169,3 +169,118 @@ def test_entries_of_records_choices_and_dicts_read_alike():
                                                                      "why": ""}
     assert m.describe({"path": "fused", "how": "remembered", "why": "1 ms"}) == "fused (remembered: 1 ms)"
     assert m.describe({"path": "eager", "how": "", "why": ""}) == "eager"
+
+
+# --- TTSEngine.paths(): every part of a frame, what serves it, how and why ---------------------------------------------
+FRAME_PARTS = ("frame", "talker stack", "predictor stack", "predictor frame", "talker step", "compiled predictor",
+               "threads", "codec thread")
+HOWS = ("measured now", "remembered", "default", "fell back", "measuring")
+
+
+def _well_formed(paths: dict) -> None:
+    for part, e in paths.items():
+        assert set(e) == {"path", "how", "why"} and all(isinstance(v, str) for v in e.values()), (part, e)
+        assert e["path"] and (e["how"] in HOWS or e["how"].startswith("forced by ")), (part, e)
+
+
+@pytest.fixture(scope="module")
+def tiny_small(tmp_path_factory):
+    from tts_engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("paths") / "cv", kind="custom_voice", seed=0, arch="small")
+
+
+def test_paths_lists_every_part_of_a_cpu_frame(tiny_small, own_kernels, monkeypatch):
+    """A quantised bf16 engine with the fused step and the predictor frame forced on and the talker step measured:
+    every part is listed with what serves it, how that came and why; the codec's and the kernel table's machine-wide
+    choices follow once they are made."""
+    from tts_engine import TTSEngine
+    from tts_engine.cpu import fused_step, predictor_frame, talker_step
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    monkeypatch.setenv(predictor_frame.ENV, "1")
+    monkeypatch.delenv(talker_step.ENV, raising=False)
+    eng = TTSEngine.from_pretrained(str(tiny_small), device="cpu", dtype="bf16", quantize="w8a8", max_batch=2,
+                                    max_seq_len=128)
+    try:
+        eng.synthesize("Hello there.", voice=eng.speakers[0], seed=1, max_new_tokens=4)
+        paths = eng.paths()
+        _well_formed(paths)
+        assert list(paths)[:1] == ["frame"] and set(FRAME_PARTS) <= set(paths), list(paths)
+        assert paths["frame"] == {"path": "eager", "how": "default", "why": "CUDA graphs need a GPU"}
+        assert paths["compiled predictor"]["path"] == "eager" and paths["compiled predictor"]["how"] == "default"
+        for part in ("talker stack", "predictor stack"):   # forced on, or fell back (no compiler here): with the reason
+            assert paths[part] in ({"path": "fused", "how": f"forced by {fused_step.ENV}", "why": f"{fused_step.ENV}=1"},
+                                   {"path": "eager", "how": "fell back", "why": paths[part]["why"]}), paths[part]
+        if paths["predictor stack"]["path"] == "fused":
+            assert paths["predictor frame"] == {"path": "frame", "how": f"forced by {predictor_frame.ENV}",
+                                                "why": f"{predictor_frame.ENV}=1"}
+        if paths["talker stack"]["path"] == "fused":    # not forced: measured at load, the same ids a bug detector
+            assert paths["talker step"]["how"] in ("measured now", "fell back"), paths["talker step"]
+            assert eng.runner.path_entries["talker step"] is eng.runner.talker_step.choice
+        assert paths["threads"]["path"].startswith("chosen per frame") and paths["threads"]["how"] == "measured now"
+        codec = paths["codec"]   # the dtype forced (tests/conftest.py), the convolution path measured
+        assert codec["path"].startswith("bf16 ") and codec["how"] == "forced by TTS_CODEC_DTYPE", codec
+        assert codec["why"].startswith("TTS_CODEC_DTYPE=model, ms per frame bf16 "), codec
+        assert paths["kernel table"]["how"] == "forced by TTS_KERNEL_TUNE", paths["kernel table"]
+    finally:
+        eng.close()
+
+
+def test_paths_follow_a_fallback_while_serving(tiny_small, own_kernels, monkeypatch):
+    """The records are live: a fused call that raises in a request turns its stack's entry to "fell back", with
+    the error, and no request fails."""
+    from tts_engine import TTSEngine
+    from tts_engine.cpu import fused_step, talker_step
+
+    monkeypatch.setenv(fused_step.ENV, "1")
+    monkeypatch.setenv(talker_step.ENV, "0")   # the talker's stack through its fused step, not inside the whole step
+    eng = TTSEngine.from_pretrained(str(tiny_small), device="cpu", dtype="bf16", quantize="w8a8", max_batch=1,
+                                    max_seq_len=128)
+    try:
+        fused = eng.model.talker.model.fused
+        if fused is None:
+            pytest.skip(f"the fused step does not serve here: {eng.paths()['talker stack']}")
+
+        def boom(*a):
+            raise RuntimeError("kaputt")
+        monkeypatch.setattr(fused.plan, "run", boom)
+        assert eng.synthesize("Hello there.", voice=eng.speakers[0], seed=1, max_new_tokens=4).size > 0
+        assert eng.paths()["talker stack"] == {"path": "eager", "how": "fell back", "why": "RuntimeError: kaputt"}
+    finally:
+        eng.close()
+
+
+def test_fp32_engines_say_why_no_fast_path_serves(tiny_small, monkeypatch):
+    from tts_engine import TTSEngine
+
+    monkeypatch.delenv("TTS_GOVERN_THREADS", raising=False)
+    eng = TTSEngine.from_pretrained(str(tiny_small), device="cpu", dtype="fp32", max_batch=1, max_seq_len=64)
+    try:
+        paths = eng.paths()
+        _well_formed(paths)
+        assert set(FRAME_PARTS) <= set(paths), list(paths)
+        for part, path in (("talker stack", "eager"), ("predictor stack", "eager"), ("predictor frame", "loop"),
+                           ("talker step", "python")):
+            assert paths[part]["path"] == path and paths[part]["why"], (part, paths[part])
+        assert "threads" in paths["threads"]["path"] and paths["codec thread"]["path"] == "in the worker"
+    finally:
+        eng.close()
+
+
+def test_a_backend_adds_its_parts_through_the_runner(tiny_small):
+    """The seam for another backend (a GPU's): entries written to `runner.path_entries` (a dict of the three keys, or
+    an object with `.entry()`) are listed by `paths()`, live."""
+    from tts_engine import TTSEngine
+
+    eng = TTSEngine.from_pretrained(str(tiny_small), device="cpu", dtype="fp32", max_batch=1, max_seq_len=64)
+    try:
+        eng.runner.path_entries["gpu attention"] = {"path": "flash", "how": "default", "why": "sm90"}
+        choice = m.MeasuredChoice("gpu sampler", ("torch", "triton"))
+        eng.runner.path_entries["gpu sampler"] = choice
+        assert eng.paths()["gpu attention"] == {"path": "flash", "how": "default", "why": "sm90"}
+        assert eng.paths()["gpu sampler"]["how"] == "measuring"
+        choice.default("torch", "no triton here")
+        assert eng.paths()["gpu sampler"] == {"path": "torch", "how": "default", "why": "no triton here"}
+    finally:
+        eng.close()
