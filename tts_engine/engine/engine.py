@@ -176,7 +176,8 @@ class TTSEngine:
             self.runner.compile_predictor()
         elif not gpu:
             self.runner.path_entries["compiled predictor"] = {
-                "path": "eager", "how": "default", "why": f"off unless {compiled_predictor.ENV}=1 or compile_predictor=True"}
+                "path": "eager", "how": "default",
+                "why": f"off unless {compiled_predictor.ENV}=1 or compile_predictor=True"}
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
@@ -189,7 +190,6 @@ class TTSEngine:
         else:
             self._codec_why = ("forced by overlap_codec", f"overlap_codec={overlap_codec!r}")
         self.worker.overlap_codec(overlap_codec, codec_threads)
-        how = "default"
         if govern_threads is None:
             govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")
             how = "default" if govern_threads else "forced by TTS_GOVERN_THREADS"
