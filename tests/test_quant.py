@@ -142,10 +142,10 @@ def test_cli_says_when_a_lossy_mode_is_in_use(tiny_ckpt, tmp_path, capsys):
 
 
 # --- quality against fp32 on the random 0.6B architecture ---------------------------------------------------------
-# Thresholds from measured values (docs/benchmarks.md, "Quantisation: quality vs fp32"), with a margin:
+# Thresholds from measured values (docs/bench-history.md, "Quantisation: quality vs fp32"), with a margin:
 #   int8: hidden cos min 0.99993, c0 logits cos min 0.99992, predictor logits cos min 0.99996
 #   int4: hidden cos min 0.98755, c0 logits cos min 0.98602, predictor logits cos min 0.99367
-#   w8a8 (bf16 engine, docs/benchmarks.md "W8A8 and quantize=auto"): hidden 0.99965, c0 logits 0.99960, predictor
+#   w8a8 (bf16 engine, docs/bench-history.md "W8A8 and quantize=auto"): hidden 0.99965, c0 logits 0.99960, predictor
 #   0.99983, top-1 95.0% / 96.7%
 #   w4a8 (int4's weights x int8 activations, our own kernel): hidden 0.98726, c0 logits 0.98573, predictor 0.99358
 THRESHOLDS = {

@@ -6,7 +6,7 @@ transcript never loads it), on the device the TTS engines use, and keeps it. One
 short job next to speech generation. Without the model (offline and not cached) it raises a `TTSError` that says
 so; cloning does not depend on it.
 
-Why Whisper small by default (README, "Transcribing the reference clip"): all ten Qwen3-TTS languages (zh, en, ja,
+Why Whisper small by default (docs/api.md, "Transcribing"): all ten Qwen3-TTS languages (zh, en, ja,
 ko, de, fr, ru, pt, es, it) are among Whisper's 99, and every transformers 5.x that requirements.txt allows loads
 it; small (244 M parameters, ~1 GB in fp32) is the smallest size whose published error rates on Chinese, Japanese
 and Korean are usable for a transcript that must match the clip, and it is a few times lighter than Qwen3-ASR.

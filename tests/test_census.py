@@ -1,0 +1,40 @@
+"""The kernel census (`python -m bench census`): one frame of the GPU's path counted on a CPU, bounded.
+
+A count, not a timing: the same code gives the same number on every machine."""
+import pytest
+
+from bench import census
+
+
+def test_the_eager_frame_count_is_bounded_and_the_same_at_every_batch():
+    one = census.count_cpu("0.6b", 1)
+    four = census.count_cpu("0.6b", 4)
+    assert one["triton"] == 0
+    # the frame's code has no per-row Python: the launch count does not grow with the batch
+    assert one["launches"] == four["launches"]
+    # 28 talker layers + 15 x 5 predictor layers; a change that adds launches per layer shows here
+    assert 4000 < one["launches"] <= 6000, one["top"]
+
+
+def test_the_census_counts_what_runs():
+    """Two more predictor layers add launches to each of the 15 predictor steps: the count must see them."""
+    import tts_engine.tiny as tiny
+
+    base = census.count_cpu("tiny", 1)["launches"]
+    old = dict(tiny.ARCHS["tiny"])
+    try:
+        tiny.ARCHS["tiny"]["cp_layers"] = old["cp_layers"] + 2
+        more = census.count_cpu("tiny", 1)["launches"]
+    finally:
+        tiny.ARCHS["tiny"].clear()
+        tiny.ARCHS["tiny"].update(old)
+    assert more > base + 15 * 2 * 10, (base, more)
+
+
+def test_the_cli_writes_json(tmp_path):
+    out = tmp_path / "census.json"
+    assert census.main(["--arch", "tiny", "--batches", "1,4", "--json", str(out)]) == 0
+    import json
+
+    got = json.loads(out.read_text())
+    assert set(got["eager"]) == {"1", "4"} and got["eager"]["1"]["launches"] > 0
