@@ -24,6 +24,13 @@ TEXTS = ["Ladies and gentlemen, please remain calm.", "The quick brown fox jumps
          "A frame is eighty milliseconds of audio.", "Graphs and eager must agree on every code."]
 
 
+def _frame_path(engine: TTSEngine) -> str:
+    """What serves the engine's frame (`TTSEngine.paths()`), in one line."""
+    from tts_engine.cpu.measured import describe
+
+    return describe(engine.paths()["frame"])
+
+
 def _codes(engine: TTSEngine, batch: int, frames: int) -> list[torch.Tensor]:
     voices = engine.speakers_for_check
     streams = [engine.stream(TEXTS[i % len(TEXTS)], voice=voices[i % len(voices)], seed=i, greedy=True,
@@ -144,7 +151,7 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
         t0 = time.perf_counter()
         fast = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=True, capture_graphs_at_start=True, **kw)
         fast.speakers_for_check = eager.speakers_for_check
-        say(f"CUDA graphs: {fast.graph_status}; engine start {time.perf_counter() - t0:.1f} s")
+        say(f"CUDA graphs: {_frame_path(fast)}; engine start {time.perf_counter() - t0:.1f} s")
         if not fast.uses_cuda_graphs:
             say("FAIL: graphs could not be captured (the app would serve eagerly)")
             for line in host_crossings(fast.runner, 1, 64):
@@ -162,7 +169,7 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
             say(f"batch {batch}: graphs vs eager at the same shapes: " + ("identical" if bad is None else f"DIFFER ({bad})"))
             ok &= bad is None
             if not fast.uses_cuda_graphs:
-                say(f"FAIL: graphs were turned off while serving: {fast.graph_status}")
+                say(f"FAIL: graphs were turned off while serving: {_frame_path(fast)}")
                 ok = False
             bad2 = _first_mismatch(got, ref)
             say(f"batch {batch}: graphs vs plain eager (exact lengths): "

@@ -28,6 +28,7 @@ import torch
 from bench.common import (ROOT, bench_request, command, device_name, random_checkpoint, run_concurrency,
                           write_markdown)
 from bench.stream_split import split_lines
+from tts_engine.cpu.measured import describe
 from tts_engine.engine.engine import TTSEngine
 from tts_engine.model.quant import QUANT_MODES
 
@@ -238,7 +239,7 @@ def main(argv=None) -> int:
         engine.clone_voice((0.3 * np.sin(2 * np.pi * 160 * t).astype(np.float32), 24000), ref_text="A tone.")
         mem_clone = resident_memory(device)
     rows = [run_concurrency(engine, c, frames, a.first_chunk) for c in conc]
-    graphs = engine.graph_status
+    graphs = describe(engine.paths()["frame"])
     prof = profile_frame(engine, min(frames, 20))
     top = torch_profile(engine, min(frames, 12)) if a.profile else None
     stream_lines = split_lines(engine, frames) if a.profile and not gpu else None

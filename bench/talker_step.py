@@ -26,6 +26,7 @@ import torch
 
 from bench.common import PlainRead, build_talker, device_name, load1, make_runner, percent, random_config, \
     report
+from tts_engine.cpu.measured import describe
 
 
 def talker_weight_bytes(talker) -> int:
@@ -86,7 +87,8 @@ def run_mode(mode: str, frames: int, arch: str = "0.6b") -> dict:
     t, _ = build_talker("tts_engine", cfg, dtype, quant)
     r, mr, sp = make_runner("tts_engine", t, cfg, dtype, 1, 4 * frames + 120)
     rows = [0]
-    out = {"mode": mode, "fused": r.fused_status.get("talker"), "talker_step": r.talker_step_status}
+    out = {"mode": mode, "fused": describe(r.path_entries.get("talker stack", {})),
+           "talker_step": describe(r.path_entries.get("talker step", {}))}
     step = r.talker_step
     floor = PlainRead()
     variants = ["python", "split"] + (["step"] if step is not None else [])

@@ -330,9 +330,10 @@ def engine_check(mode: str, ckpt: Path, ref: dict | None, rows: int, frames: int
     try:
         wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=frames)
         model = engine.model
+        paths = engine.paths()
         summary = {"precision": engine.precision if hasattr(engine, "precision") else "",
-                   "fused": dict(engine.runner.fused_status), "frame": engine.runner.frame_status,
-                   "talker_step": engine.runner.talker_step_status,
+                   "fused": {"talker": paths["talker stack"], "predictor": paths["predictor stack"]},
+                   "frame": paths["predictor frame"], "talker_step": paths["talker step"],
                    "synth_samples": int(wav.size),
                    "synth_finite": bool(np.isfinite(wav).all()),
                    "codec": {"dtype": str(model.speech_tokenizer.decoder.pre_conv.conv.weight.dtype)[6:],
@@ -469,18 +470,18 @@ def compare(native_dir: Path, emu_dir: Path) -> list[tuple[str, bool, str]]:
               f"{se['synth_samples']} samples, fused {se['fused']}, codec {se['codec']}")
         if ident["cpu_ext_isa"] is not None:   # the same stacks fused as natively
             check(f"{mode}: fused step as natively", se["fused"] == sn.get("fused") and
-                  any(v.startswith("on") for v in se["fused"].values()), se["fused"])
+                  any(v["path"] == "fused" for v in se["fused"].values()), se["fused"])
             # on wherever the predictor's stack is fused (tiny w4a8: some predictor layers' K is no multiple of 64,
             # they stay dense and the predictor is not fused, natively too)
             check(f"{mode}: predictor frame in one call on, as natively", se["frame"] == sn.get("frame") and
-                  (se["frame"].startswith("on") or not se["fused"].get("predictor", "").startswith("on")), se["frame"])
+                  (se["frame"]["path"] != "loop" or se["fused"]["predictor"]["path"] != "fused"), se["frame"])
             check(f"{mode}: talker step in one call on, as natively", se.get("talker_step") == sn.get("talker_step")
-                  and (str(se.get("talker_step")).startswith("on") or not se["fused"].get("talker", "").startswith("on")),
+                  and (se["talker_step"]["path"] == "step" or se["fused"]["talker"]["path"] != "fused"),
                   se.get("talker_step"))
         else:
-            check(f"{mode}: fused step off", not any(v.startswith("on") for v in se["fused"].values()), se["fused"])
-            check(f"{mode}: predictor frame off", not se["frame"].startswith("on"), se["frame"])
-            check(f"{mode}: talker step off", not str(se.get("talker_step")).startswith("on"), se.get("talker_step"))
+            check(f"{mode}: fused step off", not any(v["path"] == "fused" for v in se["fused"].values()), se["fused"])
+            check(f"{mode}: predictor frame off", se["frame"]["path"] == "loop", se["frame"])
+            check(f"{mode}: talker step off", se["talker_step"]["path"] != "step", se.get("talker_step"))
         if "refused" in sn or not (native_dir / f"{mode}.pt").exists():
             continue
         tn, te = torch.load(native_dir / f"{mode}.pt"), torch.load(emu_dir / f"{mode}.pt")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tts_engine.cpu.measured import entry_of
 from tts_engine.cpu import fused_step, predictor_frame, talker_step
 from tts_engine.engine.model_runner import ModelRunner
 from tts_engine.loader import Qwen3TTSModel
@@ -45,7 +46,7 @@ def test_backend_off_serves_the_plain_path_and_fp32_gives_the_same_codes(tiny_cv
     fast, plain = _runner(_load(tiny_cv_folder, "fp32")), _runner(_load(tiny_cv_folder, "fp32"), fast_paths=False)
     assert fast.backend is not None and fast.backend.name == "cpu" and plain.backend is None
     assert plain.path_entries == {} and plain.talker_step is None
-    entries = fast.path_entries
+    entries = {part: entry_of(e) for part, e in fast.path_entries.items()}
     assert {"talker stack", "predictor stack", "predictor frame", "talker step", "compiled predictor",
             "threads"} <= set(entries)
     assert all(set(e) == {"path", "how", "why"} for e in entries.values())
@@ -65,8 +66,9 @@ def test_backend_off_attaches_nothing_where_the_backend_would(tiny_cv_folder, mo
     fast, plain = _runner(fast_model, rows=1), _runner(plain_model, rows=1, fast_paths=False)
     t = fast_model.talker
     assert t.model.layers[0].self_attn.qkv_proj is not None           # fused projections: the backend's doing
-    assert fast.fused_status["talker"].startswith("on") and t.model.fused is not None, fast.fused_status
-    assert fast.path_entries["talker stack"]["path"] == "on"
+    assert t.model.fused is not None and t.model.fused.state == "on", fast.path_entries
+    assert entry_of(fast.path_entries["talker stack"]) == {"path": "fused", "how": f"forced by {fused_step.ENV}",
+                                                           "why": f"{fused_step.ENV}=1"}
     p = plain_model.talker
     assert p.model.layers[0].self_attn.qkv_proj is None               # the checkpoint's layout, as loaded
     assert p.model.fused is None and p.code_predictor.model.fused is None
@@ -186,7 +188,7 @@ def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_lin
     from tts_engine.engine.backends import attach_backend
 
     def runner():
-        return types.SimpleNamespace(device=torch.device("cuda"), backend=None)
+        return types.SimpleNamespace(device=torch.device("cuda"), backend=None, path_entries={})
 
     monkeypatch.setitem(sys.modules, "tts_engine.gpu", None)          # absent
     with caplog.at_level(logging.INFO, logger="tts_engine"):
@@ -195,8 +197,11 @@ def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_lin
     assert len([x for x in caplog.records if "GPU fast paths" in x.getMessage()]) == 1
 
     class Backend:
-        def path_entries(self):
-            return {"frame": {"path": "on", "how": "default", "why": "a test"}}
+        pass
+
+    def attach(r):
+        r.path_entries["gpu frame"] = {"path": "fused", "how": "default", "why": "a test"}
+        return Backend()
 
     def fail(r):
         raise RuntimeError("no kernels here")
@@ -210,8 +215,8 @@ def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_lin
         assert attach_backend(r) is None and r.backend is None
     assert ["no kernels here" in x.getMessage() for x in caplog.records] == [True]
 
-    gpu.backend = types.SimpleNamespace(attach=lambda r: Backend())
+    gpu.backend = types.SimpleNamespace(attach=attach)
     r = runner()
     got = attach_backend(r)
     assert isinstance(got, Backend) and r.backend is got
-    assert ModelRunner.path_entries.fget(r) == {"frame": {"path": "on", "how": "default", "why": "a test"}}
+    assert r.path_entries == {"gpu frame": {"path": "fused", "how": "default", "why": "a test"}}

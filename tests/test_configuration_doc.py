@@ -21,7 +21,7 @@ NAME = re.compile(r"(?:QWEN_)?TTS_[A-Z0-9_]*[A-Z0-9]")
 LIBRARY = ("tts_engine", "serving", "server", "ui", "app.py")
 TOOLS = ("bench", "tests")
 TOOLS_SECTION = "## Benchmarks and tests"
-# a name made up by a test of the choice switch itself (tests/test_remembered_choice.py), not a setting
+# a name made up by a test of the choice switch itself (tests/test_measured.py), not a setting
 NOT_SETTINGS = {"TTS_SOME_CHOICE"}
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tts_engine.config import DecoderStackConfig
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import fused_step
+from tts_engine.cpu.measured import entry_of
 from tts_engine.model.layers import DecoderStack, KVCache
 from tts_engine.model.quant import quantize_module
 
@@ -236,7 +237,8 @@ def test_the_trial_runs_when_built_and_the_choice_is_remembered(fused_lib, own_k
     _step_once(stack, cache, 12)
     assert calls["n"] == (1 if f.state == "on" else 0)   # the chosen path alone, from the first call
     again = fused_step.FusedStep(fused_step.StackPlan(stack), "test")
-    assert again.state == f.state and "measured before" in again.status and not again.times["fused"]
+    assert again.state == f.state and again.record.how == "remembered" and not again.times["fused"]
+    assert f.record.how == "measured now" and again.record == type(f.record)(f.record.path, "remembered", f.record.why)
     assert list((own_kernels / "fused_step").glob("test-*.json"))
 
 
@@ -249,7 +251,7 @@ def test_a_wrong_result_in_the_trial_turns_it_off(fused_lib, own_kernels, monkey
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         stack.fused = fused_step.FusedStep(plan, "test")
         y = _step_once(stack, cache, 12)
-    assert stack.fused.state == "off" and "differ" in stack.fused.status
+    assert stack.fused.state == "off" and stack.fused.record.how == "fell back" and "differ" in stack.fused.record.why
     assert "eager from now on" in caplog.text
     stack.fused = None
     torch.testing.assert_close(y, _step_once(stack, ref, 12))   # the eager result was served
@@ -271,7 +273,7 @@ def test_an_exception_later_falls_back_to_eager_for_good(fused_lib, own_kernels,
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         y = _step_once(stack, cache, 12)
         _step_once(stack, cache, 13)
-    assert calls == [1] and stack.fused.state == "off" and "kaputt" in stack.fused.status
+    assert calls == [1] and stack.fused.state == "off" and "kaputt" in stack.fused.record.why
     assert caplog.text.count("eager from now on") == 1
     fused = stack.fused
     stack.fused = None
@@ -301,13 +303,19 @@ def test_attach_declines_without_the_library(monkeypatch, own_kernels):
     talker = _FakeTalker(make_stack("w8a8") if cpu_ext.available() else DecoderStack(CFG))
     got = fused_step.attach(talker)
     assert talker.model.fused is None and talker.code_predictor.model.fused is None
-    assert all(s.startswith("off (") for s in got.values()), got
+    got = {k: entry_of(v) for k, v in got.items()}
+    assert list(got) == ["talker stack", "predictor stack"], got
+    assert all(e["path"] == "eager" and e["why"] for e in got.values()), got
+    if cpu_ext.available():   # a quantised stack the library would serve: a failure, said as one
+        assert all(e["how"] == "fell back" and "no C++ compiler" in e["why"] for e in got.values()), got
 
 
 def test_env_switch_turns_it_off(monkeypatch, own_kernels):
     monkeypatch.setenv(fused_step.ENV, "0")
     talker = _FakeTalker(DecoderStack(CFG))
-    assert fused_step.attach(talker) == {"talker": f"off ({fused_step.ENV}=0)", "predictor": f"off ({fused_step.ENV}=0)"}
+    off = {"path": "eager", "how": f"forced by {fused_step.ENV}", "why": f"{fused_step.ENV}=0"}
+    assert {k: entry_of(v) for k, v in fused_step.attach(talker).items()} == {"talker stack": off,
+                                                                             "predictor stack": off}
 
 
 class _FakeTalker:
@@ -354,7 +362,8 @@ def test_engine_greedy_codes_mostly_match_the_eager_engine(fused_lib, own_kernel
     codes = quality.generate_codes(model, prompts, 10)                   # [2, 10, 16], eager
     eager = quality.teacher_forced_stepwise(talker, pad, prompts, codes)
     monkeypatch.setenv(fused_step.ENV, "1")
-    assert fused_step.attach(talker) == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
+    on = {"path": "fused", "how": "forced by TTS_FUSED_STEP", "why": "TTS_FUSED_STEP=1"}
+    assert {k: entry_of(v) for k, v in fused_step.attach(talker).items()} == {"talker stack": on, "predictor stack": on}
     calls = _count_plan_calls(monkeypatch)
     fused = quality.teacher_forced_stepwise(talker, pad, prompts, codes)
     assert calls["n"] == 2 * 9 + 3 * 15   # talker: 9 one-position calls per prompt; predictor: 20 frames, 8 a call
@@ -371,7 +380,8 @@ def test_fp32_engines_never_get_it(own_kernels, small_ckpt, monkeypatch):
     try:
         assert engine.model.talker.model.fused is None
         assert engine.model.talker.code_predictor.model.fused is None
-        assert all(s.startswith("off") for s in engine.runner.fused_status.values())
+        paths = engine.paths()
+        assert all(paths[p]["path"] == "eager" for p in ("talker stack", "predictor stack")), paths
     finally:
         engine.close()
 
@@ -386,7 +396,9 @@ def test_engine_speaks_with_the_fused_step(fused_lib, own_kernels, small_ckpt, m
     kw = dict(dtype="bf16") if mode == "bf16" else dict(quantize=mode)
     engine = TTSEngine.from_pretrained(str(small_ckpt), device="cpu", max_batch=2, max_seq_len=256, **kw)
     try:
-        assert engine.runner.fused_status == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
+        paths = engine.paths()
+        forced = {"path": "fused", "how": "forced by TTS_FUSED_STEP", "why": "TTS_FUSED_STEP=1"}
+        assert paths["talker stack"] == paths["predictor stack"] == forced, paths
         wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=6)
         assert wav.dtype == np.float32 and wav.size > 0 and np.isfinite(wav).all()
         assert engine.model.talker.model.fused.state == "on"
@@ -455,11 +467,11 @@ def test_the_trial_never_changes_a_request(fused_lib, own_kernels, small_ckpt, m
     engine = TTSEngine(model, **kw)
     try:
         first, second = _greedy_codes(engine, 24), _greedy_codes(engine, 24)
-        status = fused_step.status(model.talker)
+        paths = engine.paths()
     finally:
         engine.close()
-    want = "on" if winner == "fused" else "off"
-    assert all(s.startswith(want) for s in status.values()), status
+    assert all(paths[p]["path"] == winner and paths[p]["how"] == "measured now"
+               for p in ("talker stack", "predictor stack")), paths
     assert len(list((own_kernels / "fused_step").glob("*.json"))) == 2   # the choice is remembered per stack
     monkeypatch.setenv(fused_step.ENV, "1" if winner == "fused" else "0")
     engine = TTSEngine(model, **kw)

@@ -34,7 +34,7 @@ def _codes(engine, **kw):
 def eager_codes(ckpt):
     eng = TTSEngine.from_pretrained(ckpt, device="cpu", max_batch=2, use_cuda_graphs=False)
     try:
-        assert not eng.uses_cuda_graphs and eng.graph_status.startswith("off")
+        assert not eng.uses_cuda_graphs and eng.paths()["frame"]["path"] == "eager"
         return _codes(eng)
     finally:
         eng.close()
@@ -66,7 +66,8 @@ def test_capture_failure_at_start_serves_eagerly(ckpt, eager_codes, caplog):
             eng.start_graphs(CaptureFails(eng.runner))
         lines = [r for r in caplog.records if "CUDA graphs turned off" in r.getMessage()]
         assert len(lines) == 1 and "capture failed" in lines[0].getMessage()
-        assert not eng.uses_cuda_graphs and "capture failed" in eng.graph_status
+        frame = eng.paths()["frame"]
+        assert not eng.uses_cuda_graphs and frame["how"] == "fell back" and "capture failed" in frame["why"]
         assert torch.equal(_codes(eng), eager_codes)
     finally:
         eng.close()
@@ -77,11 +78,12 @@ def test_replay_failure_mid_request_falls_back_for_good(ckpt, eager_codes, caplo
     try:
         graphs = ReplayFailsOnce(eng.runner)
         eng.start_graphs(graphs)
-        assert eng.uses_cuda_graphs and eng.graph_status.startswith("on")
+        assert eng.uses_cuda_graphs and eng.paths()["frame"]["path"] == "cuda graphs"
         with caplog.at_level(logging.WARNING, logger="tts_engine"):
             first = _codes(eng)                     # the failing replay happens inside this request
         assert torch.equal(first, eager_codes)      # the request completes with the codes of the eager path
-        assert not eng.uses_cuda_graphs and "illegal memory access" in eng.graph_status
+        frame = eng.paths()["frame"]
+        assert not eng.uses_cuda_graphs and frame["how"] == "fell back" and "illegal memory access" in frame["why"]
         assert sum("CUDA graphs turned off" in r.getMessage() for r in caplog.records) == 1
         calls = graphs.calls
         assert torch.equal(_codes(eng), eager_codes)

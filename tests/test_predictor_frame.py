@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import fused_step
 from tts_engine.cpu import predictor_frame
+from tts_engine.cpu.measured import entry_of
 from tts_engine.model.sampling import RowParams, SamplingParams, choose_residual
 
 from test_cpu_ext_kernels import built
@@ -119,7 +120,7 @@ def test_frame_codes_equal_the_python_loop(frame_lib, own_kernels, ckpts, monkey
         pytest.skip("no W4A8 kernel here")
     r = runner_for(ckpts[size], mode, dtype, monkeypatch=monkeypatch)
     cp = r.talker.code_predictor
-    assert r.fused_status["predictor"].startswith("on") and cp.frame is not None, (r.fused_status, r.frame_status)
+    assert cp.model.fused.state == "on" and cp.frame is not None, r.path_entries
     n = same = 0
     for B, seed in ((1, 0), (1, 1), (3, 2), (8, 3), (5, 4)):
         h, c0, frame, rp = frame_inputs(r, B, seed, top_p=False)
@@ -219,7 +220,7 @@ def test_bf16_frame_samples_its_own_logits_and_they_match_the_loop(frame_lib, ow
     frame's ids gives close logits."""
     r = runner_for(ckpts[size], "bf16", "bf16", monkeypatch=monkeypatch)
     cp = r.talker.code_predictor
-    assert cp.frame is not None, r.frame_status
+    assert cp.frame is not None, r.path_entries
     B = 4
     h, c0, frame, rp = frame_inputs(r, B, 7)
     codes, logits = cp.frame.plan.run(h, c0, frame, rp, r.cp_cache, with_logits=True)
@@ -252,7 +253,8 @@ def test_engine_frames_go_through_one_call(frame_lib, own_kernels, ckpts, monkey
     engine = TTSEngine.from_pretrained(str(ckpts["0b6"]), device="cpu", quantize="w8a8", max_batch=2,
                                        max_seq_len=128)
     try:
-        assert engine.runner.frame_status == f"on ({predictor_frame.ENV}=1)"
+        assert engine.paths()["predictor frame"] == {"path": "frame", "how": f"forced by {predictor_frame.ENV}",
+                                                     "why": f"{predictor_frame.ENV}=1"}
         wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=6)
         assert wav.size > 0
         assert calls["frame"] >= 5 and calls["loop"] == 0, calls
@@ -268,11 +270,13 @@ def test_forced_off_and_fp32_never_take_it(own_kernels, ckpts, monkeypatch):
     monkeypatch.setenv(predictor_frame.ENV, "0")
     model = Qwen3TTSModel.from_pretrained(str(ckpts["0b6"]), device="cpu", dtype="bf16", quantize="w8a8")
     r = ModelRunner(model.talker, model.prompts.tts_pad, rows=1, max_len=32, eos_id=2150)
-    assert r.frame_status == f"off ({predictor_frame.ENV}=0)" and model.talker.code_predictor.frame is None
+    assert entry_of(r.path_entries["predictor frame"]) == {"path": "loop", "how": f"forced by {predictor_frame.ENV}",
+                                                           "why": f"{predictor_frame.ENV}=0"}
+    assert model.talker.code_predictor.frame is None
     monkeypatch.setenv(predictor_frame.ENV, "1")
     fp32 = Qwen3TTSModel.from_pretrained(str(ckpts["0b6"]), device="cpu", dtype="fp32")
     r = ModelRunner(fp32.talker, fp32.prompts.tts_pad, rows=1, max_len=32, eos_id=2150)
-    assert r.frame_status.startswith("off") and fp32.talker.code_predictor.frame is None
+    assert entry_of(r.path_entries["predictor frame"])["path"] == "loop" and fp32.talker.code_predictor.frame is None
     h, c0, frame, rp = frame_inputs(r, 1, 0)
     with torch.inference_mode():   # the fp32 loop serves, unchanged
         assert r._predict_residuals(h, c0, frame, rp).shape == (1, 16)
@@ -292,7 +296,7 @@ def test_a_failure_falls_back_to_the_loop_for_good(frame_lib, own_kernels, ckpts
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         got = r._predict_residuals(h, c0, frame, rp)
         r._predict_residuals(h, c0, frame, rp)
-    assert calls == [1] and pf.state == "off" and "kaputt" in pf.status
+    assert calls == [1] and pf.state == "off" and pf.record.how == "fell back" and "kaputt" in pf.record.why
     assert caplog.text.count("Python loop from now on") == 1
     assert torch.equal(got, r._predict_residuals_loop(h, c0, frame, rp))
 
@@ -301,17 +305,19 @@ def test_a_failure_falls_back_to_the_loop_for_good(frame_lib, own_kernels, ckpts
 def test_first_frames_time_both_paths_and_the_choice_is_remembered(frame_lib, own_kernels, ckpts, monkeypatch):
     r = runner_for(ckpts["0b6"], "w8a8", "bf16", monkeypatch=monkeypatch)
     monkeypatch.delenv(predictor_frame.ENV)
-    assert predictor_frame.attach(r.talker) == "measuring"
+    assert entry_of(predictor_frame.attach(r.talker)["predictor frame"])["how"] == "measuring"
     pf = r.talker.code_predictor.frame
     for i in range(predictor_frame.TRIAL_FRAMES):
         h, c0, frame, rp = frame_inputs(r, 2, 20 + i, top_p=False)
         assert torch.equal(r._predict_residuals(h, c0, frame, rp), r._predict_residuals_loop(h, c0, frame, rp))
     assert len(pf.times["frame"]) == len(pf.times["loop"]) == len(pf.times["frame-team"]) == predictor_frame.TRIAL_FRAMES
-    assert pf.state in ("on", "off") and pf.agree[0] == pf.agree[1] == 2 * predictor_frame.TRIAL_FRAMES, pf.status
+    assert pf.state in ("on", "off") and pf.agree[0] == pf.agree[1] == 2 * predictor_frame.TRIAL_FRAMES, pf.record
     assert list((own_kernels / "predictor_frame").glob("*.json"))
-    chosen = pf.status.split(" by median")[0].split("(")[-1]
-    assert chosen in ("loop", "frame", "frame-team"), pf.status
-    assert "measured before" in predictor_frame.attach(r.talker)
+    chosen = pf.choice.chosen
+    assert chosen in ("loop", "frame", "frame-team") and pf.record.how == "measured now", pf.record
+    assert pf.record.why.startswith(f"{chosen} by median") and pf.state == ("off" if chosen == "loop" else "on")
+    assert entry_of(predictor_frame.attach(r.talker)["predictor frame"]) == {"path": chosen, "how": "remembered",
+                                                                            "why": pf.record.why}
     again = r.talker.code_predictor.frame   # the remembered choice: state and threads as decided
     assert (again.state, again.team) == (pf.state, pf.team)
     assert again.team == {"loop": None, "frame": 0, "frame-team": predictor_frame.PredictorFrame.TEAM}[chosen]
@@ -328,7 +334,7 @@ def test_a_wrong_frame_in_the_trial_turns_it_off(frame_lib, own_kernels, ckpts, 
         h, c0, frame, rp = frame_inputs(r, 2, 30 + i, top_p=False)
         rp = RowParams.stack([SamplingParams(subtalker_dosample=False)] * 2, "cpu")
         r._predict_residuals(h, c0, frame, rp)
-    assert pf.state == "off" and "agrees" in pf.status
+    assert pf.state == "off" and pf.record.how == "fell back" and "agrees" in pf.record.why
 
 
 @torch.inference_mode()
@@ -348,7 +354,8 @@ def test_the_trial_runs_when_the_runner_is_built(frame_lib, own_kernels, ckpts, 
 
     r = build()
     pf = t.code_predictor.frame
-    assert pf.state in ("on", "off") and r.frame_status == pf.status, r.frame_status
+    assert pf.state in ("on", "off") and r.path_entries["predictor frame"] is pf.choice, r.path_entries
+    assert pf.record.how == "measured now", pf.record
     assert len(pf.times["frame"]) == len(pf.times["loop"]) == predictor_frame.TRIAL_FRAMES
     assert list((own_kernels / "predictor_frame").glob("*.json"))
     h, c0, frame, rp = frame_inputs(r, 2, 40, top_p=False)
@@ -356,4 +363,4 @@ def test_the_trial_runs_when_the_runner_is_built(frame_lib, own_kernels, ckpts, 
     r._predict_residuals(h, c0, frame, rp)
     assert len(pf.times["frame"]) == before     # a request's frame is served, not timed
     r2 = build()
-    assert "measured before" in r2.frame_status
+    assert entry_of(r2.path_entries["predictor frame"])["how"] == "remembered"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tts_engine import cache_paths
-from tts_engine.cpu import remembered_choice
+from tts_engine.cpu import measured
 from tts_engine.cpu import cpu_build
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import kernels
@@ -157,7 +157,7 @@ def test_choices_go_to_a_spaces_persistent_storage(tmp_path, monkeypatch):
     monkeypatch.setenv("SPACE_ID", "someone/qwen3-tts-live")
     assert cache_paths.choices_root() == data / "qwen3-tts-live"                 # a Space with /data
     assert kernels.cache_root() == data / "qwen3-tts-live"                       # kernel table, quality, libraries
-    assert remembered_choice.path_for("codec_int8", {"k": 1}).parent == data / "qwen3-tts-live" / "codec_int8"
+    assert measured.path_for("codec_int8", {"k": 1}).parent == data / "qwen3-tts-live" / "codec_int8"
     assert cache_paths.cache_root() == tmp_path / "xdg" / "qwen3-tts-live"       # voices, checkpoints: not moved
     data.chmod(0o500)
     try:

@@ -177,7 +177,9 @@ def test_compiled_predictor_failures_fall_back_to_eager(tiny_cv, monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
     try:
-        assert eng.compiled_predictor_status.startswith("off (RuntimeError: no C++ compiler here")
+        p = eng.paths()["compiled predictor"]
+        assert p["path"] == "eager" and p["how"] == "fell back", p
+        assert p["why"].startswith("RuntimeError: no C++ compiler here"), p
         assert not eng.model.talker.code_predictor.compiled.ok
         assert any("serving eagerly" in r.message for r in caplog.records)
         eager = _greedy_codes(eng)
@@ -212,11 +214,13 @@ def test_compiled_pass_starts_in_the_background_and_matches_the_eager_step(tiny_
     eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
     try:
         cp = eng.model.talker.code_predictor
-        assert eng.compiled_predictor_status.startswith("compiling") and not cp.compiled.ok
+        p = eng.paths()["compiled predictor"]
+        assert p["path"] == "eager" and p["why"].startswith("compiling") and not cp.compiled.ok, p
         eager = _greedy_codes(eng)           # served eagerly meanwhile
         release.set()
         cp.compiled.thread.join(30)
-        assert eng.compiled_predictor_status.startswith("on") and cp.compiled.ok
+        p = eng.paths()["compiled predictor"]
+        assert p["path"] == "compiled" and p["why"].startswith("warm-up") and cp.compiled.ok, p
         with torch.inference_mode():
             x = torch.randn(1, 1, eng.model.talker.cfg.hidden_size).bfloat16()
             got = cp.step(x, eng.runner.cp_cache, None, 4, 3)
@@ -234,10 +238,12 @@ def test_compiled_predictor_is_off_by_default_and_for_fp32(tiny_cv, monkeypatch)
 
     monkeypatch.delenv("TTS_COMPILE_PREDICTOR", raising=False)
     eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1)
-    assert eng.compiled_predictor_status == "off" and eng.model.talker.code_predictor.compiled is None
+    p = eng.paths()["compiled predictor"]
+    assert (p["path"], p["how"]) == ("eager", "default") and eng.model.talker.code_predictor.compiled is None, p
     eng.close()
     eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="fp32", max_batch=1, compile_predictor=True)
-    assert eng.compiled_predictor_status.startswith("off (CPU 16-bit or quantised")
+    p = eng.paths()["compiled predictor"]
+    assert p["path"] == "eager" and p["why"].startswith("CPU 16-bit or quantised"), p
     eng.close()
 
 
@@ -251,7 +257,7 @@ def test_compiled_predictor_gives_the_eager_codes(tiny_cv, tmp_path, monkeypatch
     monkeypatch.setattr(compiled_predictor, "COMPILE_BUDGET_S", 3600.0)
     eng = TTSEngine.from_pretrained(tiny_cv, device="cpu", dtype="bf16", max_batch=1, compile_predictor=True)
     try:
-        assert eng.compiled_predictor_status.startswith("on"), eng.compiled_predictor_status
+        assert eng.paths()["compiled predictor"]["path"] == "compiled", eng.paths()["compiled predictor"]
         cp = eng.model.talker.code_predictor
         compiled = _greedy_codes(eng)
         with torch.inference_mode():

@@ -18,6 +18,7 @@ from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import fused_step
 from tts_engine.cpu import predictor_frame
 from tts_engine.cpu import talker_step
+from tts_engine.cpu.measured import entry_of
 from tts_engine.model.prompt import Prompt
 from tts_engine.model.sampling import SamplingParams
 
@@ -89,8 +90,10 @@ def test_frames_equal_the_python_path(step_lib, own_kernels, ckpts, monkeypatch,
                         lambda self, *a, **k: (calls.__setitem__("step", calls["step"] + 1), real(self, *a, **k))[1])
     for B in (1, 5):
         py, st = runner(model, B, monkeypatch, "0"), runner(model, B, monkeypatch, "1")
-        assert py.talker_step is None and py.talker_step_status == f"off ({talker_step.ENV}=0)"
-        assert st.talker_step is not None and st.talker_step.state == "on", st.talker_step_status
+        assert py.talker_step is None and entry_of(py.path_entries["talker step"]) == {
+            "path": "python", "how": f"forced by {talker_step.ENV}", "why": f"{talker_step.ENV}=0"}
+        assert st.talker_step is not None and st.talker_step.state == "on", st.path_entries
+        assert entry_of(st.path_entries["talker step"])["how"] == f"forced by {talker_step.ENV}"
         in_call = st.talker_step.plan.head_in_call(B)
         assert in_call == (mode != "bf16"), "W8A8 (vnni) and W4A8 heads run in the call, bf16 heads between two"
         ps, ins = params(B), prompts(py, B)
@@ -145,7 +148,8 @@ def test_a_refused_input_falls_back_for_good(step_lib, own_kernels, ckpts, monke
     bad[0, 3] = 1 << 20   # out of the table: the call refuses (nothing written), the Python path raises as before
     with pytest.raises(IndexError):
         st.advance([0], bad)
-    assert st.talker_step.state == "off" and "refused" in st.talker_step.status
+    assert st.talker_step.state == "off" and st.talker_step.record.how == "fell back"
+    assert "refused" in st.talker_step.record.why
     codes = py.complete([0])
     assert torch.equal(st.complete([0]), codes)
     assert torch.equal(st.advance([0], codes), py.advance([0], codes))
@@ -156,13 +160,15 @@ def test_a_refused_input_falls_back_for_good(step_lib, own_kernels, ckpts, monke
 def test_trial_at_load_is_remembered_and_leaves_row_0_as_it_was(step_lib, own_kernels, ckpts, monkeypatch):
     model = load(ckpts["0b6"], "w8a8", "bf16", monkeypatch)
     r = runner(model, 2, monkeypatch, "auto")
-    assert r.talker_step is not None and r.talker_step.state in ("on", "off"), r.talker_step_status
-    assert "Python" in r.talker_step_status and "the same ids" in r.talker_step_status
+    rec = r.talker_step.record
+    assert r.talker_step is not None and r.talker_step.state in ("on", "off"), rec
+    assert rec.how == "measured now" and "Python" in rec.why and "the same ids" in rec.why
+    assert entry_of(r.path_entries["talker step"]) == rec.entry()
     assert len(r.talker_step.times["step"]) == talker_step.TRIAL_PAIRS
     for name in ("pos", "step", "seen", "hidden", "c0", "trailing_len", "max_new"):
         assert not getattr(r, name).any(), name
     again = runner(model, 2, monkeypatch, "auto")
-    assert again.talker_step.status.startswith(r.talker_step.state) and "measured before" in again.talker_step.status
+    assert again.talker_step.state == r.talker_step.state and again.talker_step.record.how == "remembered"
     assert again.talker_step.times["step"] == []
 
 
@@ -170,7 +176,7 @@ def test_trial_at_load_is_remembered_and_leaves_row_0_as_it_was(step_lib, own_ke
 def test_fp32_and_unfused_engines_never_get_it(step_lib, own_kernels, ckpts, monkeypatch):
     model = load(ckpts["0b6"], "fp32", "fp32", monkeypatch)
     r = runner(model, 1, monkeypatch, "1")
-    assert r.talker_step is None and "fused step does not serve" in r.talker_step_status
+    assert r.talker_step is None and "fused step does not serve" in entry_of(r.path_entries["talker step"])["why"]
     monkeypatch.setenv(fused_step.ENV, "0")
     model = load(ckpts["0b6"], "w8a8", "bf16", monkeypatch)
     monkeypatch.setenv(fused_step.ENV, "0")
@@ -195,8 +201,10 @@ def test_engine_synthesis_through_the_step_equals_the_python_path(step_lib, own_
         engine = TTSEngine.from_pretrained(str(ckpts["0b6"]), device="cpu", dtype="bf16", quantize="w8a8",
                                            max_batch=2, max_seq_len=128)
         try:
-            status = engine.runner.talker_step_status
-            assert status.startswith({"0": "off", "1": "on", "auto": ""}[mode]), status
+            status = engine.paths()["talker step"]
+            assert status["how"] in (("measured now", "remembered") if mode == "auto"
+                                     else (f"forced by {talker_step.ENV}",)), status
+            assert mode == "auto" or status["path"] == {"0": "python", "1": "step"}[mode], status
             before = calls["step"]
             wavs[mode] = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=8)
             if mode == "1":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tts_engine.cpu import remembered_choice
+from tts_engine.cpu import measured
 from tts_engine.cpu import kernels
 from tts_engine.model.quant import available_modes
 
@@ -38,6 +38,7 @@ BUILTIN_QUALITY = {
     "w4a8": {"hidden_cos_min": 0.98726, "c0_logits_cos_min": 0.98573, "cp_logits_cos_min": 0.99358},
 }
 MODE_FORMAT = {"int8": "int8", "w8a8": "w8a8", "int4": "int4", "w4a8": "w4a8"}
+NAME = "quantize auto"   # its entry in measured.made() and TTSEngine.paths()
 DENSE_KERNEL = {"bf16": "aten", "fp32": "linear"}   # what ModelRunner runs for one row of a dense engine
 
 
@@ -158,8 +159,9 @@ def pick(dense: torch.dtype, talker_cfg=None, folder: Path | None = None,
         if ms is not None:
             speed[mode] = ms
     if not speed:
-        remembered_choice.note("quantize auto", dense_name, "default: no kernel timings")
-        return None, "no kernel timings (TTS_KERNEL_TUNE=0?): the checkpoint's own weights"
+        why = "no kernel timings (TTS_KERNEL_TUNE=0?): the checkpoint's own weights"
+        measured.note(NAME, dense_name, measured.DEFAULT, why)
+        return None, why
     best = min(speed, key=speed.get)
     ranked = ", ".join(f"{m or dense_name} {ms:.0f} ms" for m, ms in sorted(speed.items(), key=lambda kv: kv[1]))
     why = f"fastest measured here (matmul time per frame: {ranked})"
@@ -168,6 +170,6 @@ def pick(dense: torch.dtype, talker_cfg=None, folder: Path | None = None,
     timed = table.measured_now - timed_before
     how = f"measured now: {timed} kernel shapes in {time.perf_counter() - t0:.1f} s" if timed else "remembered"
     why += f" ({how})"
-    remembered_choice.note("quantize auto", best or dense_name, how)
+    measured.note(NAME, best or dense_name, measured.MEASURED if timed else measured.REMEMBERED, why)
     log.info("tts_engine: quantize=auto -> %s: %s", best or dense_name, why)
     return best, why

@@ -14,7 +14,8 @@ it for a runner on a CPU). In this order, each step falling back to the plain Py
      the governor itself goes to the engine's worker (`thread_governor`);
   8. the runner's step scope: oneDNN off around 1-2 row bf16 steps (`aten_bf16_gemv`).
 
-What serves each part afterwards: `path_entries()` (read through `ModelRunner.path_entries`).
+What serves each part afterwards: the records each step writes to `runner.path_entries` (a `measured.MeasuredChoice`
+or `measured.Record` per part; `TTSEngine.paths()` lists them).
 
 `set_hooks()` gives model/quant.py and codec/decoder.py the CPU kernels they call (the quantised layouts' own
 kernels and kernel table; the codec's packed and int8 convolutions and fused snake): run when this package is
@@ -81,25 +82,6 @@ def build_libraries(includers: bool = True) -> dict[str, float]:
     return cpu_build.build_all(includers=includers)
 
 
-def _path_entry(line) -> dict[str, str]:
-    """A status line "on (measured before: ...)" -> {"path": "on", "how": ..., "why": ...}."""
-    line = str(line or "off")
-    head, _, rest = line.partition(" (")
-    why = rest[:-1] if rest.endswith(")") else rest
-    low = why.lower()
-    if "measured before" in low or "remembered" in low:
-        how = "remembered"
-    elif "tts_" in low and "=" in low:
-        how = "forced by a variable"
-    elif head == "off" and why and why not in ("CPU", "CPU only", "eager", "off"):
-        how = "fell back" if any(w in low for w in ("error", "failed", "raised", "disagree")) else "default"
-    elif "measur" in low or "faster" in low or "slower" in low:
-        how = "measured now"
-    else:
-        how = "default"
-    return {"path": head, "how": how, "why": why}
-
-
 class CpuBackend:
     """The CPU fast paths of one model runner. compile_predictor: serve one-row predictor passes through a compiled
     graph (None: env TTS_COMPILE_PREDICTOR, off by default); govern_threads: let a `threads.ThreadGovernor` choose
@@ -113,16 +95,15 @@ class CpuBackend:
         self.govern_threads_wanted = govern_threads
         self.runner = None
         self.gemv_rows = 0             # steps of up to this many rows run with oneDNN off (`aten_bf16_gemv`)
-        self.compiled_predictor_status = "off"
         self.governor = None           # threads.ThreadGovernor for the worker (None: the process's threads)
         self.matmul_threads = None     # threads.MatmulThreads wrapped around the linear layers (governor's option)
-        self.threads_status = "off"
 
     # --- attach -----------------------------------------------------------------------------------------------------
     def attach(self, runner) -> "CpuBackend":
         """Give `runner` its CPU fast paths (see the module's docstring); never raises. Sets on the runner:
-        `backend` (self), `fused_status`, `frame_status`, `talker_step` / `talker_step_status`."""
-        from tts_engine.cpu import fused_step, predictor_frame, talker_step
+        `talker_step`, `step_scope`, and an entry per part in `path_entries`."""
+        from tts_engine.cpu import compiled_predictor, fused_step, predictor_frame
+        from tts_engine.cpu.measured import DEFAULT, Record
 
         self.runner = runner
         talker = runner.talker
@@ -132,14 +113,20 @@ class CpuBackend:
         if runner.dtype != torch.float32:
             talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
         with self.step_scope(1):   # the fused step's trial times the eager path as a one-row step runs it
-            runner.fused_status = fused_step.attach(talker)
-        runner.frame_status = predictor_frame.attach(talker)
+            runner.path_entries.update(fused_step.attach(talker))
+        runner.path_entries.update(predictor_frame.attach(talker))
         self._measure_predictor_frame(runner)
         self._attach_talker_step(runner)
         want = self.compile_predictor_wanted
-        if want if want is not None else _compiled_predictor_wanted():
-            self.compiled_predictor_status = self.compile_predictor(runner)
+        if want if want is not None else compiled_predictor.wanted():
+            self.compile_predictor(runner)
+        else:
+            runner.path_entries["compiled predictor"] = Record(
+                "eager", DEFAULT, f"off unless {compiled_predictor.ENV}=1 or compile_predictor=True")
         self._attach_thread_governor(runner)
+        runner.path_entries["small bf16 steps"] = Record(
+            "PyTorch's gemv", DEFAULT, f"oneDNN off up to {self.gemv_rows} rows: it reads the weights faster") \
+            if self.gemv_rows else Record("oneDNN", DEFAULT, "not bf16")
         return self
 
     def step_scope(self, rows: int):
@@ -172,7 +159,6 @@ class CpuBackend:
                               lambda: runner._predict_residuals_loop(h, c0, frame_idx, rp))
         except Exception as e:   # (run() already falls back on its own failures; anything else: off, one line)
             frame.disable(f"{type(e).__name__}: {e}")
-        runner.frame_status = frame.status
 
     @torch.inference_mode()
     def _attach_talker_step(self, runner) -> None:
@@ -180,7 +166,7 @@ class CpuBackend:
         request holds it). Never raises."""
         from tts_engine.cpu import talker_step
 
-        runner.talker_step, runner.talker_step_status = talker_step.attach(runner)
+        runner.talker_step, runner.path_entries["talker step"] = talker_step.attach(runner)
         step = runner.talker_step
         if step is None or step.state != "trial":
             return
@@ -190,22 +176,25 @@ class CpuBackend:
 
         with self.step_scope(1):
             step.measure(runner, runner.default_params(1), python_step)
-        runner.talker_step_status = step.status
 
     def compile_predictor(self, runner) -> str:
         """Serve one-row code-predictor passes through a compiled graph (`compiled_predictor`), compiled now as a
         warm-up; models with fused projections only (16-bit or quantised). -> its status line. A failure leaves the
-        eager path serving."""
+        eager path serving. Its entry: `runner.path_entries["compiled predictor"]`."""
         from tts_engine.cpu.compiled_predictor import CompiledPredictorPass
+        from tts_engine.cpu.measured import DEFAULT, FELL_BACK, Record
 
         cp = runner.talker.code_predictor
         if cp.model.layers[0].self_attn.qkv_proj is None:
+            runner.path_entries["compiled predictor"] = Record("eager", DEFAULT, "CPU 16-bit or quantised engines only")
             return "off (CPU 16-bit or quantised engines only)"
         try:
             cp.compiled = CompiledPredictorPass(cp, runner.device, runner.dtype)
         except Exception as e:   # e.g. no C++ compiler: never an outage
             log.warning("compiled code predictor not used: %s", e)
+            runner.path_entries["compiled predictor"] = Record("eager", FELL_BACK, type(e).__name__)
             return f"off ({type(e).__name__})"
+        runner.path_entries["compiled predictor"] = cp.compiled
         cp.compiled.warm_up(runner.cp_cache)
         return cp.compiled.status
 
@@ -220,41 +209,27 @@ class CpuBackend:
     def thread_governor(self, on: bool):
         """(threads.ThreadGovernor, threads.MatmulThreads or None) for the worker, or (None, None) when `on` is False
         or torch has one thread. The linear layers are wrapped once (not around a compiled predictor's: its graph is
-        traced from their forwards)."""
+        traced from their forwards). The runner's "threads" entry says which (the governor's own once it runs)."""
+        from tts_engine.cpu.measured import DEFAULT, Record, forced_by
+
         threads = torch.get_num_threads()
+        entries = self.runner.path_entries
         if not on or threads < 2:
-            self.threads_status = "off (fp32)" if self.runner.dtype == torch.float32 else \
-                ("off (one thread)" if on else f"off ({GOVERN_THREADS_ENV}=0)")
+            if self.runner.dtype == torch.float32:
+                entries["threads"] = Record(f"{threads} threads", DEFAULT, "fp32 keeps the process's threads")
+            elif on:
+                entries["threads"] = Record("1 thread", DEFAULT, "one thread")
+            else:
+                entries["threads"] = Record(f"{threads} threads", forced_by(GOVERN_THREADS_ENV),
+                                            f"{GOVERN_THREADS_ENV}=0 or govern_threads=False")
             return None, None
         from tts_engine.cpu.threads import ThreadGovernor, serial_between_matmuls
 
         talker = self.runner.talker
         mm = serial_between_matmuls(talker, threads) if talker.code_predictor.compiled is None else None
-        self.threads_status = f"on (measured per frame over 1 / {threads} threads" + \
-            (", and inside the linear layers only)" if mm is not None else ")")
-        return ThreadGovernor(threads, matmul_option=mm is not None), mm
-
-    # --- what serves ------------------------------------------------------------------------------------------------
-    def path_entries(self) -> dict[str, dict[str, str]]:
-        """{part: {"path", "how", "why"}} of the CPU fast paths this backend attached, as they serve now."""
-        from tts_engine.cpu.fused_step import status as fused_status
-
-        r = self.runner
-        fused = fused_status(r.talker)
-        c = r.talker.code_predictor.compiled
-        raw = {"talker step": r.talker_step_status, "talker stack": fused["talker"],
-               "predictor stack": fused["predictor"], "predictor frame": r.frame_status,
-               "compiled predictor": c.status if c is not None else self.compiled_predictor_status,
-               "threads": self.threads_status,
-               "small bf16 steps": (f"on (oneDNN off up to {self.gemv_rows} rows: PyTorch's gemv reads the weights "
-                                    "faster)") if self.gemv_rows else "off (not bf16)"}
-        return {k: _path_entry(v) for k, v in raw.items()}
-
-
-def _compiled_predictor_wanted() -> bool:
-    from tts_engine.cpu import compiled_predictor
-
-    return compiled_predictor.wanted()
+        governor = ThreadGovernor(threads, matmul_option=mm is not None)
+        entries["threads"] = governor
+        return governor, mm
 
 
 # --- hooks of model/ and codec/ ---------------------------------------------------------------------------------------

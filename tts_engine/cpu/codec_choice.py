@@ -126,6 +126,13 @@ class CodecChoice:
         c = self._costs(b)
         return None if c is None else min(c, key=c.get)
 
+    def entry(self) -> dict[str, str]:
+        """Its entry in `TTSEngine.paths()` ("codec thread"): the cheaper way of each batch-size bucket so far."""
+        best = {k: v["best"] for k, v in self.snapshot().items() if v["best"]}
+        why = "; ".join(f"{k} rows: {'codec thread' if w == THREAD else 'in the worker'}" for k, w in best.items())
+        return {"path": "chosen per batch size: codec thread / in the worker", "how": "measured now",
+                "why": f"cheaper so far: {why}" if why else "no chunk decoded yet"}
+
     def snapshot(self) -> dict:
         """{bucket: {"thread_ms": .., "here_ms": .., "f_idle_ms": .., "f_busy_ms": .., "c_thread_ms": .., "c_here_ms":
         .., "best": ..}} (ms per frame of one row), for benchmarks and logs."""

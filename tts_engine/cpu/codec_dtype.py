@@ -43,6 +43,7 @@ import torch
 from tts_engine.cache_paths import cache_root
 from tts_engine.cpu.cpu_info import cpu_info
 from tts_engine.cpu import int8_conv
+from tts_engine.cpu import measured
 from tts_engine.cpu import codec_int8_threshold as int8_threshold
 from tts_engine.cpu import packed_conv
 from tts_engine.cpu import codec_quality as quality
@@ -56,6 +57,7 @@ INT8_MARGIN = 0.9   # int8 convolutions replace the lossless pick only when they
 INT8_ENV = "TTS_CODEC_INT8"   # 0: int8 convolutions are no candidate (TTS_CODEC_CONV=int8 forces them)
 QUALITY_FRAMES = 36   # frames of the int8 quality check at load (codec.quality; its command line uses 120)
 ENTRY_VERSION = 2   # entries before it were measured without the int8 path
+NAME = "codec"   # its entry in measured.made() and TTSEngine.paths(): the decoder's dtype and convolution path
 
 
 def cache_file() -> Path:
@@ -128,15 +130,20 @@ def choose(dec):
         convs = ["aten"]
     if "int8" in convs:   # from how many positions each int8 conv pays (measured once per machine, remembered)
         int8_threshold.apply(dec, torch.bfloat16 if "bf16" in dtypes else torch.float32)
+    forced = [f"{e}={w}" for e, w in ((ENV, want), (CONV_ENV, want_conv)) if w != "auto"]
+    forced_how = measured.forced_by(" and ".join(f.split("=")[0] for f in forced)) if forced else None
     if len(dtypes) == len(convs) == 1:                      # both forced: nothing to measure
         out = _fp32(dec) if dtypes[0] == "fp32" else dec
         out.set_conv_mode(convs[0])
+        _note(dtypes[0], convs[0], forced_how or measured.DEFAULT, ", ".join(forced) or "one candidate here")
         return out
     key = machine_key(dec)
-    entry, measured = _read().get(key), {}
+    entry, timed = _read().get(key), {}
+    how = measured.REMEMBERED
     if entry is None or "conv" not in entry or entry.get("v", 1) < ENTRY_VERSION:   # (older entries: fewer paths)
-        entry, measured = _measure(dec)
+        entry, timed = _measure(dec)
         _write(key, entry)
+        how = measured.MEASURED
         log.info("codec decoder measured on this CPU: %s", entry)
     ms = entry["ms_per_frame"]
     dtype, conv = _pick(ms, dtypes, [c for c in convs if c != "int8"] or ["packed"])
@@ -151,12 +158,26 @@ def choose(dec):
             else:
                 log.info("codec: int8 convolutions faster but not accurate enough here (%s); %s %s kept", q, dtype,
                          conv)
-    out = measured.get(f"{dtype} {conv}")     # the timed copy (its weights already packed for those chunks)
+    why = "ms per frame " + ", ".join(f"{k} {v}" for k, v in ms.items())
+    _note(dtype, conv, forced_how or how, ", ".join(forced + [why]))
+    out = timed.get(f"{dtype} {conv}")     # the timed copy (its weights already packed for those chunks)
     if out is None:
         out = _fp32(dec) if dtype == "fp32" else dec
     out.set_conv_mode(conv)
     out.release_unused()                       # packed while measuring, not used
     return out
+
+
+def _note(dtype: str, conv: str, how: str, why: str) -> None:
+    """The process's record of the decoder's path (`measured.note`), and of how its int8 convolutions take a batch."""
+    measured.note(NAME, f"{dtype} {conv}", how, why)
+    if conv == "int8":
+        way = int8_conv.batch_setting()
+        env = int8_conv.BATCH_ENV
+        measured.note("codec int8 batch", way, measured.forced_by(env) if os.environ.get(env) else measured.DEFAULT,
+                      "row by row or one call, per conv as the decoder runs (int8_conv.PathClock)" if way == "auto"
+                      else f"{env}={os.environ.get(env, '')}" if way == "batched"
+                      else "one call per row")
 
 
 def _pick(ms: dict, dtypes: list, convs: list) -> tuple[str, str]:

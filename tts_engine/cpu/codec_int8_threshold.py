@@ -15,7 +15,7 @@ conv's packed weight stays in the cache between calls and the packed path looked
 decoded alike (38-40 ms per frame under load, 32: 44, int8 never: 54), so 128 (`int8_conv.MIN_POSITIONS`) was no
 worse a pick (the timing picked 256 at 26.3 ms per frame against 28.1 for 128); another CPU may differ. Once per
 machine (two warm-up decodes, WARM_UP, and at least one timed decode of 15 frames per candidate): the choice is remembered per CPU
-model, torch version, decoder shape and dtype in the cache folder (`<cache>/codec_int8/`, `remembered_choice`).
+model, torch version, decoder shape and dtype in the cache folder (`<cache>/codec_int8/`, `measured`).
 TTS_KERNEL_TUNE=0 measures nothing: MIN_POSITIONS stays.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 import torch
 
 from tts_engine.cpu import cpu_info
-from tts_engine.cpu import remembered_choice
+from tts_engine.cpu import measured
 from tts_engine.cpu import int8_conv
 
 log = logging.getLogger("tts_engine")
@@ -46,10 +46,11 @@ BUDGET_S = 3.0                     # no round starts after this many seconds of 
 WARM_UP = (min(CANDIDATES), max(CANDIDATES))
 VERSION = 2
 TUNE_ENV = "TTS_KERNEL_TUNE"
+NAME = "codec int8 threshold"     # its entry in measured.made() and TTSEngine.paths()
 
 
 def tuning_enabled() -> bool:
-    return remembered_choice.setting(TUNE_ENV) != "off"
+    return measured.setting(TUNE_ENV) != "off"
 
 
 def _rounds() -> int:
@@ -149,13 +150,14 @@ def apply(dec, dtype: torch.dtype) -> int | None:
     unavailable, or the measurement failed: MIN_POSITIONS stays)."""
     if not tuning_enabled() or not int8_conv.available():
         if int8_conv.available():
-            remembered_choice.note("codec_int8", str(int8_conv.MIN_POSITIONS), f"default: {TUNE_ENV}=0")
+            measured.note(NAME, str(int8_conv.MIN_POSITIONS), measured.forced_by(TUNE_ENV), f"{TUNE_ENV}=0")
         return None
     key = _key(dec, dtype)
-    path = remembered_choice.path_for("codec_int8", key)
-    got = remembered_choice.recall(path, key, tuple(str(t) for t in CANDIDATES))
+    path = measured.path_for("codec_int8", key)
+    got = measured.recall(path, key, tuple(str(t) for t in CANDIDATES))
     if got is not None:
         chosen = int(got["choice"])
+        measured.note(NAME, str(chosen), measured.REMEMBERED, got["why"])
         log.info("codec: int8 convolutions from %d positions per row (remembered: %s)", chosen, got["why"])
     else:
         t0 = time.perf_counter()
@@ -168,11 +170,12 @@ def apply(dec, dtype: torch.dtype) -> int | None:
         except Exception as e:   # noqa: BLE001 - never fatal: the default threshold stays
             log.warning("codec: int8 threshold not measured (%s); MIN_POSITIONS (%d) kept", e,
                         int8_conv.MIN_POSITIONS)
-            remembered_choice.note("codec_int8", str(int8_conv.MIN_POSITIONS), "default: the trial failed")
+            measured.note(NAME, str(int8_conv.MIN_POSITIONS), measured.FELL_BACK, f"the trial failed: {e}")
             return None
         chosen = pick(ms)
         why = f"ms per frame of a stream's first chunks {ms} (measured in {time.perf_counter() - t0:.1f} s)"
-        remembered_choice.remember(path, key, str(chosen), why)
+        measured.remember(path, key, str(chosen), why)
+        measured.note(NAME, str(chosen), measured.MEASURED, why)
         log.info("codec: int8 convolutions from %d positions per row (%s)", chosen, why)
     set_threshold(dec, chosen)
     return chosen

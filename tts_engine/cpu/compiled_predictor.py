@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from tts_engine.cache_paths import cache_root
+from tts_engine.cpu.measured import forced_by
 from tts_engine.model.layers import rms_norm, signed_sin, rope_cos_sin, apply_rope
 
 log = logging.getLogger("tts_engine")
@@ -57,7 +58,7 @@ class CompiledPredictorPass:
         self.positions = [torch.tensor([s], device=device) for s in range(self.S)]
         self.fn = torch.compile(self._pass, dynamic=False, fullgraph=True)
         self.ok = False
-        self.status = "off"
+        self._set("off", "")
 
     def _pass(self, x, pos, k_cache, v_cache):
         """x [1, T, talker D], pos [T] int64, k_cache/v_cache [layers, 1, Hkv, S, hd] -> normed hidden [1, T, D]."""
@@ -98,7 +99,7 @@ class CompiledPredictorPass:
         budget_s = COMPILE_BUDGET_S if budget_s is None else budget_s
         scratch_k, scratch_v = torch.zeros_like(cache.k), torch.zeros_like(cache.v)
         t0 = time.perf_counter()
-        self.status = "compiling"
+        self._set("compiling", "")
 
         def work():
             try:
@@ -109,11 +110,11 @@ class CompiledPredictorPass:
                     for s in (2, 3):   # a second position: the graph does not specialise on it
                         self.fn(x, self.positions[s], scratch_k[:, :1], scratch_v[:, :1])
             except Exception as e:   # a compile error: the eager path serves
-                self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                self._set("off", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 log.warning("compiled code predictor not used, serving eagerly: %s", self.status)
                 return
             took = time.perf_counter() - t0
-            self.status = f"on (warm-up {took:.1f} s)"
+            self._set("on", f"warm-up {took:.1f} s")
             self.ok = True
             log.info("code predictor pass compiled (inductor, one row): warm-up %.1f s", took)
 
@@ -121,10 +122,26 @@ class CompiledPredictorPass:
         self.thread.start()
         self.thread.join(budget_s if budget_s < 1e6 else None)   # (join cannot take an infinite timeout)
         if self.thread.is_alive():
-            self.status = (f"compiling (over {budget_s:.0f} s at start; eager until it is done, then on; "
-                           "cached for the next start)")
+            self._set("compiling", f"over {budget_s:.0f} s at start; eager until it is done, then on; "
+                                   "cached for the next start")
             log.warning("compiled code predictor: %s", self.status)
         return self.ok
+
+    def _set(self, state: str, why: str) -> None:
+        """state: "off", "compiling" or "on"; why: one line. `status` ("on (warm-up 3.1 s)") says both for logs."""
+        self._state = (state, why)
+        self.status = f"{state} ({why})" if why else state
+
+    def entry(self) -> dict[str, str]:
+        """Its entry in `TTSEngine.paths()` ("compiled predictor"): "compiled" once the warm-up compiled it, else
+        "eager" (still compiling, or fell back: why)."""
+        state, why = self._state
+        if self.ok:
+            return {"path": "compiled", "how": forced_by(ENV) if wanted() else "forced by compile_predictor=True",
+                    "why": why}
+        if state == "compiling":
+            return {"path": "eager", "how": "measuring", "why": f"compiling: {why}" if why else "compiling"}
+        return {"path": "eager", "how": "fell back" if why else "default", "why": why}
 
     def run(self, x, cache, start: int):
         """Normed hidden [1, 1, D] of position `start` (row 0 of `cache`); x [1, 1, talker D]. A call that would
@@ -134,5 +151,5 @@ class CompiledPredictorPass:
 
     def disable(self, e: BaseException) -> None:
         self.ok = False
-        self.status = f"off ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        self._set("off", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
         log.warning("compiled code predictor failed, serving eagerly from now on: %s", self.status)

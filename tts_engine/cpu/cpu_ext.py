@@ -420,38 +420,42 @@ def _share_key() -> dict:
 
 def _choose_share() -> None:
     """The process's share mode (`share`): TTS_MATMUL_SHARE where it forces one; else what was measured before on
-    this machine (remembered_choice, key: the kernel table's machine key), else the trial now (`measure_share`,
+    this machine (`measured`, key: the kernel table's machine key), else the trial now (`measure_share`,
     ~0.1-0.3 s once per machine) when kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
     with _share_lock:
         if "share" in _state:
             return
         _state["share"] = "split"
+        from tts_engine.cpu import measured
+
         mode, why = share_setting(), f"{SHARE_ENV}={os.environ.get(SHARE_ENV, '')}"
+        how = measured.forced_by(SHARE_ENV)
         try:
-            from tts_engine.cpu import remembered_choice
             from tts_engine.cpu import kernels
 
             if mode == "auto":
-                mode, why = "split", f"not measured ({kernels.TUNE_ENV}=0)"
+                mode, why, how = "split", f"not measured ({kernels.TUNE_ENV}=0)", measured.forced_by(kernels.TUNE_ENV)
                 if torch.get_num_threads() < 2:
-                    why = "one thread"
+                    why, how = "one thread", measured.DEFAULT
                 elif kernels.tuning_enabled():
                     key = _share_key()
-                    path = remembered_choice.path_for("matmul_share", key)
-                    got = remembered_choice.recall(path, key, tuple(SHARES))
+                    path = measured.path_for("matmul_share", key)
+                    got = measured.recall(path, key, tuple(SHARES))
                     if got is not None:
-                        mode, why = got["choice"], f"measured before: {got['why']}"
+                        mode, why, how = got["choice"], f"measured before: {got['why']}", measured.REMEMBERED
                     else:
                         t = measure_share()
                         mode = "claim" if t["claim"] < t["split"] else "split"
                         why = f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep"
-                        remembered_choice.remember(path, key, mode, why)
+                        how = measured.MEASURED
+                        measured.remember(path, key, mode, why)
                         log.info("tts_engine: W8A8/W4A8 calls share work by %s (%s)", mode, why)
         except Exception as e:   # the trial must never take the kernels down: split, as before
-            mode, why = "split", f"trial failed: {type(e).__name__}: {e}"[:200]
+            mode, why, how = "split", f"trial failed: {type(e).__name__}: {e}"[:200], measured.FELL_BACK
             log.warning("tts_engine: %s", why)
         set_share(mode)
         _state["share_why"] = why
+        measured.note("matmul share", mode, how, why)
 
 
 _share_lock = threading.RLock()

@@ -34,15 +34,14 @@ import ctypes
 import hashlib
 import logging
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tts_engine.cpu import remembered_choice
 from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import measured
+from tts_engine.cpu.measured import DEFAULT, FELL_BACK, MeasuredChoice, Record, forced_by, one_line
 from tts_engine.model.layers import KVCache
 
 log = logging.getLogger("tts_engine")
@@ -60,7 +59,7 @@ LAYER_FIELDS = 12       # fused_step.cpp LayerField
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_FUSED_STEP)."""
-    return remembered_choice.setting(ENV)
+    return measured.setting(ENV)
 
 
 TEAM_MODES = {"split": 0, "barrier": 1, "claim": 2}   # fused_step.cpp TeamMode
@@ -280,36 +279,42 @@ class StackPlan:
 
 
 # --- the choice between the fused and the eager step -----------------------------------------------------------------
-def _choice_path(key: dict) -> Path:
-    return remembered_choice.path_for("fused_step", key, prefix=f"{key['stack']}-")
+CANDIDATES = ("eager", "fused")   # the reference first (measured.MeasuredChoice)
 
 
 class FusedStep:
     """Serves `DecoderStack.run` calls through a `StackPlan` where that was measured faster (module doc): built with
-    nothing remembered, it runs the trial at once (`_measure`, on the plan's stack). state: "on", "off" ("trial" only
-    while it measures); status: one line for logs and benchmarks."""
+    nothing remembered, it runs the trial at once (`_measure`, on the plan's stack). `choice` (a
+    `measured.MeasuredChoice`, part "<name> stack") holds the answer and its record; state: "on", "off" ("trial"
+    only while it measures)."""
 
     def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False):
         self.plan, self.name = plan, name
         self.threads_switch = threads_switch   # () -> threads.MatmulThreads or None (the governor's "matmul" option)
-        self.times: dict[str, list[float]] = {"fused": [], "eager": []}
         self.min_cos = 1.0
-        self.key = None
-        self.state, self.status = "trial", "measuring"
         self._index: dict = {}   # (first row, B, T) -> (cache rows of the B T entries, position offsets [1, T])
-        if force:
-            self.state, self.status = "on", "on (TTS_FUSED_STEP=1)"
-            return
-        from tts_engine.cpu.kernels import machine_key
+        key = None
+        if not force:
+            from tts_engine.cpu.kernels import machine_key
 
-        self.key = {"machine": machine_key(), "fused": tag(), "stack": name, "wbits": plan.wbits,
-                    "dims": plan.dims.tolist()}
-        got = remembered_choice.recall(_choice_path(self.key), self.key, ("fused", "eager"))
-        if got is not None:
-            self.state = "on" if got["choice"] == "fused" else "off"
-            self.status = f"{self.state} (measured before: {got['why']})"
-            return
-        self._measure()
+            key = {"machine": machine_key(), "fused": tag(), "stack": name, "wbits": plan.wbits,
+                   "dims": plan.dims.tolist()}
+        self.choice = MeasuredChoice(f"{name} stack", CANDIDATES, env=ENV, key=key, folder="fused_step",
+                                     prefix=f"{name}-", label=f"fused {name} step", fallback="eager")
+        self.times = self.choice.times
+        if force:
+            self.choice.force("fused")
+        elif not self.choice.recall():
+            self._measure()
+
+    @property
+    def state(self) -> str:
+        c = self.choice.chosen
+        return "trial" if c is None else "on" if c == "fused" else "off"
+
+    @property
+    def record(self) -> Record:
+        return self.choice.record
 
     def takes(self, B: int, T: int) -> bool:
         return self.state != "off" and T <= MAX_T and B * T <= MAX_ENTRIES
@@ -358,8 +363,8 @@ class FusedStep:
 
     def _measure(self) -> None:
         """The trial (module doc): TRIAL_PAIRS one-position calls of one row on a private scratch cache, both paths
-        on the same random input each, alternating which goes first -> state "on" or "off". No engine cache and no
-        request sees it."""
+        on the same random input each, alternating which goes first (`MeasuredChoice.trial`) -> state "on" or
+        "off". No engine cache and no request sees it."""
         stack = self.plan.stack
         cfg, dtype = stack.cfg, stack.norm.weight.dtype
         g = torch.Generator().manual_seed(0)
@@ -367,71 +372,57 @@ class FusedStep:
                         "cpu", dtype)
         for t in (cache.k, cache.v):   # earlier positions' keys and values: something to attend to
             t.copy_(torch.randn(t.shape, generator=g))
-        clock = time.perf_counter
-        try:
-            with torch.inference_mode():
-                for i in range(TRIAL_PAIRS):
-                    pos = TRIAL_POS + i
-                    x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
-                    start, got = torch.tensor([pos]), {}
-                    for which in (("fused", "eager") if i % 2 else ("eager", "fused")):
-                        t0 = clock()
-                        got[which] = self._fused(x, cache, slice(0, 1), start) if which == "fused" \
-                            else stack._run_eager(x, cache, slice(0, 1), start, pos + 1, None, None)
-                        self.times[which].append(clock() - t0)
-                    cos = F.cosine_similarity(got["fused"].float().reshape(1, -1), got["eager"].float().reshape(1, -1))
-                    self.min_cos = min(self.min_cos, float(cos))
-        except Exception as e:
-            self.disable(f"{type(e).__name__}: {e}")
-            return
-        if self.min_cos < MIN_COS:
-            self.disable(f"its hidden states differ from the eager path's (cosine {self.min_cos:.4f} < {MIN_COS})")
-            return
-        self._decide()
+
+        def inputs(i):
+            pos = TRIAL_POS + i
+            return torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype), torch.tensor([pos]), pos
+
+        run = {"eager": lambda x, start, pos: stack._run_eager(x, cache, slice(0, 1), start, pos + 1, None, None),
+               "fused": lambda x, start, pos: self._fused(x, cache, slice(0, 1), start)}
+        with torch.inference_mode():
+            if self.choice.trial(run, TRIAL_PAIRS, inputs, self._check):
+                self._decide()
+
+    def _check(self, eager: torch.Tensor, fused: torch.Tensor) -> str | None:
+        """Why the fused hidden states do not agree with the eager ones (cosine < MIN_COS: a bug detector), or None."""
+        cos = float(F.cosine_similarity(fused.float().reshape(1, -1), eager.float().reshape(1, -1)))
+        self.min_cos = min(self.min_cos, cos)
+        if cos < MIN_COS:
+            return f"its hidden states differ from the eager path's (cosine {cos:.4f} < {MIN_COS})"
+        return None
 
     def _decide(self) -> None:
-        f, e = statistics.median(self.times["fused"]), statistics.median(self.times["eager"])
-        self.state = "on" if f < e else "off"
-        why = f"fused {1e3 * f:.2f} ms vs eager {1e3 * e:.2f} ms per call, hidden cos >= {self.min_cos:.5f}"
-        self.status = f"{self.state} ({why})"
-        log.info("tts_engine: fused %s step %s", self.name, self.status)
-        if self.key is not None:
-            remembered_choice.remember(_choice_path(self.key), self.key, "fused" if self.state == "on" else "eager", why)
+        self.choice.decide(note=f"per call, hidden cos >= {self.min_cos:.5f}")
 
     def disable(self, why: str) -> None:
-        self.state = "off"
-        self.status = f"off ({why.splitlines()[0][:200] if why else ''})"
-        log.warning("tts_engine: fused %s step not used, eager from now on: %s", self.name, self.status)
+        self.choice.fall_back(why)
 
 
-def attach(talker) -> dict[str, str]:
+def attach(talker) -> dict[str, MeasuredChoice | Record]:
     """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 or bf16
-    on a CPU and the fused library runs here -> {stack: status}. Never raises."""
+    on a CPU and the fused library runs here -> {"talker stack": .., "predictor stack": ..}: the step's choice, or
+    the record of why there is none (`ModelRunner.path_entries`). Never raises."""
     out = {}
     mode = setting()
     stacks = {"talker": talker.model, "predictor": talker.code_predictor.model}
     for name, stack in stacks.items():
+        part = f"{name} stack"
         stack.fused = None
         if mode == "off":
-            out[name] = f"off ({ENV}=0)"
+            out[part] = Record("eager", forced_by(ENV), f"{ENV}={os.environ.get(ENV, '')}")
             continue
         if stack.norm.weight.device.type != "cpu":
-            out[name] = "off (CPU only)"
+            out[part] = Record("eager", DEFAULT, "CPU only")
             continue
         try:
             plan = StackPlan(stack)
             library()
             stack.fused = FusedStep(plan, name, lambda: getattr(talker, "_matmul_threads", None), force=mode == "on")
-            out[name] = stack.fused.status
+            out[part] = stack.fused.choice
         except Exception as e:   # not a quantised stack, no compiler, ...: eager, one line
-            why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            out[name] = f"off ({why})"
+            why = one_line(f"{type(e).__name__}: {e}")
+            # (a stack the fused step does not read is no failure: that is the default)
+            out[part] = Record("eager", DEFAULT if isinstance(e, ValueError) else FELL_BACK, why)
             if not isinstance(e, ValueError):
                 log.warning("tts_engine: fused %s step not used: %s", name, why)
     return out
-
-
-def status(talker) -> dict[str, str]:
-    """{stack: status line} of the fused steps attached to `talker`."""
-    return {name: (s.fused.status if getattr(s, "fused", None) is not None else "off")
-            for name, s in (("talker", talker.model), ("predictor", talker.code_predictor.model))}

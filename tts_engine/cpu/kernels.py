@@ -57,10 +57,12 @@ import torch.nn.functional as F
 from tts_engine import cache_paths
 from tts_engine.cpu import cpu_info
 from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import measured
 
 log = logging.getLogger("tts_engine")
 
 TUNE_ENV = "TTS_KERNEL_TUNE"        # 0 / off / no: measure nothing, use each format's default
+TABLE_NAME = "kernel table"        # its entry in measured.made() and TTSEngine.paths()
 CACHE_ENV = cache_paths.ENV
 TABLE_VERSION = 1
 ROW_BUCKETS = (1, 4)                # a call with M rows uses bucket 1 for M <= 2, else 4
@@ -445,11 +447,15 @@ class KernelTable:
         """Measure every (N, K) of `shapes` x `buckets` of `fmt` not in the table yet (one scratch buffer for all),
         then save once. Returns how many were measured. Nothing is measured when tuning is off."""
         if not tuning_enabled():
+            measured.note(TABLE_NAME, "each format's default", measured.forced_by(TUNE_ENV), f"{TUNE_ENV}=0")
             return 0
         with self._lock:
             todo = [(N, K, b) for N, K in dict.fromkeys(shapes) for b in buckets
                     if self.entry_key(fmt, N, K, b) not in self.entries]
             if not todo:
+                if self.entries and not self.measured_now:
+                    measured.note(TABLE_NAME, "the fastest per shape", measured.REMEMBERED,
+                                  f"{len(self.entries)} shapes in {self.path}")
                 return 0
             t0 = time.perf_counter()
             buf = scratch_buffer()
@@ -463,6 +469,8 @@ class KernelTable:
             del buf
             self.measured_now += len(todo)
             self.save()
+            measured.note(TABLE_NAME, "the fastest per shape", measured.MEASURED,
+                          f"{self.measured_now} shapes measured here ({self.path})")
             log.info("tts_engine: measured %d %s kernel shapes in %.2f s (%s)", len(todo), fmt,
                      time.perf_counter() - t0, self.path)
             return len(todo)

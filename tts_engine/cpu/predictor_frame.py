@@ -39,19 +39,20 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import statistics
-import time
+import os
 from pathlib import Path
 
 import torch
 
-from tts_engine.cpu import remembered_choice
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import fused_step
+from tts_engine.cpu import measured
+from tts_engine.cpu.measured import DEFAULT, FELL_BACK, MeasuredChoice, Record, forced_by, one_line
 
 log = logging.getLogger("tts_engine")
 
 ENV = "TTS_PREDICTOR_FRAME"
+PART = "predictor frame"                 # its entry in TTSEngine.paths()
 SOURCE = Path(__file__).parent / "csrc" / "predictor_frame.cpp"
 MAX_ROWS = fused_step.MAX_ENTRIES // 2   # the first pass has two entries a row
 TRIAL_FRAMES = 4                         # timed (loop, frame) pairs before choosing
@@ -60,7 +61,7 @@ MIN_AGREE = 0.5                          # first-codebook codes of the two paths
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_PREDICTOR_FRAME)."""
-    return remembered_choice.setting(ENV)
+    return measured.setting(ENV)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -252,37 +253,48 @@ class FramePlan:
 
 
 # --- the choice between the frame and the Python loop ----------------------------------------------------------------
-def _choice_path(key: dict) -> Path:
-    return remembered_choice.path_for("predictor_frame", key)
+CANDIDATES = ("loop", "frame", "frame-team")   # the reference first (measured.MeasuredChoice)
 
 
 class PredictorFrame:
     """Serves `ModelRunner._predict_residuals` through a `FramePlan` where that was measured faster (module doc).
-    state: "trial", "on", "off"; team: the frame's way with torch's threads once on (fused_step.TEAM_MODES value;
-    None: `set_team`'s setting, as TTS_FUSED_TEAM says); status: one line for logs and benchmarks."""
+    `choice` (a `measured.MeasuredChoice`, part "predictor frame") holds the answer and its record; state: "trial",
+    "on", "off"; team: the frame's way with torch's threads once on (fused_step.TEAM_MODES value; None: `set_team`'s
+    setting, as TTS_FUSED_TEAM says)."""
 
     TEAM = fused_step.TEAM_MODES["claim"]   # the trial's "frame-team": the whole frame in one parallel region
 
     def __init__(self, plan: FramePlan, fused: fused_step.FusedStep, threads_switch=None, force: bool = False):
         self.plan, self.fused = plan, fused
         self.threads_switch = threads_switch
-        self.times: dict[str, list[float]] = {"frame": [], "loop": [], "frame-team": []}
         self.agree = [0, 0]
-        self.key = None
-        self.team = None
-        self.state, self.status = "trial", "measuring"
-        if force:
-            self.state, self.status = "on", f"on ({ENV}=1)"
-            return
-        from tts_engine.cpu.kernels import machine_key
+        key = None
+        if not force:
+            from tts_engine.cpu.kernels import machine_key
 
-        self.key = {"machine": machine_key(), "frame": tag(), "wbits": plan.stack.wbits,
-                    "dims": plan.stack.dims.tolist(), "V": plan.V, "Dt": plan.Dt}
-        got = remembered_choice.recall(_choice_path(self.key), self.key, ("frame", "frame-team", "loop"))
-        if got is not None:
-            self.state = "off" if got["choice"] == "loop" else "on"
-            self.team = self.TEAM if got["choice"] == "frame-team" else 0 if got["choice"] == "frame" else None
-            self.status = f"{self.state} (measured before: {got['why']})"
+            key = {"machine": machine_key(), "frame": tag(), "wbits": plan.stack.wbits,
+                   "dims": plan.stack.dims.tolist(), "V": plan.V, "Dt": plan.Dt}
+        self.choice = MeasuredChoice("predictor frame", CANDIDATES, env=ENV, key=key, folder="predictor_frame",
+                                     label="code predictor frame", fallback="the Python loop")
+        self.times = self.choice.times
+        if force:
+            self.choice.force("frame")
+            self.team = None   # as `set_team` says
+        else:
+            self.choice.recall()
+            self.team = self._team_of(self.choice.chosen)
+
+    def _team_of(self, chosen: str | None) -> int | None:
+        return self.TEAM if chosen == "frame-team" else 0 if chosen == "frame" else None
+
+    @property
+    def state(self) -> str:
+        c = self.choice.chosen
+        return "trial" if c is None else "off" if c == "loop" else "on"
+
+    @property
+    def record(self) -> Record:
+        return self.choice.record
 
     def takes(self, B: int) -> bool:
         """The frame may serve B rows now: it is not off, B fits, and the predictor's fused step serves."""
@@ -313,21 +325,17 @@ class PredictorFrame:
         n = len(self.times["loop"])
         paths = ["loop", "frame"] + (["frame-team"] if "frame-team" in self.times else [])
         paths = paths[n % len(paths):] + paths[:n % len(paths)]
-        clock = time.perf_counter
         try:
             res = {}
             for which in paths:
-                t0 = clock()
-                res[which] = (loop() if which == "loop" else
-                              self._frame(h, c0, frame_idx, rp, cache, self.TEAM if which == "frame-team" else 0))
-                self.times[which].append(clock() - t0)
+                res[which] = (self.choice.time(which, loop) if which == "loop" else
+                              self.choice.time(which, self._frame, h, c0, frame_idx, rp, cache,
+                                               self.TEAM if which == "frame-team" else 0))
         except Exception as e:
             self.disable(f"{type(e).__name__}: {e}")
             return loop()
         if "frame-team" in res and not torch.equal(res["frame-team"], res["frame"]):
-            log.warning("tts_engine: the predictor frame in one parallel region gave other codes than the split "
-                        "frame; not used")
-            del self.times["frame-team"]
+            self.choice.drop("frame-team", "the frame in one parallel region gave other codes than the split frame")
         same = res["frame"][:, 1] == res["loop"][:, 1]
         self.agree[0] += int(same.sum())
         self.agree[1] += same.numel()
@@ -340,42 +348,35 @@ class PredictorFrame:
         if rate < MIN_AGREE:
             self.disable(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
             return
-        med = {k: statistics.median(v) for k, v in self.times.items() if len(v) >= TRIAL_FRAMES // 2 and v}
-        best = min(med, key=med.get)
-        self.state = "off" if best == "loop" else "on"
-        self.team = self.TEAM if best == "frame-team" else 0 if best == "frame" else None
-        why = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
-        why = f"{best} by median: {why.replace('loop', 'Python loop')}, first codebook agreeing {rate:.0%}"
-        self.status = f"{self.state} ({why})"
-        log.info("tts_engine: code predictor frame in one call %s", self.status)
-        if self.key is not None:
-            remembered_choice.remember(_choice_path(self.key), self.key, best, why)
+        best = self.choice.decide(min_samples=TRIAL_FRAMES // 2, names={"loop": "Python loop"},
+                                  note=f"first codebook agreeing {rate:.0%}")
+        self.team = self._team_of(best)
 
     def disable(self, why: str) -> None:
-        self.state = "off"
-        self.status = f"off ({why.splitlines()[0][:200] if why else ''})"
-        log.warning("tts_engine: code predictor frame not used, the Python loop from now on: %s", self.status)
+        self.choice.fall_back(why)
+        self.team = None
 
 
-def attach(talker) -> str:
+def attach(talker) -> dict[str, MeasuredChoice | Record]:
     """Give the code predictor a `PredictorFrame` (`talker.code_predictor.frame`) where its stack has a fused step
-    (fused_step.attach ran first) and the library runs here -> status line. Never raises."""
+    (fused_step.attach ran first) and the library runs here -> {"predictor frame": the frame's choice, or the record
+    of why there is none} (`ModelRunner.path_entries`). Never raises."""
     cp = talker.code_predictor
     cp.frame = None
     mode = setting()
     if mode == "off":
-        return f"off ({ENV}=0)"
+        return {PART: Record("loop", forced_by(ENV), f"{ENV}={os.environ.get(ENV, '')}")}
     fused = getattr(cp.model, "fused", None)
     if fused is None:
-        return "off (the code predictor has no fused step)"
+        return {PART: Record("loop", DEFAULT, "the code predictor has no fused step")}
     try:
         plan = FramePlan(talker, fused.plan)
         library()
         cp.frame = PredictorFrame(plan, fused, lambda: getattr(talker, "_matmul_threads", None),
                                   force=mode == "on")
-        return cp.frame.status
+        return {PART: cp.frame.choice}
     except Exception as e:   # an unsupported layer, no compiler, ...: the Python loop, one line
-        why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        why = one_line(f"{type(e).__name__}: {e}")
         if not isinstance(e, ValueError):
             log.warning("tts_engine: code predictor frame not used: %s", why)
-        return f"off ({why})"
+        return {PART: Record("loop", DEFAULT if isinstance(e, ValueError) else FELL_BACK, why)}

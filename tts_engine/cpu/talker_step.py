@@ -30,21 +30,22 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import statistics
-import time
+import os
 from pathlib import Path
 
 import torch
 
-from tts_engine.cpu import remembered_choice
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import fused_step
 from tts_engine.cpu import kernels
+from tts_engine.cpu import measured
 from tts_engine.cpu import predictor_frame
+from tts_engine.cpu.measured import DEFAULT, FELL_BACK, MeasuredChoice, Record, forced_by, one_line
 
 log = logging.getLogger("tts_engine")
 
 ENV = "TTS_TALKER_STEP"
+PART = "talker step"     # its entry in TTSEngine.paths()
 SOURCE = Path(__file__).parent / "csrc" / "talker_step.cpp"
 MAX_ROWS = fused_step.MAX_ENTRIES
 TRIAL_PAIRS = 4         # timed (python, step) pairs before choosing
@@ -54,7 +55,7 @@ EXACT_W8A8 = ("int_mm", "vnni", "own_avx2")   # W8A8 head kernels whose numbers 
 
 def setting() -> str:
     """"auto", "on" or "off" (env TTS_TALKER_STEP)."""
-    return remembered_choice.setting(ENV)
+    return measured.setting(ENV)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -206,32 +207,39 @@ class StepPlan:
 
 
 # --- the choice between the step and the Python path -----------------------------------------------------------------
-def _choice_path(key: dict) -> Path:
-    return remembered_choice.path_for("talker_step", key)
+CANDIDATES = ("python", "step")   # the reference first (measured.MeasuredChoice)
 
 
 class TalkerStep:
-    """Serves `ModelRunner._advance` through a `StepPlan` where that was measured faster (module doc).
-    state: "trial", "on", "off"; status: one line for logs and benchmarks."""
+    """Serves `ModelRunner._advance` through a `StepPlan` where that was measured faster (module doc). `choice` (a
+    `measured.MeasuredChoice`, part "talker step") holds the answer and its record; state: "trial", "on", "off"."""
 
     def __init__(self, plan: StepPlan, fused: fused_step.FusedStep, force: bool = False):
         self.plan, self.fused = plan, fused
-        self.times: dict[str, list[float]] = {"step": [], "python": []}
         self.agree = [0, 0]
-        self.key = None
-        self.state, self.status = "trial", "measuring"
-        if force:
-            self.state, self.status = "on", f"on ({ENV}=1)"
-            return
-        from tts_engine.cpu.kernels import machine_key
+        key = None
+        if not force:
+            from tts_engine.cpu.kernels import machine_key
 
-        sp = plan.stack
-        self.key = {"machine": machine_key(), "step": tag(), "wbits": sp.wbits, "dims": sp.dims.tolist(),
-                    "V": plan.V, "head_in_call": plan.head_in_call(1)}
-        got = remembered_choice.recall(_choice_path(self.key), self.key, ("step", "python"))
-        if got is not None:
-            self.state = "on" if got["choice"] == "step" else "off"
-            self.status = f"{self.state} (measured before: {got['why']})"
+            sp = plan.stack
+            key = {"machine": machine_key(), "step": tag(), "wbits": sp.wbits, "dims": sp.dims.tolist(),
+                   "V": plan.V, "head_in_call": plan.head_in_call(1)}
+        self.choice = MeasuredChoice(PART, CANDIDATES, env=ENV, key=key, folder="talker_step",
+                                     label="talker step in one call", fallback="the Python path")
+        self.times = self.choice.times
+        if force:
+            self.choice.force("step")
+        else:
+            self.choice.recall()
+
+    @property
+    def state(self) -> str:
+        c = self.choice.chosen
+        return "trial" if c is None else "on" if c == "step" else "off"
+
+    @property
+    def record(self) -> Record:
+        return self.choice.record
 
     def takes(self, B: int) -> bool:
         """The step may serve B rows now: it is on, B fits, and the talker's fused step serves."""
@@ -263,7 +271,6 @@ class TalkerStep:
         names = ("pos", "step", "seen", "hidden", "c0", "trailing_len", "max_new")
         saved = {n: getattr(runner, n)[0].clone() for n in names}
         V = self.plan.V
-        clock = time.perf_counter
         try:
             runner.pos[0], runner.step[0], runner.max_new[0], runner.trailing_len[0] = TRIAL_POS, 3, 1 << 20, 0
             runner.seen[0] = torch.rand(V, generator=g) < 0.02
@@ -274,12 +281,7 @@ class TalkerStep:
                 for which in (("step", "python") if i % 2 else ("python", "step")):
                     for n in names:
                         getattr(runner, n)[0] = start[n]
-                    t0 = clock()
-                    if which == "step":
-                        self._step(r, rp, codes)
-                    else:
-                        python_step(r, rp, codes)
-                    self.times[which].append(clock() - t0)
+                    self.choice.time(which, self._step if which == "step" else python_step, r, rp, codes)
                     got[which] = (int(runner.c0[0]), runner.hidden[0].clone())
                 self.agree[1] += 1
                 self.agree[0] += int(got["step"][0] == got["python"][0] and torch.equal(got["step"][1], got["python"][1]))
@@ -293,36 +295,29 @@ class TalkerStep:
             self.disable(f"its codebook-0 ids or hidden states differ from the Python path's in "
                          f"{self.agree[1] - self.agree[0]} of {self.agree[1]} trial steps")
             return
-        f, p = statistics.median(self.times["step"]), statistics.median(self.times["python"])
-        self.state = "on" if f < p else "off"
-        why = f"step {1e3 * f:.2f} ms vs Python {1e3 * p:.2f} ms, the same ids and hidden states"
-        self.status = f"{self.state} ({why})"
-        log.info("tts_engine: talker step in one call %s", self.status)
-        if self.key is not None:
-            remembered_choice.remember(_choice_path(self.key), self.key, "step" if self.state == "on" else "python", why)
+        self.choice.decide(names={"python": "Python"}, note="the same ids and hidden states")
 
     def disable(self, why: str) -> None:
-        self.state = "off"
-        self.status = f"off ({why.splitlines()[0][:200] if why else ''})"
-        log.warning("tts_engine: talker step in one call not used, the Python path from now on: %s", self.status)
+        self.choice.fall_back(why)
 
 
-def attach(runner) -> tuple[TalkerStep | None, str]:
+def attach(runner) -> tuple[TalkerStep | None, MeasuredChoice | Record]:
     """A `TalkerStep` for `runner` where its talker stack has a fused step (fused_step.attach ran first) and the library
-    runs here -> (step or None, status line). Never raises. The caller runs its trial (`TalkerStep.measure`)."""
+    runs here -> (step or None, the step's choice or the record of why there is none: `ModelRunner.path_entries`'s
+    "talker step"). Never raises. The caller runs its trial (`TalkerStep.measure`)."""
     mode = setting()
     if mode == "off":
-        return None, f"off ({ENV}=0)"
+        return None, Record("python", forced_by(ENV), f"{ENV}={os.environ.get(ENV, '')}")
     fused = getattr(runner.talker.model, "fused", None)
     if fused is None or fused.state != "on":
-        return None, "off (the talker's fused step does not serve)"
+        return None, Record("python", DEFAULT, "the talker's fused step does not serve")
     try:
         plan = StepPlan(runner, fused.plan)
         library()
         step = TalkerStep(plan, fused, force=mode == "on")
-        return step, step.status
+        return step, step.choice
     except Exception as e:   # not a fused stack, no compiler, ...: the Python path, one line
-        why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        why = one_line(f"{type(e).__name__}: {e}")
         if not isinstance(e, ValueError):
             log.warning("tts_engine: talker step in one call not used: %s", why)
-        return None, f"off ({why})"
+        return None, Record("python", DEFAULT if isinstance(e, ValueError) else FELL_BACK, why)

@@ -136,10 +136,27 @@ class ThreadGovernor:
             promising = seconds < PROMISING * best_ema or self.best(key) != before
             s.interval = self.explore_every if promising else min(2 * s.interval, self.max_interval)
 
+    def entry(self) -> dict[str, str]:
+        """Its entry in `TTSEngine.paths()` ("threads"): the options, and the fastest of each situation so far."""
+        with self.lock:
+            best = {k: self.best(k) for k, s in self._sit.items() if s.stats}
+        why = "; ".join(f"{situation_name(k)}: {option_name(o)}" for k, o in best.items())
+        return {"path": "chosen per frame: " + " / ".join(option_name(o) for o in self.options),
+                "how": "measured now", "why": f"fastest so far: {why}" if why else "no frame run yet"}
+
     def snapshot(self) -> dict:
         """{situation: {option: (average ms, frames)}} for benchmarks and logs."""
         with self.lock:
             return {k: {o: (round(1000 * st.ema, 1), st.n) for o, st in s.stats.items()} for k, s in self._sit.items()}
+
+
+def option_name(option) -> str:
+    return "1 thread" if option == 1 else "threads in the matmuls only" if option == MATMUL else f"{option} threads"
+
+
+def situation_name(key: tuple) -> str:
+    """"1-2 rows, codec busy, talker" for situation (1, True, "talker")."""
+    return ", ".join([f"{'1-2' if key[0] == 1 else '3+'} rows"] + (["codec busy"] if key[1] else []) + list(key[2:]))
 
 
 class MatmulThreads:

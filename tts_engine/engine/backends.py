@@ -4,10 +4,11 @@
   CPU   `tts_engine.cpu.backend.CpuBackend(**options).attach(runner)` (options: compile_predictor, govern_threads);
   CUDA  `tts_engine.gpu.backend.attach(runner)` where that module imports (absent or raising: one log line, and
         the runner serves its plain path, eager or CUDA graphs).
-The backend is recorded as `runner.backend`: an object with `path_entries()` ({part: {"path", "how", "why"}}, read
-through `ModelRunner.path_entries`) and, optionally, `step_scope(rows)` and `outside_step_scope()` (context managers
-around a frame step and around the codes' hand-over between its halves). It may set, and only when it attaches, the
-runner's `talker_step` (a one-call talker step) and the model's hooks (`DecoderStack.fused`, `CodePredictor.frame`,
+The backend is recorded as `runner.backend`: an object with, optionally, `step_scope(rows)` and
+`outside_step_scope()` (context managers around a frame step and around the codes' hand-over between its halves). It
+writes what serves each part of a frame into `runner.path_entries` ({part: a `cpu.measured.MeasuredChoice` / `Record`
+or a {"path", "how", "why"} dict}, listed by `TTSEngine.paths()`), and may set, only when it attaches, the runner's
+`talker_step` (a one-call talker step) and the model's hooks (`DecoderStack.fused`, `CodePredictor.frame`,
 `CodePredictor.compiled`).
 A runner built with `fast_paths=False` gets none of them: the plain PyTorch path of model/.
 """

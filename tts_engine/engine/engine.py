@@ -30,7 +30,6 @@ from tts_engine.engine.prefix_cache import PrefixCache
 from tts_engine.engine.request import Request
 from tts_engine.engine.scheduler import END, Scheduler, Sequence
 from tts_engine.engine.worker import EngineWorker
-from tts_engine.cpu.fused_step import status as fused_step_status
 
 SAMPLE_RATE = 24000
 MAX_TEXT_CHARS = 5000
@@ -107,25 +106,6 @@ PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16
 OVERLAP_CODEC_CPU_DEFAULT = True
 
 
-def _path_entry(line: str) -> dict[str, str]:
-    """A status line "on (measured before: ...)" -> {"path": "on", "how": ..., "why": ...}."""
-    line = str(line or "off")
-    head, _, rest = line.partition(" (")
-    why = rest[:-1] if rest.endswith(")") else rest
-    low = why.lower()
-    if "measured before" in low or "remembered" in low:
-        how = "remembered"
-    elif "tts_" in low and "=" in low:
-        how = "forced by a variable"
-    elif head == "off" and why and why not in ("CPU", "CPU only", "eager", "off"):
-        how = "fell back" if any(w in low for w in ("error", "failed", "raised", "disagree")) else "default"
-    elif "measur" in low or "faster" in low or "slower" in low:
-        how = "measured now"
-    else:
-        how = "default"
-    return {"path": head, "how": how, "why": why}
-
-
 def _chunk_frames(v) -> int | tuple[int, ...]:
     """`first_chunk_frames` checked: a positive int, or a non-empty tuple of them."""
     try:
@@ -150,7 +130,7 @@ class TTSEngine:
         bucket now, as the engine's warm-up, instead of on first use inside a request; reference_cache: cloned
         voices kept (LRU keyed by clip, transcript and mode) so a repeated clone skips both encoders, and the codec
         decoder's state after an ICL voice's reference codes (32 kept) so its requests skip priming it (0: both
-        off). A capture or replay that raises turns graphs off for good with one log line (`graph_status` says
+        off). A capture or replay that raises turns graphs off for good with one log line (`paths()["frame"]` says
         why); the engine keeps serving. overlap_codec: decode each request's chunks after its first on a codec
         thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
         `OVERLAP_CODEC_CPU_DEFAULT` in 16-bit and quantised modes where torch has 2+ threads, off in fp32, on a GPU
@@ -194,8 +174,8 @@ class TTSEngine:
 
             self.start_graphs(GraphedFrames(self.runner), capture_now=capture_graphs_at_start)
         else:
-            self.runner.graph_status = "off (eager)" if gpu else "off (CPU)"
-        self._compiled_predictor_status = getattr(self.runner.backend, "compiled_predictor_status", "off")
+            self.runner.path_entries["frame"] = {"path": "eager", "how": "default",
+                                                 "why": "use_cuda_graphs=False" if gpu else "CUDA graphs need a GPU"}
         self.scheduler = Scheduler(self.max_batch, max_waiting)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
@@ -203,6 +183,10 @@ class TTSEngine:
             # (fp32 keeps every decode in this thread, as before: its audio stays bit for bit)
             overlap_codec = OVERLAP_CODEC_CPU_DEFAULT if not gpu and torch.get_num_threads() >= 2 \
                 and model.dtype != torch.float32 else False
+            self._codec_why = ("default", "fp32, a GPU or one thread: in the worker" if not overlap_codec
+                               else "on a CPU with 2+ threads in 16-bit and quantised modes")
+        else:
+            self._codec_why = ("forced by overlap_codec", f"overlap_codec={overlap_codec!r}")
         self.worker.overlap_codec(overlap_codec, codec_threads)
         backend = self.runner.backend   # (the CPU backend chose the thread governor at attach)
         self.worker.govern_threads(getattr(backend, "governor", None), getattr(backend, "matmul_threads", None))
@@ -239,7 +223,8 @@ class TTSEngine:
         and the engine serves eagerly for good."""
         self.runner.graphs = graphs
         if not capture_now:
-            self.runner.graph_status = "on (buckets captured on first use)"
+            self.runner.path_entries["frame"] = {"path": "cuda graphs", "how": "default",
+                                                 "why": "buckets captured on first use"}
             return
         t0 = time.perf_counter()
         try:
@@ -247,36 +232,44 @@ class TTSEngine:
         except Exception as e:
             self.runner.disable_graphs(f"capture failed: {type(e).__name__}: {e}".splitlines()[0][:300])
             return
-        self.runner.graph_status = f"on ({len(graphs.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s)"
-
-    @property
-    def compiled_predictor_status(self) -> str:
-        """"off", "compiling ...", "on (warm-up N s)" or "off (why)": the optional compiled code-predictor pass."""
-        c = self.model.talker.code_predictor.compiled
-        return c.status if c is not None else self._compiled_predictor_status
-
-    @property
-    def graph_status(self) -> str:
-        """Whether the per-frame step replays CUDA graphs ("on (...)") or runs eagerly ("off (why)")."""
-        return self.runner.graph_status
+        self.runner.path_entries["frame"] = {
+            "path": "cuda graphs", "how": "default",
+            "why": f"{len(graphs.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s"}
 
     def paths(self) -> dict[str, dict[str, str]]:
         """What serves each part of a frame right now, and why: {part: {"path": what runs, "how": "measured now" |
-        "remembered" | "default" | "forced by TTS_..." | "fell back", "why": one line}}. Parts: "frame" (CUDA graphs
-        or eager), "talker step", "talker stack", "predictor stack", "predictor frame", "compiled predictor",
-        "threads", plus every remembered measured choice of this process. The page's footer, the API's headers and
-        the benchmarks print it."""
-        r = self.runner
-        fused = fused_step_status(self.model.talker)
-        raw = {"frame": self.graph_status, "talker step": r.talker_step_status, "talker stack": fused["talker"],
-               "predictor stack": fused["predictor"], "predictor frame": r.frame_status,
-               "compiled predictor": self.compiled_predictor_status}
-        out = {k: _path_entry(v) for k, v in raw.items()}
-        from tts_engine.cpu import remembered_choice
+        "remembered" | "default" | "forced by TTS_..." | "fell back" | "measuring", "why": one line}}.
 
-        for name, line in remembered_choice.made().items():
-            out.setdefault(name, _path_entry(line))
+        Parts: "frame" (CUDA graphs or eager) and whatever the device's backend attached to the model runner
+        (`ModelRunner.path_entries`; on a CPU "talker stack", "predictor stack", "predictor frame", "talker step",
+        "compiled predictor"), then "threads" and "codec thread" (the worker's, measured as it runs), then the
+        machine-wide choices this process made (`cpu.measured.made()`: "kernel table", "quantize auto", "codec",
+        "codec int8 threshold", "matmul share", ...). A backend adds its parts by writing entries to
+        `runner.path_entries`: an object with `.entry()` (`cpu.measured.MeasuredChoice`, `Record`) or a
+        {"path", "how", "why"} dict. The page's footer, the API's headers and the benchmarks print it."""
+        from tts_engine.cpu.measured import entry_of, made
+
+        entries = self.runner.path_entries
+        out = {part: entry_of(entries[part]) for part in sorted(entries, key=lambda p: p != "frame")}
+        g = self.worker.governor   # (the backend's, or one a benchmark put there)
+        if g is not None:
+            out["threads"] = g.entry()
+        out.setdefault("threads", {"path": "the process's threads", "how": "default", "why": "not governed"})
+        out["codec thread"] = self._codec_entry()
+        for name, e in made().items():
+            out.setdefault(name, e)
         return out
+
+    def _codec_entry(self) -> dict[str, str]:
+        """Where the worker decodes chunks after a request's first: the "codec thread" part of `paths()`."""
+        w = self.worker
+        if w.codec_choice is not None:
+            return w.codec_choice.entry()
+        how, why = self._codec_why
+        if w.codec is None:
+            return {"path": "in the worker", "how": how, "why": why if not w.driven else "driven by the caller"}
+        return {"path": "codec thread" + (" while 2+ streams run" if w.codec_min_rows > 1 else ""), "how": how,
+                "why": why}
 
     @property
     def uses_cuda_graphs(self) -> bool:

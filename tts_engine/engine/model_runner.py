@@ -74,31 +74,27 @@ class ModelRunner:
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
-        self.graph_status = "off"
         # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
         # talker step (inside `outside_step_scope`); the worker decodes completed chunks there
         self.on_frame_codes = None
         self.prefix_cache = None   # a prefix_cache.PrefixCache (set by the engine): prompts' voice parts kept
+        # what serves each part of a frame, and why: {part: an object with .entry() (a cpu.measured.MeasuredChoice or
+        # Record) or a {"path", "how", "why"} dict}, written by whatever attaches a path (the backend, the engine's
+        # CUDA graphs, `disable_graphs`); `TTSEngine.paths()` lists them
+        self.path_entries: dict = {}
         # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
-        self.backend = None   # its `path_entries()` say what serves each part of a frame; `step_scope` its context
-        self.talker_step, self.talker_step_status = None, "off (no backend)"   # the talker step in one call
-        self.fused_status = {"talker": "off (no backend)", "predictor": "off (no backend)"}
-        self.frame_status = "off (no backend)"
+        self.backend = None
+        self.talker_step = None                # the talker step in one call
         if fast_paths:
             attach_backend(self, **backend_options)
 
-    @property
-    def path_entries(self) -> dict[str, dict[str, str]]:
-        """What the backend serves each part of a frame with right now: {part: {"path", "how", "why"}} (empty
-        without a backend). `TTSEngine.paths()` reads it."""
-        return self.backend.path_entries() if self.backend is not None else {}
 
     def disable_graphs(self, reason: str) -> None:
         """Serve eagerly from now on (a capture or a replay raised): one log line, never an outage."""
         if self.graphs is not None:
             log.warning("CUDA graphs turned off, serving on the eager path from now on: %s", reason)
         self.graphs = None
-        self.graph_status = f"off ({reason})"
+        self.path_entries["frame"] = {"path": "eager", "how": "fell back", "why": reason}
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
