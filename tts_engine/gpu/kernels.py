@@ -102,42 +102,42 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, sx, 
 @triton.jit
 def qk_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr,
                          T, s_qkv, s_q, kc_r, kc_h, kc_p, vc_r, vc_h, vc_p, eps,
-                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ACT: tl.constexpr):
-    """Program (token b*T+t, head): head < H is query head `head`, else key head kh = head - H, whose program also
-    copies value head kh. qkv [B*T, (H + 2 HKV) * HD] (the concatenated projection's output, rows s_qkv apart);
-    q out [B*T, H, HD] (rows s_q apart); the caches are one layer's [R, HKV, L, HD] (strides given, HD contiguous);
-    the new key/value go to (rows[b], kh, pos[b, t])."""
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, NHP: tl.constexpr,
+                         ACT: tl.constexpr):
+    """One token (b*T + t) per program, all its heads at once ([NHP, HD], NHP = H + HKV padded to a power of 2):
+    head h < H is query head h, h >= H key head kh = h - H (its value head kh is copied alongside). qkv [B*T,
+    (H + 2 HKV) * HD] (the concatenated projection's output, rows s_qkv apart); q out [B*T, H, HD] (rows s_q
+    apart); the caches are one layer's [R, HKV, L, HD] (strides given, HD contiguous); the new key/value go to
+    (rows[b], kh, pos[b, t])."""
     tok = tl.program_id(0)
-    head = tl.program_id(1)
     b = tok // T
     HALF: tl.constexpr = HD // 2
+    hh = tl.arange(0, NHP)
+    hm = (hh < H + HKV)[:, None]
+    isq = (hh < H)[:, None]
     o = tl.arange(0, HD)
     op = (o + HALF) % HD           # the partner of each element in rotate-half
-    base = qkv_ptr + tok.to(tl.int64) * s_qkv + head * HD
-    x = tl.load(base + o).to(tl.float32)
-    xp = tl.load(base + op).to(tl.float32)
-    if head < H:
-        w = tl.load(qw_ptr + o).to(tl.float32)
-        wp = tl.load(qw_ptr + op).to(tl.float32)
-    else:
-        w = tl.load(kw_ptr + o).to(tl.float32)
-        wp = tl.load(kw_ptr + op).to(tl.float32)
-    rstd = tl.rsqrt(_sum(x * x, 0) / HD + eps)
-    y = _round(w * _round(x * rstd, ACT), ACT)        # the normed head, as the eager RMSNorm returns it
+    base = qkv_ptr + tok.to(tl.int64) * s_qkv
+    x = tl.load(base + hh[:, None] * HD + o[None, :], mask=hm, other=0.0).to(tl.float32)
+    xp = tl.load(base + hh[:, None] * HD + op[None, :], mask=hm, other=0.0).to(tl.float32)
+    w = tl.where(isq, tl.load(qw_ptr + o).to(tl.float32)[None, :], tl.load(kw_ptr + o).to(tl.float32)[None, :])
+    wp = tl.where(isq, tl.load(qw_ptr + op).to(tl.float32)[None, :], tl.load(kw_ptr + op).to(tl.float32)[None, :])
+    rstd = tl.rsqrt(_sum(x * x, 1) / HD + eps)[:, None]
+    y = _round(w * _round(x * rstd, ACT), ACT)        # the normed heads, as the eager RMSNorm returns them
     yp = _round(wp * _round(xp * rstd, ACT), ACT)
     p = tl.load(pos_ptr + tok)
-    ang = p.to(tl.float32) * tl.load(inv_freq_ptr + (o % HALF))
-    rot = tl.where(o < HALF, -yp, yp)
+    ang = (p.to(tl.float32) * tl.load(inv_freq_ptr + (o % HALF)))[None, :]
+    rot = tl.where((o < HALF)[None, :], -yp, yp)
     out = _round(y * tl.cos(ang) + rot * tl.sin(ang), ACT)
-    if head < H:
-        tl.store(q_ptr + tok.to(tl.int64) * s_q + head * HD + o, out.to(q_ptr.dtype.element_ty))
-    else:
-        kh = head - H
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        p64 = p.to(tl.int64)
-        tl.store(kc_ptr + row * kc_r + kh * kc_h + p64 * kc_p + o, out.to(kc_ptr.dtype.element_ty))
-        v = tl.load(base + HKV * HD + o)
-        tl.store(vc_ptr + row * vc_r + kh * vc_h + p64 * vc_p + o, v.to(vc_ptr.dtype.element_ty))
+    tl.store(q_ptr + tok.to(tl.int64) * s_q + hh[:, None] * HD + o[None, :], out.to(q_ptr.dtype.element_ty),
+             mask=isq & hm)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    p64 = p.to(tl.int64)
+    kh = (hh - H)[:, None]
+    ism = (~isq) & hm
+    tl.store(kc_ptr + row * kc_r + kh * kc_h + p64 * kc_p + o[None, :], out.to(kc_ptr.dtype.element_ty), mask=ism)
+    v = tl.load(base + (hh[:, None] + HKV) * HD + o[None, :], mask=ism)
+    tl.store(vc_ptr + row * vc_r + kh * vc_h + p64 * vc_p + o[None, :], v.to(vc_ptr.dtype.element_ty), mask=ism)
 
 
 # --- (c) decode attention over each row's real length ----------------------------------------------------------------

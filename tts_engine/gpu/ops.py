@@ -159,11 +159,11 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, 
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and hd & (hd - 1) == 0
     qkv2 = _rows2d(qkv)
     q = torch.empty(B * T, H, hd, dtype=qkv.dtype, device=qkv.device)
-    K.qk_rope_write_kernel[(B * T, H + Hkv)](
+    K.qk_rope_write_kernel[(B * T,)](
         qkv2, q_w, k_w, inv_freq(hd, theta, qkv.device), _vec(pos.reshape(-1)), _vec(rows), q, k_cache, v_cache,
         T, qkv2.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
-        H=H, HKV=Hkv, HD=hd, ACT=_act(qkv.dtype), num_warps=1 if hd <= 128 else 2)
+        H=H, HKV=Hkv, HD=hd, NHP=_pow2(H + Hkv), ACT=_act(qkv.dtype), num_warps=4)
     return q.view(B, T, H, hd)
 
 
