@@ -1,0 +1,275 @@
+"""The fused GPU frame (tts_engine/gpu/frame.py) and its installation (tts_engine/gpu/backend.py), on tiny random
+checkpoints (tts_engine.tiny.make_tiny), with the Triton kernels run by Triton's interpreter on CPU tensors.
+
+- The fused frame (talker step + 15 predictor steps + sampling from the Triton kernels) gives the eager frame's
+  codes, done flags and state (pos, step, seen, c0 exact; hidden and KV caches within 1e-5) in fp32 over several
+  frames: greedy at batch 1 and 4, seeded sampling with top-k/top-p, rows that are not 0..B-1, the 1.7B layout
+  (a projection between the talker's and the predictor's widths), and the padded batch of a captured graph bucket
+  (`cuda_graphs.EagerBuckets`: free rows, the graphs' sampler facts).
+- The same structure on the eager references (no interpreter) is the eager frame exactly.
+- attach: on a CPU without forcing it says why eager serves; with the interpreter it installs the fused frame
+  after its checks; a kernel that disagrees leaves eager serving with one log line; a frame that raises later is
+  served eagerly and the fused frame is dropped, with one log line.
+
+TRITON_INTERPRET=1 is set before tts_engine.gpu.kernels is imported (see tests/test_gpu_kernels.py), put back after.
+About 40-60 s of CPU here: the interpreter runs a batch-4 frame of the tiny model in ~5 s."""
+from __future__ import annotations
+
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not importable: the fused GPU frame cannot be run or tested here")
+
+from tts_engine.gpu import backend, kernels, ops  # noqa: E402
+from tts_engine.gpu.frame import FusedFrame  # noqa: E402
+from tts_engine.model.sampling import SamplingParams  # noqa: E402
+
+if not kernels.INTERPRET:   # imported earlier without the interpreter: decorate again
+    importlib.reload(kernels)
+assert ops.interpreted()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_env():
+    yield
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+@pytest.fixture(scope="module")
+def ckpt_1b7(tmp_path_factory):
+    from tts_engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("gpu_frame_17") / "cv17", kind="custom_voice", size="1b7", seed=0)
+
+
+def make_runner(folder, rows: int = 6, max_len: int = 64):
+    """A fp32 ModelRunner over the talker of a tiny checkpoint, loaded as the engine loads it (load_module, the
+    frame table), without the rest of the model (tokenizer, codec)."""
+    from tts_engine.checkpoint import SafetensorsFile, build_on_meta, load_module, read_json
+    from tts_engine.config import ModelConfig
+    from tts_engine.engine.model_runner import ModelRunner
+    from tts_engine.model.talker import Talker
+
+    cfg = ModelConfig.from_dict(read_json(folder / "config.json")).talker
+    talker = load_module(build_on_meta(lambda: Talker(cfg)), SafetensorsFile(folder / "model.safetensors"), "talker.",
+                         torch.device("cpu"), torch.float32)
+    talker.build_frame_table()
+    g = torch.Generator().manual_seed(123)
+    return ModelRunner(talker, torch.randn(cfg.hidden_size, generator=g), rows=rows, max_len=max_len,
+                       eos_id=cfg.codec_eos_token_id)
+
+
+STATE = ("pos", "step", "seen", "hidden", "c0", "max_new", "trailing_len")
+
+
+def prepare(run, rows: list[int], greedy: bool = True, seed: int = 0):
+    """Rows mid-generation: random caches up to odd lengths (3, 10, 17, 33, ...), random hidden/c0/seen, a few text
+    tokens left on some rows, per-row sampling settings."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 10, 17, 33, 7, 1]
+    D = run.hidden.shape[1]
+    for n, i in enumerate(rows):
+        p = (SamplingParams(do_sample=False, subtalker_dosample=False) if greedy else
+             SamplingParams(seed=7 * i + seed, top_k=[50, 10, 0][n % 3], top_p=[1.0, 0.9, 0.8][n % 3],
+                            subtalker_top_k=[50, 3, 20][n % 3], subtalker_top_p=[0.95, 1.0, 0.7][n % 3]))
+        run._write_params(i, p)
+        L = lens[n % len(lens)]
+        run.cache.k[:, i, :, :L] = torch.randn(run.cache.k[:, i, :, :L].shape, generator=g)
+        run.cache.v[:, i, :, :L] = torch.randn(run.cache.v[:, i, :, :L].shape, generator=g)
+        run.pos[i], run.host_len[i], run.step[i], run.max_new[i] = L, L, 1 + n, 100
+        run.hidden[i] = torch.randn(D, generator=g) * 2
+        run.c0[i] = int(torch.randint(0, 2048, (1,), generator=g))
+        run.seen[i] = torch.rand(run.seen.shape[1], generator=g) < 0.01
+        run._set_trailing(i, torch.randn(int(torch.randint(0, 4, (1,), generator=g)), D, generator=g))
+
+
+def snapshot(run):
+    return {"k": run.cache.k.clone(), "v": run.cache.v.clone(), "host_len": list(run.host_len),
+            **{k: getattr(run, k).clone() for k in STATE}}
+
+
+def restore(run, s):
+    run.cache.k.copy_(s["k"])
+    run.cache.v.copy_(s["v"])
+    run.host_len[:] = s["host_len"]
+    for k in STATE:
+        getattr(run, k).copy_(s[k])
+
+
+def frames(run, rows: list[int], n: int):
+    codes, dones = [], []
+    for _ in range(n):
+        c, d = run.decode(rows)
+        codes.append(c)
+        dones.append(d)
+    return torch.stack(codes, 1), torch.stack(dones, 1)
+
+
+def compare(run, rows, n, fused_frame=None, interp=True):
+    """n frames of `rows` eagerly, then fused from the same state -> asserts codes, done and state agree."""
+    start = snapshot(run)
+    want = frames(run, rows, n)
+    after_eager = snapshot(run)
+    restore(run, start)
+    ff = fused_frame or FusedFrame(run)
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return ff.frame_core(*a)
+
+    run._frame_core = counted
+    try:
+        with ops.force_interpreter(interp):
+            got = frames(run, rows, n)
+    finally:
+        del run._frame_core
+    assert len(calls) == n   # the fused frame served every frame
+    after_fused = snapshot(run)
+    assert torch.equal(got[0], want[0]), f"codes differ:\n{got[0]}\n{want[0]}"
+    assert torch.equal(got[1], want[1])
+    for k in ("pos", "step", "seen", "c0", "max_new", "host_len"):
+        assert after_fused[k] == after_eager[k] if k == "host_len" else torch.equal(after_fused[k], after_eager[k]), k
+    for k in ("hidden", "k", "v"):
+        torch.testing.assert_close(after_fused[k], after_eager[k], atol=1e-5, rtol=1e-5)
+    return want
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_cv_folder):
+    return make_runner(tiny_cv_folder)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows,n", [([0], 3), ([0, 1, 2, 3], 2)], ids=["batch1", "batch4"])
+def test_fused_frame_greedy_codes_equal_eager(runner, rows, n):
+    prepare(runner, rows, greedy=True, seed=len(rows))
+    want = compare(runner, rows, n)
+    assert (want[0][:, :, 1:] != want[0][:, :1, 1:]).any()   # the frames differ from each other (not a constant)
+
+
+@torch.inference_mode()
+def test_fused_frame_seeded_sampling_equal_eager(runner):
+    """Per-row seeds, top-k 50/10/all, top-p 1/0.9/0.8 (predictor: 50/3/20, 0.95/1/0.7): the same draws."""
+    prepare(runner, [0, 1, 2], greedy=False, seed=5)
+    compare(runner, [0, 1, 2], 2)
+
+
+@torch.inference_mode()
+def test_fused_frame_rows_not_dense(runner):
+    """Rows 1 and 4 (ModelRunner._frame_rows: an index tensor for the caches and the state)."""
+    prepare(runner, [1, 4], greedy=True, seed=9)
+    compare(runner, [1, 4], 2)
+
+
+@torch.inference_mode()
+def test_fused_frame_1b7_layout(ckpt_1b7):
+    """The 1.7B layout: small_to_mtp_projection (talker width 64 -> predictor width 32) before every predictor step."""
+    run = make_runner(ckpt_1b7, rows=2)
+    assert FusedFrame(run).proj is not None
+    prepare(run, [0], greedy=True, seed=3)
+    compare(run, [0], 2)
+
+
+@torch.inference_mode()
+def test_fused_frame_in_a_padded_graph_bucket(runner):
+    """The graphs' computation without graphs (cuda_graphs.EagerBuckets): 3 rows run as a batch of 4 (a free row),
+    over the length bucket, with the captured sampler facts (any sampling, top-k <= 64, top-p)."""
+    from tts_engine.engine.cuda_graphs import EagerBuckets
+
+    for i in range(runner.rows):
+        runner.release(i)
+    prepare(runner, [0, 1, 2], greedy=True, seed=11)
+    runner.graphs = EagerBuckets(runner)
+    try:
+        compare(runner, [0, 1, 2], 2)
+    finally:
+        runner.graphs = None
+
+
+@torch.inference_mode()
+def test_the_same_structure_on_the_references_is_the_eager_frame(runner):
+    """Without the interpreter every op runs its eager reference: the fused frame's structure (stacked weights, the
+    frame table, the sampler's epilogues) then gives the eager frame's numbers."""
+    prepare(runner, [0, 1, 2, 3], greedy=False, seed=2)
+    with ops.force_interpreter(False):
+        assert not ops.use_triton(runner.hidden)
+    compare(runner, [0, 1, 2, 3], 3, interp=False)
+
+
+# --- attach ---------------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def test_attach_without_cuda_leaves_eager(runner, monkeypatch):
+    assert backend.attach(runner) == {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
+    assert "_frame_core" not in runner.__dict__
+    monkeypatch.setenv(backend.ENV, "0")
+    assert backend.attach(runner, force_interpreter=True) == {"gpu frame": "eager (TTS_GPU_FRAME=0)"}
+    assert "_frame_core" not in runner.__dict__
+
+
+@torch.inference_mode()
+def test_attach_installs_the_fused_frame_after_its_checks(tiny_cv_folder, caplog):
+    run = make_runner(tiny_cv_folder, rows=3)
+    prepare(run, [0, 1], greedy=True, seed=4)
+    start = snapshot(run)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        status = backend.attach(run, force_interpreter=True)
+    assert status["gpu frame"] == "fused (Triton kernels, Triton interpreter on CPU tensors)", status
+    assert status["gpu frame trial"].startswith("greedy: same codes") and "sampled: same codes" in status["gpu frame trial"]
+    assert not caplog.records
+    after = snapshot(run)   # the trial put every tensor it touched back
+    for k in STATE + ("k", "v"):
+        assert torch.equal(after[k], start[k]), k
+    assert "_frame_core" in run.__dict__ and run.gpu_frame is not None
+    got = frames(run, [0, 1], 2)
+    backend.uninstall(run)
+    restore(run, start)
+    want = frames(run, [0, 1], 2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@torch.inference_mode()
+def test_attach_falls_back_on_a_kernel_that_disagrees(runner, monkeypatch, caplog):
+    real = ops.silu_mul
+
+    def wrong(gu, impl=None):
+        out = real(gu, impl)
+        return out if impl == "eager" or not ops.use_triton(gu, impl) else out * 1.01
+
+    monkeypatch.setattr(ops, "silu_mul", wrong)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        status = backend.attach(runner, force_interpreter=True)
+    assert status["gpu frame"].startswith("eager (AssertionError: silu_mul (talker) disagrees with eager"), status
+    assert len(caplog.records) == 1 and "the eager frame serves" in caplog.records[0].getMessage()
+    assert "_frame_core" not in runner.__dict__
+
+
+@torch.inference_mode()
+def test_a_frame_that_raises_is_served_eagerly_and_the_fused_frame_dropped(runner, caplog):
+    prepare(runner, [0], greedy=True, seed=6)
+    start = snapshot(runner)
+    want = frames(runner, [0], 1)
+    restore(runner, start)
+    ff = FusedFrame(runner)
+
+    def boom(*a, **k):
+        raise RuntimeError("no kernel image for this device")
+
+    ff.predict = boom
+    backend.install(runner, ff)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        got = frames(runner, [0], 1)
+    assert torch.equal(got[0], want[0])
+    assert len(caplog.records) == 1 and "no kernel image" in caplog.records[0].getMessage()
+    assert "_frame_core" not in runner.__dict__ and runner.gpu_frame is None
