@@ -192,7 +192,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out.transpose(1, 2).reshape(B, T, H * hd)
     G = H // Hkv
     BLOCK_M = _pow2(G * T)
-    BLOCK_N = max(1, min(64, 16384 // (BLOCK_M * hd)))
+    BLOCK_N = max(1, min(64, 8192 // (BLOCK_M * hd)))   # the [BLOCK_M, BLOCK_N, hd] products stay in registers
     BLOCK_N = 1 << (BLOCK_N.bit_length() - 1)
     S = attention_splits(B, Hkv, read_len) if splits is None else splits
     assert S & (S - 1) == 0
