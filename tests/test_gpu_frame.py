@@ -11,39 +11,30 @@ checkpoints (tts_engine.tiny.make_tiny), with the Triton kernels run by Triton's
   after its checks; a kernel that disagrees leaves eager serving with one log line; a frame that raises later is
   served eagerly and the fused frame is dropped, with one log line.
 
-TRITON_INTERPRET=1 is set before tts_engine.gpu.kernels is imported (see tests/test_gpu_kernels.py), put back after.
+TRITON_INTERPRET=1 is set for this module's tests only, the kernels re-imported under it (tests/test_gpu_kernels.py).
 About 40-60 s of CPU here: the interpreter runs a batch-4 frame of the tiny model in ~5 s."""
 from __future__ import annotations
 
-import os
+import logging
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import logging  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not importable: the fused GPU frame cannot be run or tested here")
 
-from tts_engine.gpu import backend, kernels, ops  # noqa: E402
+from tts_engine.gpu import backend, ops  # noqa: E402
 from tts_engine.gpu.frame import FusedFrame  # noqa: E402
 from tts_engine.model.sampling import SamplingParams  # noqa: E402
 
-if not kernels.INTERPRET:   # imported earlier without the interpreter: decorate again
-    importlib.reload(kernels)
-assert ops.interpreted()
+from test_gpu_kernels import interpreted_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _restore_env():
-    yield
-    if _INTERPRET_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+def _interpreter():
+    """TRITON_INTERPRET=1 for this module only (see tests/test_gpu_kernels.py); the fused frame runs the kernels only
+    where a test forces it (ops.force_interpreter, or attach(force_interpreter=True))."""
+    with interpreted_kernels(), ops.force_interpreter(False):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The fused GPU kernels (tts_engine/gpu/kernels.py) against their eager PyTorch references (tts_engine/gpu/ops.py,
 built from model/layers.py and model/sampling.py), run through Triton's interpreter on CPU tensors.
 
-TRITON_INTERPRET=1 is set here, at the top, before anything imports tts_engine.gpu.kernels: Triton decides at
-decoration time (when the kernels module is imported) whether a @triton.jit function is compiled for a GPU or
-interpreted, reading the variable then, so importing triton itself earlier does no harm. Should another test have
-imported the kernels module first without it, the module is reloaded here (its kernels re-decorated as interpreted
-ones); the variable is put back as it was after this module. With TTS_GPU_TEST_DEVICE=cuda the same tests run the
+How TRITON_INTERPRET behaves (triton 3.9, checked): Triton reads it when a @triton.jit function is *decorated*
+(when tts_engine.gpu.kernels is imported), not when triton itself is imported, so an earlier `import triton`
+elsewhere does no harm; and its interpreter reads it again while a kernel runs (a launch without it fails an
+assertion in triton's gluon import). So a module-scoped fixture sets it for this module's tests only and re-imports
+the kernels module under it (importlib.reload re-decorates the kernels as interpreted ones; no subprocess needed),
+then puts both back: other tests never see the variable. With TTS_GPU_TEST_DEVICE=cuda the same tests run the
 compiled kernels on a GPU instead.
 
 Every kernel: fp32 and bf16, batch 1, 4 and 64, odd lengths (1, 7, 17, 33). Tolerances:
@@ -22,41 +23,54 @@ Every kernel: fp32 and bf16, batch 1, 4 and 64, odd lengths (1, 7, 17, 33). Tole
 The whole file takes ~30-50 s of CPU here (the interpreter costs ~50 us per operation of a program)."""
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 
-DEVICE = os.environ.get("TTS_GPU_TEST_DEVICE", "cpu")
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not importable: the fused GPU kernels cannot be run or tested here")
 
-from tts_engine.gpu import kernels, ops  # noqa: E402
+from tts_engine.gpu import kernels, ops  # noqa: E402  (after the skip: they import triton)
 from tts_engine.model.layers import apply_rope, rms_norm, rope_cos_sin, signed_sin  # noqa: E402
 from tts_engine.model.sampling import C0Processor, RowParams, SamplingParams, host_facts  # noqa: E402
 
-if DEVICE == "cpu" and not kernels.INTERPRET:   # imported earlier without the interpreter: decorate again
-    importlib.reload(kernels)
-assert DEVICE != "cpu" or ops.interpreted()
-
-BF16_ULP = 2.0 ** -7
+DEVICE = os.environ.get("TTS_GPU_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
-    """Automatic dispatch takes the kernels for CPU tensors in this module; TRITON_INTERPRET restored after it."""
-    with ops.force_interpreter(DEVICE == "cpu"):
+    """TRITON_INTERPRET=1 for this module's tests only, the kernels module re-imported under it (and again after,
+    without it), automatic dispatch forced to the kernels for CPU tensors."""
+    if DEVICE != "cpu":
         yield
-    if DEVICE == "cpu":
-        if _INTERPRET_BEFORE is None:
+        return
+    with interpreted_kernels():
+        yield
+
+
+@contextlib.contextmanager
+def interpreted_kernels():
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    reloaded = not kernels.INTERPRET
+    if reloaded:
+        importlib.reload(kernels)
+    try:
+        assert ops.interpreted()
+        with ops.force_interpreter():
+            yield
+    finally:
+        if before is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
-            os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+            os.environ["TRITON_INTERPRET"] = before
+        if reloaded:
+            importlib.reload(kernels)
+
+
+BF16_ULP = 2.0 ** -7
 
 
 def rnd(g, *shape, scale=1.0, dtype=torch.float32):
