@@ -217,7 +217,8 @@ def test_attach_installs_the_fused_frame_after_its_checks(tiny_cv_folder, caplog
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         status = backend.attach(run, force_interpreter=True)
     assert status["gpu frame"] == "fused (Triton kernels, Triton interpreter on CPU tensors)", status
-    assert status["gpu frame trial"].startswith("greedy: same codes") and "sampled: same codes" in status["gpu frame trial"]
+    trial = status["gpu frame trial"]
+    assert trial.startswith("greedy: same codes") and "sampled: same codes" in trial, trial
     assert not caplog.records
     after = snapshot(run)   # the trial put every tensor it touched back
     for k in STATE + ("k", "v"):

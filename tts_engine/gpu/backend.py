@@ -139,14 +139,14 @@ def check_kernels(runner, frame: FusedFrame) -> dict:
     trailing, tlen = rnd(4, 5, D), torch.tensor([0, 2, 5, 3], device=dev)
     step, rows = torch.tensor([1, 3, 2, 9], device=dev), torch.tensor([3, 1, 2], device=dev)
     pad = rnd(D)
-    same("frame_embed", ops.frame_embed(codes, frame.table, frame.offsets, trailing, tlen, pad, step, rows, impl="eager"),
-         ops.frame_embed(codes, frame.table, frame.offsets, trailing, tlen, pad, step, rows, impl="triton"))
+    fe_args = (codes, frame.table, frame.offsets, trailing, tlen, pad, step, rows)
+    same("frame_embed", ops.frame_embed(*fe_args, impl="eager"), ops.frame_embed(*fe_args, impl="triton"))
     from ..model.sampling import RowParams, SamplingParams
 
     rp = RowParams.stack([SamplingParams(do_sample=False, subtalker_dosample=False),
                           SamplingParams(seed=5, top_p=0.8, subtalker_top_p=0.8),
-                          SamplingParams(seed=9, top_k=3, subtalker_top_k=3, temperature=1.3, subtalker_temperature=0.7)],
-                         dev)
+                          SamplingParams(seed=9, top_k=3, subtalker_top_k=3, temperature=1.3,
+                                         subtalker_temperature=0.7)], dev)
     for book, V in ((3, Vc), (0, V0)):
         logits = (torch.randn(3, V, generator=g) * 3).to(dev)
         if book:

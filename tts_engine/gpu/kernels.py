@@ -98,7 +98,7 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, sx, 
     tl.store(out_ptr + row * so + o, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-# --- (b) q/k RMSNorm + RoPE + KV-cache write ----------------------------------------------------------------------------
+# --- (b) q/k RMSNorm + RoPE + KV-cache write --------------------------------------------------------------------------
 @triton.jit
 def qk_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr,
                          T, s_qkv, s_q, kc_r, kc_h, kc_p, vc_r, vc_h, vc_p, eps,
@@ -140,7 +140,7 @@ def qk_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, rows_pt
     tl.store(vc_ptr + row * vc_r + kh * vc_h + p64 * vc_p + o[None, :], v.to(vc_ptr.dtype.element_ty), mask=ism)
 
 
-# --- (c) decode attention over each row's real length ----------------------------------------------------------------
+# --- (c) decode attention over each row's real length -----------------------------------------------------------------
 @triton.jit
 def decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, rows_ptr, qpos_ptr, out_ptr, acc_ptr, ml_ptr,
                        T, split_len, sm_scale, s_qt, s_qh, kc_r, kc_h, kc_p, vc_r, vc_h, vc_p, s_ot, s_oh,

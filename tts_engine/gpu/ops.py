@@ -72,6 +72,32 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
     return _forced and K.INTERPRET
 
 
+class LaunchCount:
+    """Triton kernel launches through the dispatchers (`launches`), and whether one is under way (`active`: a counter
+    of aten ops can leave out what Triton's interpreter does with tensors while it runs a kernel)."""
+    launches = 0
+    active = False
+
+
+class _Launcher:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            LaunchCount.launches += 1
+            LaunchCount.active = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                LaunchCount.active = False
+        return run
+
+
+def _launch(kernel) -> _Launcher:
+    return _Launcher(kernel)
+
+
 def _act(dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return 0
@@ -115,14 +141,14 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     else:
         r2 = res_out = x2
     BLOCK = _pow2(D)
-    K.add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, D, float(eps), x2.stride(0), r2.stride(0),
-                                         out.stride(0), res_out.stride(0), HAS_RES=residual is not None,
-                                         ACT=_act(x.dtype), BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
+    _launch(K.add_rmsnorm_kernel)[(x2.shape[0],)](
+        x2, r2, weight, out, res_out, D, float(eps), x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+        HAS_RES=residual is not None, ACT=_act(x.dtype), BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
     s = x if residual is None else res_out.view(shape)
     return s, out.view(shape)
 
 
-# --- (b) q/k RMSNorm + RoPE + KV-cache write ----------------------------------------------------------------------------
+# --- (b) q/k RMSNorm + RoPE + KV-cache write --------------------------------------------------------------------------
 _inv_freq: dict = {}
 
 
@@ -159,7 +185,7 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, 
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and hd & (hd - 1) == 0
     qkv2 = _rows2d(qkv)
     q = torch.empty(B * T, H, hd, dtype=qkv.dtype, device=qkv.device)
-    K.qk_rope_write_kernel[(B * T,)](
+    _launch(K.qk_rope_write_kernel)[(B * T,)](
         qkv2, q_w, k_w, inv_freq(hd, theta, qkv.device), _vec(pos.reshape(-1)), _vec(rows), q, k_cache, v_cache,
         T, qkv2.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps),
@@ -204,14 +230,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ml = torch.empty(B * Hkv * S * BLOCK_M, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out
-    K.decode_attn_kernel[(B, Hkv, S)](
+    _launch(K.decode_attn_kernel)[(B, Hkv, S)](
         qc, k_cache, v_cache, _vec(rows), _vec(qpos.reshape(-1)), out, acc, ml, T, split_len, hd ** -0.5,
         qc.stride(1), qc.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(1), out.stride(2),
         G=G, HKV=Hkv, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=S, ACT=_act(q.dtype), num_warps=4)
     if S > 1:
-        K.attn_combine_kernel[(B, Hkv)](acc, ml, out, T, out.stride(1), out.stride(2), G=G, HKV=Hkv, HD=hd,
-                                        BLOCK_M=BLOCK_M, SPLITS=S, ACT=_act(q.dtype), num_warps=4)
+        _launch(K.attn_combine_kernel)[(B, Hkv)](acc, ml, out, T, out.stride(1), out.stride(2), G=G, HKV=Hkv,
+                                                 HD=hd, BLOCK_M=BLOCK_M, SPLITS=S, ACT=_act(q.dtype), num_warps=4)
     return out.view(B, T, H * hd)
 
 
@@ -225,8 +251,8 @@ def silu_mul(gu: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     g2 = _rows2d(gu)
     out = torch.empty(g2.shape[0], I, dtype=gu.dtype, device=gu.device)
     BLOCK = min(1024, _pow2(I))
-    K.silu_mul_kernel[(g2.shape[0], triton_cdiv(I, BLOCK))](g2, out, I, g2.stride(0), out.stride(0),
-                                                            ACT=_act(gu.dtype), BLOCK=BLOCK, num_warps=4)
+    _launch(K.silu_mul_kernel)[(g2.shape[0], triton_cdiv(I, BLOCK))](
+        g2, out, I, g2.stride(0), out.stride(0), ACT=_act(gu.dtype), BLOCK=BLOCK, num_warps=4)
     return out.view(*gu.shape[:-1], I)
 
 
@@ -234,7 +260,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --- the talker's input embedding ------------------------------------------------------------------------------------
+# --- the talker's input embedding -------------------------------------------------------------------------------------
 def frame_embed(codes: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor, trailing: torch.Tensor,
                 trailing_len: torch.Tensor, tts_pad: torch.Tensor, step: torch.Tensor, rows: torch.Tensor,
                 impl: str | None = None) -> torch.Tensor:
@@ -251,7 +277,7 @@ def frame_embed(codes: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor,
     out = torch.empty(B, D, dtype=table.dtype, device=table.device)
     BLOCK = min(1024, _pow2(D))
     assert trailing.stride(-1) == 1 and table.stride(-1) == 1
-    K.frame_embed_kernel[(B, triton_cdiv(D, BLOCK))](
+    _launch(K.frame_embed_kernel)[(B, triton_cdiv(D, BLOCK))](
         codes, codes.stride(0), _vec(offsets), table, table.stride(0), trailing, trailing.stride(0),
         trailing.stride(1), _vec(trailing_len), _vec(tts_pad), step, _vec(rows), out, out.stride(0), D,
         trailing.shape[1], NB=NB, ACT=_act(table.dtype), BLOCK=BLOCK, num_warps=4)
@@ -288,7 +314,7 @@ def _launch_sample(logits, rows, step, frame_off: int, book: int, do_sample, top
         c0 = max_new = pos = dummy_i
         done, max_pos, DH = dummy_i, 0, 1
     s_seen = seen.stride(0) if seen is not None else 0
-    K.sample_kernel[(B,)](
+    _launch(K.sample_kernel)[(B,)](
         logits, logits.stride(0), V, _vec(rows), step, int(frame_off), int(book),
         _vec(do_sample), _vec(top_k), _vec(top_p), _vec(temperature), _vec(seed), int(k_cap),
         seen if seen is not None else dummy_i, s_seen, _vec(penalty) if penalty is not None else dummy_f,
