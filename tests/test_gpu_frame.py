@@ -265,3 +265,29 @@ def test_a_frame_that_raises_is_served_eagerly_and_the_fused_frame_dropped(runne
     assert torch.equal(got[0], want[0])
     assert len(caplog.records) == 1 and "no kernel image" in caplog.records[0].getMessage()
     assert "_frame_core" not in runner.__dict__ and runner.gpu_frame is None
+
+
+@torch.inference_mode()
+def test_launches_per_frame(runner):
+    """The fused frame's launch count (`python -m tts_engine.gpu.check` reports it on a GPU): per decoder layer 5
+    Triton kernels (add+RMSNorm x2, q/k norm+RoPE+KV write, attention, SiLU*up) and 4 GEMMs; per predictor step one
+    more norm, one head GEMM and one sampler; the talker step adds the frame embedding, its first norm, the codec head
+    and its sampler; a few aten ops per frame prepare the predictor's input. The eager frame (fp32, CPU) is counted
+    beside it."""
+    from tts_engine.gpu.check import count_launches
+
+    prepare(runner, [0], greedy=True, seed=1)
+    eager = count_launches(runner, 1)
+    install_ff = FusedFrame(runner)
+    backend.install(runner, install_ff, interp=True)
+    try:
+        count_launches(runner, 1)            # (the first frame also builds the predictor's 15 position sets)
+        fused = count_launches(runner, 1)
+    finally:
+        backend.uninstall(runner)
+    Lt, Lc = len(runner.talker.model.layers), len(runner.talker.code_predictor.model.layers)
+    steps = runner.n_books - 1
+    assert fused["triton"] == steps * (1 + 5 * Lc + 1) + (3 + 5 * Lt), fused
+    gemms = steps * (4 * Lc + 1) + 4 * Lt + 1
+    assert gemms <= fused["aten"] <= gemms + 8, fused
+    assert eager["aten"] > 4 * fused["total"], (eager, fused)
