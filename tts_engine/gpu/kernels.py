@@ -8,6 +8,8 @@ Numerics follow the eager code in `model/layers.py` and `model/sampling.py`:
 - RMSNorm: variance in fp32, normalised value cast back to the activation dtype *before* the weight multiply;
 - q/k RMSNorm per head, then RoPE in fp32 (angles, cos/sin and the rotation in fp32, one rounding at the end: the
   eager code rounds cos/sin and the two products to the activation dtype first; in fp32 both are the same ops);
+- no FMA contraction (the launches pass enable_fp_fusion=False): a*b + c rounds a*b first, as PyTorch's separate
+  ops do;
 - attention: fp32 scores, an online softmax in fp32, fp32 accumulation;
 - the sampler: the same repetition penalty, masks, temperature, top-k (by rank), top-p and the float64 Gumbel-max draw
   over `sampling.uniforms` as `sampling.choose`, found without a sort (see `sample_kernel`).

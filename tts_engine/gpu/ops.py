@@ -63,7 +63,7 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
         if impl == "triton":
             raise RuntimeError(f"triton is not importable here ({IMPORT_ERROR})")
         return False
-    if t.is_cuda:
+    if t.is_cuda or LaunchCount.record is not None:
         return True
     if impl == "triton":
         if not K.INTERPRET:
@@ -74,9 +74,11 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
 
 class LaunchCount:
     """Triton kernel launches through the dispatchers (`launches`), and whether one is under way (`active`: a counter
-    of aten ops can leave out what Triton's interpreter does with tensors while it runs a kernel)."""
+    of aten ops can leave out what Triton's interpreter does with tensors while it runs a kernel). `record`: a list
+    while `recording()` is on (launches are recorded, not run)."""
     launches = 0
     active = False
+    record: list | None = None
 
 
 class _Launcher:
@@ -85,6 +87,11 @@ class _Launcher:
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
+            # no FMA contraction: a*b + c rounds a*b first, as PyTorch's separate ops do (fp32 parity with eager)
+            kwargs.setdefault("enable_fp_fusion", False)
+            if LaunchCount.record is not None:
+                LaunchCount.record.append((self.kernel, grid, args, kwargs))
+                return None
             LaunchCount.launches += 1
             LaunchCount.active = True
             try:
@@ -92,6 +99,20 @@ class _Launcher:
             finally:
                 LaunchCount.active = False
         return run
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside: every op takes its Triton path on any tensors and records its launches (kernel, grid, args, kwargs)
+    instead of running them (outputs are left uninitialised) -> the list. For compiling the kernels ahead of time
+    without a GPU (`aot`)."""
+    if K is None:
+        raise RuntimeError(f"triton is not importable here ({IMPORT_ERROR})")
+    old, LaunchCount.record = LaunchCount.record, []
+    try:
+        yield LaunchCount.record
+    finally:
+        LaunchCount.record = old
 
 
 def _launch(kernel) -> _Launcher:
