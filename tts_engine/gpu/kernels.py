@@ -9,7 +9,7 @@ Numerics follow the eager code in `model/layers.py` and `model/sampling.py`:
 - q/k RMSNorm per head, then RoPE in fp32 (angles, cos/sin and the rotation in fp32, one rounding at the end: the
   eager code rounds cos/sin and the two products to the activation dtype first; in fp32 both are the same ops);
 - no FMA contraction (the launches pass enable_fp_fusion=False): a*b + c rounds a*b first, as PyTorch's separate
-  ops do;
+  ops do; divisions correctly rounded (tl.div_rn: Triton's `/` on fp32 is a 2-ulp approximation on a GPU);
 - attention: fp32 scores, an online softmax in fp32, fp32 accumulation;
 - the sampler: the same repetition penalty, masks, temperature, top-k (by rank), top-p and the float64 Gumbel-max draw
   over `sampling.uniforms` as `sampling.choose`, found without a sort (see `sample_kernel`).
@@ -93,7 +93,7 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, sx, 
         r = tl.load(res_ptr + row * sr + o, mask=m, other=0.0).to(tl.float32)
         x = _round(x + r, ACT)
         tl.store(res_out_ptr + row * sro + o, x.to(res_out_ptr.dtype.element_ty), mask=m)
-    var = _sum(x * x, 0) / D
+    var = tl.div_rn(_sum(x * x, 0), D.to(tl.float32))
     h = _round(x * tl.rsqrt(var + eps), ACT)
     w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
     y = _round(w * h, ACT)
@@ -124,7 +124,7 @@ def qk_rope_write_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, rows_pt
     xp = tl.load(base + hh[:, None] * HD + op[None, :], mask=hm, other=0.0).to(tl.float32)
     w = tl.where(isq, tl.load(qw_ptr + o).to(tl.float32)[None, :], tl.load(kw_ptr + o).to(tl.float32)[None, :])
     wp = tl.where(isq, tl.load(qw_ptr + op).to(tl.float32)[None, :], tl.load(kw_ptr + op).to(tl.float32)[None, :])
-    rstd = tl.rsqrt(_sum(x * x, 1) / HD + eps)[:, None]
+    rstd = tl.rsqrt(tl.div_rn(_sum(x * x, 1), HD * 1.0) + eps)[:, None]
     y = _round(w * _round(x * rstd, ACT), ACT)        # the normed heads, as the eager RMSNorm returns them
     yp = _round(wp * _round(xp * rstd, ACT), ACT)
     p = tl.load(pos_ptr + tok)
@@ -192,7 +192,7 @@ def decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, rows_ptr, qpos_ptr, out_ptr, acc_p
         acc = acc * alpha[:, None] + _sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
     if SPLITS == 1:
-        out = _round(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], ACT)
+        out = _round(tl.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None]), ACT)
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mvalid[:, None])
     else:
@@ -220,7 +220,7 @@ def attn_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, s_ot, s_oh,
     w = tl.exp(m - mx[None, :])
     L = _sum(w * l_, 0)
     acc = tl.load(acc_ptr + pidx[:, :, None] * HD + d[None, None, :])
-    out = _round(_sum(w[:, :, None] * acc, 0) / tl.where(L > 0, L, 1.0)[:, None], ACT)
+    out = _round(tl.div_rn(_sum(w[:, :, None] * acc, 0), tl.where(L > 0, L, 1.0)[:, None]), ACT)
     g = mi // T
     t = mi % T
     tok = (b * T + t).to(tl.int64)
@@ -239,7 +239,7 @@ def silu_mul_kernel(gu_ptr, out_ptr, I, s_in, s_out, ACT: tl.constexpr, BLOCK: t
     m = col < I
     g = tl.load(gu_ptr + row * s_in + col, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * s_in + I + col, mask=m, other=0.0).to(tl.float32)
-    s = _round(g / (1.0 + tl.exp(-g)), ACT)
+    s = _round(tl.div_rn(g, 1.0 + tl.exp(-g)), ACT)
     tl.store(out_ptr + row * s_out + col, _round(s * u, ACT).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -325,7 +325,7 @@ def sample_kernel(logits_ptr, s_log, V, rows_ptr, step_ptr, frame_off, book,
     if PENALTY:
         seen = tl.load(seen_ptr + row * s_seen + o, mask=vm, other=0)
         pen = tl.load(penalty_ptr + b)
-        x = tl.where(seen != 0, tl.where(x < 0, x * pen, x / pen), x)
+        x = tl.where(seen != 0, tl.where(x < 0, x * pen, tl.div_rn(x, pen)), x)
     if BAN:
         sup = tl.load(suppress_ptr + o, mask=vm, other=0)
         blk = (st < min_new) | (tl.load(ignore_eos_ptr + b) != 0)
@@ -352,13 +352,13 @@ def sample_kernel(logits_ptr, s_log, V, rows_ptr, step_ptr, frame_off, book,
             eq = (key == lo) & vm
             need = kk - _sum(gt.to(tl.int32), 0)
             keep = gt | (eq & (_cumsum(eq.to(tl.int32), 0) <= need))
-            vals = tl.where(keep, x / temp, float("-inf"))
+            vals = tl.where(keep, tl.div_rn(x, temp), float("-inf"))
             if TOP_P:
                 tp = tl.load(top_p_ptr + b)
                 if tp < 1.0:
                     mx = _max(vals, 0)
                     e = tl.where(keep, tl.exp(vals - mx), 0.0)
-                    prob = e / _sum(e, 0)
+                    prob = tl.div_rn(e, _sum(e, 0))
                     thr = 1.0 - tp
                     vkey = _key(vals)
                     lo2 = _min(tl.where(keep, vkey, 2147483647), 0) - 1
