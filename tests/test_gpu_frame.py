@@ -44,9 +44,9 @@ def ckpt_1b7(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("gpu_frame_17") / "cv17", kind="custom_voice", size="1b7", seed=0)
 
 
-def make_runner(folder, rows: int = 6, max_len: int = 64):
-    """A fp32 ModelRunner over the talker of a tiny checkpoint, loaded as the engine loads it (load_module, the
-    frame table), without the rest of the model (tokenizer, codec)."""
+def make_runner(folder, rows: int = 6, max_len: int = 64, dtype=torch.float32):
+    """A ModelRunner (fp32 unless told) over the talker of a tiny checkpoint, loaded as the engine loads it
+    (load_module, the frame table), without the rest of the model (tokenizer, codec)."""
     from tts_engine.checkpoint import SafetensorsFile, build_on_meta, load_module, read_json
     from tts_engine.config import ModelConfig
     from tts_engine.engine.model_runner import ModelRunner
@@ -54,7 +54,7 @@ def make_runner(folder, rows: int = 6, max_len: int = 64):
 
     cfg = ModelConfig.from_dict(read_json(folder / "config.json")).talker
     talker = load_module(build_on_meta(lambda: Talker(cfg)), SafetensorsFile(folder / "model.safetensors"), "talker.",
-                         torch.device("cpu"), torch.float32)
+                         torch.device("cpu"), dtype)
     talker.build_frame_table()
     g = torch.Generator().manual_seed(123)
     return ModelRunner(talker, torch.randn(cfg.hidden_size, generator=g), rows=rows, max_len=max_len,
@@ -229,6 +229,20 @@ def test_attach_installs_the_fused_frame_after_its_checks(tiny_cv_folder, caplog
     restore(run, start)
     want = frames(run, [0, 1], 1)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@torch.inference_mode()
+def test_attach_in_bf16(tiny_cv_folder, caplog):
+    """bf16: the kernel checks within bf16 tolerances, and the trial's talker step (fed the eager frame's codes) within
+    5e-2 of eager's hidden; how many of the trial's codes agree is reported, not required (observed: 16/16 greedy)."""
+    run = make_runner(tiny_cv_folder, rows=1, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="tts_engine"):
+        status = backend.attach(run, force_interpreter=True)
+    assert status["gpu frame"].startswith("fused"), status
+    trial = status["gpu frame trial"]
+    assert trial.startswith("greedy: ") and "codes equal, talker hidden rel. error" in trial, trial
+    assert not caplog.records
+    backend.uninstall(run)
 
 
 @torch.inference_mode()
