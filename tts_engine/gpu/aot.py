@@ -57,7 +57,6 @@ def record_frame_launches(arch: str, dtype_name: str) -> list:
     import torch
 
     from ..config import ModelConfig
-    from ..model.qwen3_tts import parse_dtype
     from ..model.sampling import C0Processor, RowParams, SamplingParams
     from ..tiny import tiny_config
     from . import ops
@@ -66,7 +65,7 @@ def record_frame_launches(arch: str, dtype_name: str) -> list:
            "tts_bos_token_id": 4, "tts_eos_token_id": 5}
     tc = ModelConfig.from_dict(tiny_config("custom_voice", "1b7" if arch == "1.7b" else "0b6", ids, arch)).talker
     cc = tc.code_predictor
-    dt = parse_dtype(dtype_name)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     B, R, L = 2, 4, 64
     rows = torch.arange(B)
     e = lambda *s, d=dt: torch.zeros(*s, dtype=d)   # noqa: E731

@@ -36,9 +36,12 @@ def _tol(dtype: torch.dtype) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
 
 
-def attach(runner, force_interpreter: bool = False) -> dict:
+def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> dict:
     """Install the fused frame on `runner` where it runs and agrees with eager -> {"gpu frame": status, ...}. Never
-    raises."""
+    raises. force_interpreter (alias `force`, as bench/census.py calls it): on a CPU too, through Triton's interpreter
+    (switched on for this process, `ops.use_interpreter`, if the kernels were compiled ones)."""
+    if force is not None:
+        force_interpreter = force
     setting = os.environ.get(ENV, "auto").strip().lower()
     if setting in ("0", "off", "false", "no"):
         return {"gpu frame": f"eager ({ENV}={setting})"}
@@ -46,9 +49,8 @@ def attach(runner, force_interpreter: bool = False) -> dict:
         return {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
     if not ops.available():
         return {"gpu frame": f"eager (triton is not importable: {ops.IMPORT_ERROR})"}
-    if force_interpreter and runner.device.type != "cuda" and not ops.interpreted():
-        return {"gpu frame": "eager (the kernels were not built for Triton's interpreter: TRITON_INTERPRET=1 must be "
-                             "set before tts_engine.gpu.kernels is imported)"}
+    if force_interpreter and runner.device.type != "cuda" and not ops.use_interpreter():
+        return {"gpu frame": "eager (Triton's interpreter could not be switched on)"}
     interp = force_interpreter and runner.device.type != "cuda"
     try:
         with (ops.force_interpreter() if interp else contextlib.nullcontext()), torch.inference_mode():
@@ -82,8 +84,12 @@ def install(runner, frame: FusedFrame, interp: bool = False) -> None:
 
 
 def uninstall(runner) -> None:
+    """The eager frame again (the fused frame's weights, stacked where shared, stay as they are)."""
     runner.__dict__.pop("_frame_core", None)
     runner.gpu_frame = None
+
+
+detach = uninstall   # (bench/census.py's name)
 
 
 # --- the checks at attach -------------------------------------------------------------------------------------------

@@ -133,11 +133,12 @@ def count_launches(run, B: int) -> dict:
             return func(*args, **(kwargs or {}))
 
     s = snapshot(run)
-    k0 = ops.LaunchCount.launches
+    k0 = ops.K.LAUNCHES.total() if ops.K is not None else 0
     with Count() as c:
         run.decode(list(range(B)))
     restore(run, s)
-    return {"triton": ops.LaunchCount.launches - k0, "aten": c.n, "total": ops.LaunchCount.launches - k0 + c.n}
+    n = (ops.K.LAUNCHES.total() if ops.K is not None else 0) - k0
+    return {"triton": n, "aten": c.n, "total": n + c.n}
 
 
 def graph_ms(run, B: int, n: int):
@@ -170,7 +171,6 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"   # before tts_engine.gpu.kernels is imported
     import torch
 
-    from ..model.qwen3_tts import parse_dtype
     from . import backend
 
     out: dict = {"arch": args.arch, "dtype": args.dtype}
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     out["device"] = torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)"
     batches = [int(b) for b in args.batches.split(",")]
-    run = build_runner(args.arch, parse_dtype(args.dtype), dev, max(batches), args.max_len)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    run = build_runner(args.arch, dtype, dev, max(batches), args.max_len)
     with torch.inference_mode():
         status = backend.attach(run, force_interpreter=args.interpret and not cuda)
         out.update(status)

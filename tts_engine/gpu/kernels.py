@@ -20,10 +20,14 @@ reads TRITON_INTERPRET then. `INTERPRET` records it.
 """
 from __future__ import annotations
 
+import collections
+
 import triton
 import triton.language as tl
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+# launches of each kernel through `ops` (bench/census.py counts them: `LAUNCHES.clear()`, `LAUNCHES.total()`)
+LAUNCHES: collections.Counter = collections.Counter()
 
 # activation dtype codes (constexpr ACT)
 ACT_FP32, ACT_BF16, ACT_FP16 = 0, 1, 2

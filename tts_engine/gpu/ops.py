@@ -40,6 +40,22 @@ def interpreted() -> bool:
     return K is not None and K.INTERPRET
 
 
+def use_interpreter() -> bool:
+    """Make this process's kernels Triton-interpreted ones (TRITON_INTERPRET=1, then `kernels` re-imported) where they
+    are not: for tools that run the fused frame on a CPU (bench census, `check --interpret`, attach(force=True)).
+    Process-wide: Triton reads the variable when kernels are decorated and again while the interpreter runs. -> True
+    when the kernels are interpreted now."""
+    if K is None:
+        return False
+    if not K.INTERPRET:
+        import importlib
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        importlib.reload(K)
+    return K.INTERPRET
+
+
 @contextlib.contextmanager
 def force_interpreter(on: bool = True):
     """Inside: automatic dispatch runs the Triton kernels on CPU tensors too (needs `interpreted()`)."""
@@ -73,12 +89,20 @@ def use_triton(t: torch.Tensor, impl: str | None = None) -> bool:
 
 
 class LaunchCount:
-    """Triton kernel launches through the dispatchers (`launches`), and whether one is under way (`active`: a counter
-    of aten ops can leave out what Triton's interpreter does with tensors while it runs a kernel). `record`: a list
-    while `recording()` is on (launches are recorded, not run)."""
-    launches = 0
+    """Whether a Triton launch is under way (`active`), and `record`: a list while `recording()` is on (launches are
+    recorded, not run). The launches themselves are counted per kernel in `kernels.LAUNCHES`."""
     active = False
     record: list | None = None
+
+
+def _no_dispatch_modes():
+    """Inside an interpreted launch, PyTorch dispatch modes (an aten-op counter such as bench/census.py's) do not see
+    the interpreter's own tensor copies: they are no GPU work."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+        return _disable_current_modes()
+    except Exception:   # (a private helper of PyTorch's; without it the copies are counted)
+        return contextlib.nullcontext()
 
 
 class _Launcher:
@@ -92,10 +116,11 @@ class _Launcher:
             if LaunchCount.record is not None:
                 LaunchCount.record.append((self.kernel, grid, args, kwargs))
                 return None
-            LaunchCount.launches += 1
+            K.LAUNCHES[self.kernel.__name__] += 1
             LaunchCount.active = True
             try:
-                return self.kernel[grid](*args, **kwargs)
+                with _no_dispatch_modes() if K.INTERPRET else contextlib.nullcontext():
+                    return self.kernel[grid](*args, **kwargs)
             finally:
                 LaunchCount.active = False
         return run
