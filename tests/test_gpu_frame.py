@@ -202,10 +202,15 @@ def test_the_same_structure_on_the_references_is_the_eager_frame(runner):
 # --- attach ---------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def test_attach_without_cuda_leaves_eager(runner, monkeypatch):
-    assert backend.attach(runner) == {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
+    got = backend.attach(runner)
+    assert got == {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
+    assert got.path_entries() == {"gpu frame": {"path": "eager", "how": "default",
+                                                "why": "no CUDA: the fused frame's Triton kernels run on a GPU"}}
     assert "_frame_core" not in runner.__dict__
     monkeypatch.setenv(backend.ENV, "0")
-    assert backend.attach(runner, force_interpreter=True) == {"gpu frame": "eager (TTS_GPU_FRAME=0)"}
+    got = backend.attach(runner, force_interpreter=True)
+    assert got == {"gpu frame": "eager (TTS_GPU_FRAME=0)"}
+    assert got.path_entries()["gpu frame"]["how"] == "forced by a variable"
     assert "_frame_core" not in runner.__dict__
 
 
@@ -219,6 +224,8 @@ def test_attach_installs_the_fused_frame_after_its_checks(tiny_cv_folder, caplog
     assert status["gpu frame"] == "fused (Triton kernels, Triton interpreter on CPU tensors)", status
     trial = status["gpu frame trial"]
     assert trial.startswith("greedy: same codes") and "sampled: same codes" in trial, trial
+    entry = status.path_entries()["gpu frame"]     # (what a runner that records its backend reports)
+    assert entry["path"] == "fused" and entry["how"] == "default" and trial in entry["why"]
     assert not caplog.records
     after = snapshot(run)   # the trial put every tensor it touched back
     for k in STATE + ("k", "v"):
@@ -257,6 +264,7 @@ def test_attach_falls_back_on_a_kernel_that_disagrees(runner, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         status = backend.attach(runner, force_interpreter=True)
     assert status["gpu frame"].startswith("eager (AssertionError: silu_mul (talker) disagrees with eager"), status
+    assert status.path_entries()["gpu frame"]["how"] == "fell back"
     assert len(caplog.records) == 1 and "the eager frame serves" in caplog.records[0].getMessage()
     assert "_frame_core" not in runner.__dict__
 

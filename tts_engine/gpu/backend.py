@@ -12,6 +12,9 @@ On CUDA (and, for tests, on a CPU through Triton's interpreter with `force_inter
 Any failure in 1-2 leaves the eager frame serving, with ONE log line. Call it before `GraphedFrames.capture_all`.
 
 Elsewhere (no CUDA, no triton, TTS_GPU_FRAME=0, quantised layers) nothing changes and the status says why.
+
+The result is a `GpuBackend`: a dict of status lines, which is also the object a runner can keep as its backend
+(`path_entries()`, the CPU backend's protocol) where the engine attaches backends per device.
 """
 from __future__ import annotations
 
@@ -36,7 +39,27 @@ def _tol(dtype: torch.dtype) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
 
 
-def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> dict:
+class GpuBackend(dict):
+    """What `attach` returns: {entry: status line} (a dict: "gpu frame", and "gpu frame trial" where it ran), and also
+    the backend object a runner may record (`runner.backend`, as the CPU backend's): `path_entries()` says what
+    serves the frame, {part: {"path", "how", "why"}}."""
+
+    fell_back = False
+
+    def path_entries(self) -> dict[str, dict[str, str]]:
+        line = self.get("gpu frame", "eager")
+        head, _, rest = line.partition(" (")
+        why = rest[:-1] if rest.endswith(")") else rest
+        if head == "fused":
+            how, why = "default", f"{why}; {self['gpu frame trial']}" if "gpu frame trial" in self else why
+        elif ENV in why:
+            how = "forced by a variable"
+        else:
+            how = "fell back" if self.fell_back else "default"
+        return {"gpu frame": {"path": head, "how": how, "why": why}}
+
+
+def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> GpuBackend:
     """Install the fused frame on `runner` where it runs and agrees with eager -> {"gpu frame": status, ...}. Never
     raises. force_interpreter (alias `force`, as bench/census.py calls it): on a CPU too, through Triton's interpreter
     (switched on for this process, `ops.use_interpreter`, if the kernels were compiled ones)."""
@@ -44,13 +67,13 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
         force_interpreter = force
     setting = os.environ.get(ENV, "auto").strip().lower()
     if setting in ("0", "off", "false", "no"):
-        return {"gpu frame": f"eager ({ENV}={setting})"}
+        return GpuBackend({"gpu frame": f"eager ({ENV}={setting})"})
     if runner.device.type != "cuda" and not force_interpreter:
-        return {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
+        return GpuBackend({"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"})
     if not ops.available():
-        return {"gpu frame": f"eager (triton is not importable: {ops.IMPORT_ERROR})"}
+        return GpuBackend({"gpu frame": f"eager (triton is not importable: {ops.IMPORT_ERROR})"})
     if force_interpreter and runner.device.type != "cuda" and not ops.use_interpreter():
-        return {"gpu frame": "eager (Triton's interpreter could not be switched on)"}
+        return GpuBackend({"gpu frame": "eager (Triton's interpreter could not be switched on)"})
     interp = force_interpreter and runner.device.type != "cuda"
     try:
         with (ops.force_interpreter() if interp else contextlib.nullcontext()), torch.inference_mode():
@@ -60,10 +83,12 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
     except Exception as e:
         why = _why(e)
         log.warning("tts_engine: fused GPU frame not used, the eager frame serves: %s", why)
-        return {"gpu frame": f"eager ({why})"}
+        out = GpuBackend({"gpu frame": f"eager ({why})"})
+        out.fell_back = True
+        return out
     install(runner, frame, interp)
     where = "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(runner.device)
-    return {"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial}
+    return GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
 
 
 def install(runner, frame: FusedFrame, interp: bool = False) -> None:
