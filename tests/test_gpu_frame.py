@@ -116,17 +116,20 @@ def compare(run, rows, n, fused_frame=None, interp=True):
     ff = fused_frame or FusedFrame(run)
     calls = []
 
-    def counted(*a):
-        calls.append(1)
-        return ff.frame_core(*a)
+    def counting(half):
+        def call(*a):
+            calls.append(half.__name__)
+            return half(ff, *a)
+        return call
 
-    run._frame_core = counted
+    ff.predict, ff.advance = counting(FusedFrame.predict), counting(FusedFrame.advance)
+    backend.install(run, ff, interp=interp)
     try:
-        with ops.force_interpreter(interp):
-            got = frames(run, rows, n)
+        got = frames(run, rows, n)
+        assert backend.installed(run)     # never fell back (that uninstalls it)
     finally:
-        del run._frame_core
-    assert len(calls) == n   # the fused frame served every frame
+        backend.uninstall(run)
+    assert calls == ["predict", "advance"] * n   # the fused frame served both halves of every frame
     after_fused = snapshot(run)
     assert torch.equal(got[0], want[0]), f"codes differ:\n{got[0]}\n{want[0]}"
     assert torch.equal(got[1], want[1])
@@ -206,12 +209,12 @@ def test_attach_without_cuda_leaves_eager(runner, monkeypatch):
     assert got == {"gpu frame": "eager (no CUDA: the fused frame's Triton kernels run on a GPU)"}
     assert got.path_entries() == {"gpu frame": {"path": "eager", "how": "default",
                                                 "why": "no CUDA: the fused frame's Triton kernels run on a GPU"}}
-    assert "_frame_core" not in runner.__dict__
+    assert not backend.installed(runner)
     monkeypatch.setenv(backend.ENV, "0")
     got = backend.attach(runner, force_interpreter=True)
     assert got == {"gpu frame": "eager (TTS_GPU_FRAME=0)"}
     assert got.path_entries()["gpu frame"]["how"] == "forced by a variable"
-    assert "_frame_core" not in runner.__dict__
+    assert not backend.installed(runner)
 
 
 @torch.inference_mode()
@@ -230,7 +233,7 @@ def test_attach_installs_the_fused_frame_after_its_checks(tiny_cv_folder, caplog
     after = snapshot(run)   # the trial put every tensor it touched back
     for k in STATE + ("k", "v"):
         assert torch.equal(after[k], start[k]), k
-    assert "_frame_core" in run.__dict__ and run.gpu_frame is not None
+    assert backend.installed(run)
     got = frames(run, [0, 1], 1)
     backend.uninstall(run)
     restore(run, start)
@@ -266,7 +269,7 @@ def test_attach_falls_back_on_a_kernel_that_disagrees(runner, monkeypatch, caplo
     assert status["gpu frame"].startswith("eager (AssertionError: silu_mul (talker) disagrees with eager"), status
     assert status.path_entries()["gpu frame"]["how"] == "fell back"
     assert len(caplog.records) == 1 and "the eager frame serves" in caplog.records[0].getMessage()
-    assert "_frame_core" not in runner.__dict__
+    assert not backend.installed(runner)
 
 
 @torch.inference_mode()
@@ -286,7 +289,7 @@ def test_a_frame_that_raises_is_served_eagerly_and_the_fused_frame_dropped(runne
         got = frames(runner, [0], 1)
     assert torch.equal(got[0], want[0])
     assert len(caplog.records) == 1 and "no kernel image" in caplog.records[0].getMessage()
-    assert "_frame_core" not in runner.__dict__ and runner.gpu_frame is None
+    assert not backend.installed(runner) and runner.gpu_frame is None
 
 
 @torch.inference_mode()

@@ -7,8 +7,9 @@ On CUDA (and, for tests, on a CPU through Triton's interpreter with `force_inter
    restored after): fp32 must give the same codes (greedy and seeded sampling) and the same hidden state within
    1e-3; 16-bit dtypes must give a talker hidden within 5e-2 with the eager frame's codes fed to both (their codes
    may legitimately part where two logits are within rounding: reported, not failed);
-3. then `runner._frame_core` is the fused frame's (so `frame`, `_frame_rows` and the CUDA graphs captured afterwards
-   use it). A frame that raises later is served eagerly and the fused frame is dropped for good.
+3. then the runner's two halves of a frame, `_predict_residuals` and `_advance`, are the fused frame's (so `decode`,
+   `frame`, the split halves and the CUDA graphs captured afterwards use them). A half that raises later is served
+   eagerly and the fused frame is dropped for good.
 Any failure in 1-2 leaves the eager frame serving, with ONE log line. Call it before `GraphedFrames.capture_all`.
 
 Elsewhere (no CUDA, no triton, TTS_GPU_FRAME=0, quantised layers) nothing changes and the status says why.
@@ -91,27 +92,42 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
     return GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
 
 
+HALVES = ("_predict_residuals", "_advance")
+
+
 def install(runner, frame: FusedFrame, interp: bool = False) -> None:
-    """runner._frame_core := the fused frame's, falling back to the eager one for good (one log line) if it raises."""
-    eager = type(runner)._frame_core.__get__(runner)
+    """runner._predict_residuals / runner._advance := the fused frame's halves (instance attributes over the class's
+    methods), each falling back to the eager one for good (one log line) if it raises."""
+    eager = {name: getattr(type(runner), name).__get__(runner) for name in HALVES}
+    fused = {"_predict_residuals": frame.predict, "_advance": frame.advance}
 
-    def frame_core(r, cache_rows, rp, read_len):
-        try:
-            with ops.force_interpreter() if interp else contextlib.nullcontext():
-                return frame.frame_core(r, cache_rows, rp, read_len)
-        except Exception as e:
-            log.warning("tts_engine: fused GPU frame failed, the eager frame serves from now on: %s", _why(e))
-            uninstall(runner)
-            return eager(r, cache_rows, rp, read_len)
+    def half(name):
+        def call(*args):
+            if runner.__dict__.get("gpu_frame") is not frame:   # dropped meanwhile (the other half failed)
+                return eager[name](*args)
+            try:
+                with ops.force_interpreter() if interp else contextlib.nullcontext():
+                    return fused[name](*args)
+            except Exception as e:
+                log.warning("tts_engine: fused GPU frame failed, the eager frame serves from now on: %s", _why(e))
+                uninstall(runner)
+                return eager[name](*args)
+        return call
 
-    runner._frame_core = frame_core
+    for name in HALVES:
+        setattr(runner, name, half(name))
     runner.gpu_frame = frame
 
 
 def uninstall(runner) -> None:
     """The eager frame again (the fused frame's weights, stacked where shared, stay as they are)."""
-    runner.__dict__.pop("_frame_core", None)
+    for name in HALVES:
+        runner.__dict__.pop(name, None)
     runner.gpu_frame = None
+
+
+def installed(runner) -> bool:
+    return all(name in runner.__dict__ for name in HALVES) and getattr(runner, "gpu_frame", None) is not None
 
 
 detach = uninstall   # (bench/census.py's name)
@@ -183,6 +199,11 @@ def check_kernels(runner, frame: FusedFrame) -> dict:
         if book:
             a = ops.sample_residual(logits, rows, step, rp, book, impl="eager")
             b = ops.sample_residual(logits, rows, step, rp, book, impl="triton")
+            if not torch.equal(a, b):
+                raise AssertionError(f"the sampler (codebook {book}) disagrees with eager: {a.tolist()} vs "
+                                     f"{b.tolist()}")
+            fidx = step[rows] - 1   # (as the fused frame calls it: frame indices, rows 0..B-1)
+            a = ops.sample_residual(logits, torch.arange(3, device=dev), fidx, rp, book, impl="triton", frame_off=0)
         else:
             seen = (torch.rand(4, V, generator=g) < 0.05).to(dev)
             a = ops.sample_c0(logits, rows, rp, runner.c0_proc, seen, step, impl="eager")
@@ -221,7 +242,16 @@ def frame_trial(runner, frame: FusedFrame) -> str:
         run.hidden[0], run.c0[0] = start["hidden"], start["c0"]
 
     r = run.row_index[:1]
-    eager = type(run)._frame_core
+    cls = type(run)
+
+    def eager():
+        codes = cls._predict_residuals(run, run.hidden[r], run.c0[r], run.step[r] - 1, rp)
+        return codes, cls._advance(run, r, slice(0, 1), rp, P + 1, codes)
+
+    def fused():
+        codes = frame.predict(run.hidden[r], run.c0[r], run.step[r] - 1, rp)
+        return codes, frame.advance(r, slice(0, 1), rp, P + 1, codes)
+
     notes = []
     try:
         for label, p in (("greedy", SamplingParams(do_sample=False, subtalker_dosample=False)),
@@ -229,10 +259,10 @@ def frame_trial(runner, frame: FusedFrame) -> str:
                                                     subtalker_top_p=0.9))):
             rp = RowParams.stack([p], dev)
             reset()
-            codes_e, done_e = eager(run, r, slice(0, 1), rp, P + 1)
+            codes_e, done_e = eager()
             h_e = run.hidden[0].float().clone()
             reset()
-            codes_f, done_f = frame.frame_core(r, slice(0, 1), rp, P + 1)
+            codes_f, done_f = fused()
             h_f = run.hidden[0].float().clone()
             rel = float((h_f - h_e).norm() / h_e.norm().clamp_min(1e-12))
             if dt == torch.float32:
@@ -242,7 +272,7 @@ def frame_trial(runner, frame: FusedFrame) -> str:
                 notes.append(f"{label}: same codes, hidden rel. error {rel:.1e}")
             else:
                 reset()   # the talker step teacher-forced on the eager codes: its hidden must be close
-                frame.advance(r, rp, P + 1, codes_e)
+                frame.advance(r, slice(0, 1), rp, P + 1, codes_e)
                 rel_tf = float((run.hidden[0].float() - h_e).norm() / h_e.norm().clamp_min(1e-12))
                 if rel_tf > 5e-2:
                     raise AssertionError(f"fused talker step ({label}) differs from eager: hidden rel. error "

@@ -1,8 +1,10 @@
 """The fused frame: the code predictor's 15 steps + the talker step + sampling, built from the kernels of `ops`.
 
-`FusedFrame(runner).frame_core(r, cache_rows, rp, read_len)` computes what `ModelRunner._frame_core` computes (the
-codes [B, 16] of the frame being completed and the done flags, with the same state updates: KV caches, pos, step,
-seen, hidden, c0) with static shapes and no host synchronisation, so a CUDA graph can capture it. Per decoder layer:
+`FusedFrame(runner)` has the runner's two halves of a frame: `predict(h, c0, frame_idx, rp)` as
+`ModelRunner._predict_residuals` (the codes [B, 16] of the frame being completed; only the predictor's scratch cache
+changes) and `advance(r, cache_rows, rp, read_len, codes)` as `ModelRunner._advance` (the talker step: KV cache, pos,
+step, seen, hidden, c0, the done flags), with static shapes and no host synchronisation, so a CUDA graph can capture
+them (`backend.install` puts them in the runner's place). Per decoder layer:
   add+RMSNorm (fused with the previous residual add) -> qkv GEMM (q/k/v weights concatenated once) -> q/k RMSNorm +
   RoPE + KV write (one kernel) -> decode attention over each row's real length -> o GEMM -> add+RMSNorm -> gate_up
   GEMM (concatenated once) -> SiLU*up -> down GEMM
@@ -121,16 +123,7 @@ class FusedFrame:
         self.offsets_host = [int(o) for o in self.offsets.tolist()]
         self._cp_pos: dict = {}
 
-    # --- the frame ------------------------------------------------------------------------------------------------
-    def frame_core(self, r: torch.Tensor, cache_rows, rp, read_len: int):
-        """`ModelRunner._frame_core`'s signature and results: r [B] the rows, cache_rows (unused: r indexes the
-        caches), rp the rows' RowParams, read_len a host bound on the rows' lengths + 1 -> (codes [B, 16], done [B])."""
-        run = self.runner
-        codes = self.predict(r, rp)
-        if run.on_frame_codes is not None and run.graphs is None:
-            run._hand_over(codes)
-        return codes, self.advance(r, rp, read_len, codes)
-
+    # --- the frame's two halves ---------------------------------------------------------------------------------------
     def _positions(self, B: int, j: int, device) -> torch.Tensor:
         """The predictor's positions of step j [B, T]: 0, 1 for step 0, j + 1 after (kept, except while a CUDA graph
         is being captured: there they are recorded)."""
@@ -145,13 +138,12 @@ class FusedFrame:
                 self._cp_pos[key] = got
         return got
 
-    def predict(self, r: torch.Tensor, rp) -> torch.Tensor:
-        """Codebooks 1..15 of each row's frame from [hidden, C(c0)] (`ModelRunner._predict_residuals_loop`) ->
-        codes [B, 16]."""
+    def predict(self, h: torch.Tensor, c0: torch.Tensor, frame_idx: torch.Tensor, rp) -> torch.Tensor:
+        """Codebooks 1..15 of each row's frame from [h, C(c0)] (talker hidden h [B, D], codebook-0 ids c0 [B], the
+        frames' indices [B]: `ModelRunner._predict_residuals`) -> codes [B, 16]."""
         run = self.runner
-        B, dev = r.shape[0], run.device
-        c0 = run.c0[r]
-        x = torch.stack([run.hidden[r], self.table[c0]], dim=1)                 # [B, 2, D]
+        B, dev = h.shape[0], run.device
+        x = torch.stack([h, self.table[c0]], dim=1)                              # [B, 2, D]
         codes = torch.empty(B, self.n_books, dtype=torch.long, device=dev)
         codes[:, 0] = c0
         rows = run.row_index[:B]          # the predictor's cache rows (as the eager loop: 0..B-1)
@@ -163,15 +155,15 @@ class FusedFrame:
             logits = F.linear(h[:, -1], self.heads[j])
             last = j + 1 == self.n_books - 1
             x_next = None if last else torch.empty(B, self.table.shape[1], dtype=self.table.dtype, device=dev)
-            ops.sample_residual(logits, r, run.step, rp, j + 1, ids=codes[:, j + 1],
+            ops.sample_residual(logits, rows, frame_idx, rp, j + 1, ids=codes[:, j + 1], frame_off=0,
                                 emb=None if last else (self.table, self.offsets_host[j + 1], x_next))
             if not last:
                 x = x_next[:, None]
         return codes
 
-    def advance(self, r: torch.Tensor, rp, read_len: int, codes: torch.Tensor) -> torch.Tensor:
-        """The talker step consuming `codes` and drawing each row's next codebook-0 id
-        (`ModelRunner._advance_python`) -> done [B]."""
+    def advance(self, r: torch.Tensor, cache_rows, rp, read_len: int, codes: torch.Tensor) -> torch.Tensor:
+        """The talker step consuming `codes` [B, 16] and drawing each row's next codebook-0 id (`ModelRunner._advance`;
+        cache_rows unused: the row indices r address the caches) -> done [B]."""
         run = self.runner
         B = r.shape[0]
         x = ops.frame_embed(codes, self.table, self.offsets, run.trailing, run.trailing_len, run.tts_pad, run.step, r)

@@ -375,20 +375,22 @@ def _launch_sample(logits, rows, step, frame_off: int, book: int, do_sample, top
 
 
 def sample_residual(logits: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, rp, book: int,
-                    impl: str | None = None, ids: torch.Tensor | None = None, emb=None) -> torch.Tensor:
+                    impl: str | None = None, ids: torch.Tensor | None = None, emb=None,
+                    frame_off: int = -1) -> torch.Tensor:
     """The code predictor's codebook `book` (1..15) from logits [B, 2048] -> ids [B] (`sampling.choose_residual`
-    with frame = step[rows] - 1, the frame being completed). ids: where to write them (e.g. a column of the frame's
+    with frame = step[rows] + frame_off: the runner's step - 1 is the frame being completed; a tensor of frame
+    indices with rows 0..B-1 and frame_off 0 does too). ids: where to write them (e.g. a column of the frame's
     codes); emb = (table, offset, x_next [B, De]): also x_next[b] = table[offset + id] (the next step's input)."""
     if ids is None:
         ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     if not use_triton(logits, impl):
-        c = choose_residual(logits.float(), step[rows] - 1, book, rp)
+        c = choose_residual(logits.float(), step[rows] + frame_off, book, rp)
         ids.copy_(c)
         if emb is not None:
             table, offset, x_next = emb
             x_next.copy_(table[offset + c])
         return ids
-    _launch_sample(logits, rows, step, -1, book, rp.sub_do_sample, rp.sub_top_k, rp.sub_top_p, rp.sub_temperature,
+    _launch_sample(logits, rows, step, frame_off, book, rp.sub_do_sample, rp.sub_top_k, rp.sub_top_p, rp.sub_temperature,
                    rp.seed, rp.host["sub"], ids, emb=emb)
     return ids
 
