@@ -390,8 +390,8 @@ def sample_residual(logits: torch.Tensor, rows: torch.Tensor, step: torch.Tensor
             table, offset, x_next = emb
             x_next.copy_(table[offset + c])
         return ids
-    _launch_sample(logits, rows, step, frame_off, book, rp.sub_do_sample, rp.sub_top_k, rp.sub_top_p, rp.sub_temperature,
-                   rp.seed, rp.host["sub"], ids, emb=emb)
+    _launch_sample(logits, rows, step, frame_off, book, rp.sub_do_sample, rp.sub_top_k, rp.sub_top_p,
+                   rp.sub_temperature, rp.seed, rp.host["sub"], ids, emb=emb)
     return ids
 
 
