@@ -1,0 +1,225 @@
+"""The fused GPU frame on a GPU, in one prepared call: `python -m tts_engine.gpu.check [--arch 0.6b] [--dtype bf16]`.
+
+On CUDA: a talker of the chosen architecture with random weights (the config of `tts_engine.tiny`, seed 0), a
+ModelRunner in the chosen dtype, `backend.attach` (its kernel checks and frame trial: the status is printed), then for
+each batch B of --batches, from the same state (B rows whose caches hold --prompt random positions, greedy):
+  - --frames frames eagerly and fused: the codes compared (fp32: must be equal; 16-bit: the fraction equal);
+  - ms per frame of each, and with --graphs of each captured as a CUDA graph (cuda_graphs.GraphedFrames) and replayed;
+  - the launches of one fused frame: Triton kernels + the other non-view aten ops (a dispatch counter; allocations
+    not counted), beside the same count of the eager frame.
+One JSON object on stdout (and in --json FILE). Kernel tests on the GPU: TTS_GPU_TEST_DEVICE=cuda pytest
+tests/test_gpu_kernels.py.
+
+Without CUDA: --interpret runs it all on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 is set before
+the kernels are imported; use --arch tiny: a dry run of this script, its timings mean nothing); otherwise it prints
+attach's status and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m tts_engine.gpu.check", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--frames", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=100, help="positions already in each row's talker cache")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of both frames")
+    ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's interpreter on CPU tensors")
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def build_runner(arch: str, dtype, device, rows: int, max_len: int):
+    import torch
+
+    from ..config import ModelConfig
+    from ..engine.model_runner import ModelRunner
+    from ..model.talker import Talker
+    from ..tiny import tiny_config
+
+    ids = {"text_vocab_size": 1000, "im_start_token_id": 1, "im_end_token_id": 2, "tts_pad_token_id": 3,
+           "tts_bos_token_id": 4, "tts_eos_token_id": 5}
+    cfg = ModelConfig.from_dict(tiny_config("custom_voice", "1b7" if arch == "1.7b" else "0b6", ids, arch)).talker
+    torch.manual_seed(0)
+    with torch.device(device):
+        talker = Talker(cfg)
+    talker = talker.to(dtype).eval().requires_grad_(False)
+    talker.build_frame_table()
+    tts_pad = torch.randn(cfg.hidden_size, device=device)
+    return ModelRunner(talker, tts_pad, rows=rows, max_len=max_len, eos_id=cfg.codec_eos_token_id)
+
+
+STATE = ("pos", "step", "seen", "hidden", "c0", "max_new", "trailing_len")
+
+
+def prepare(run, B: int, prompt: int):
+    import torch
+
+    from ..model.sampling import SamplingParams
+
+    g = torch.Generator(device="cpu").manual_seed(B)
+    for i in range(B):
+        run._write_params(i, SamplingParams(do_sample=False, subtalker_dosample=False))
+        L = prompt + 3 * i
+        for c in (run.cache.k, run.cache.v):
+            c[:, i, :, :L] = torch.randn(c[:, i, :, :L].shape, generator=g).to(c.device, c.dtype)
+        run.pos[i], run.host_len[i], run.step[i], run.max_new[i] = L, L, 1, 1 << 20
+        run.hidden[i] = (torch.randn(run.hidden.shape[1], generator=g) * 2).to(run.hidden.device, run.dtype)
+        run.c0[i] = int(torch.randint(0, 2048, (1,), generator=g))
+        run.seen[i] = False
+        run.trailing_len[i] = 0
+
+
+def snapshot(run):
+    return {"k": run.cache.k.clone(), "v": run.cache.v.clone(), "host_len": list(run.host_len),
+            **{k: getattr(run, k).clone() for k in STATE}}
+
+
+def restore(run, s):
+    run.cache.k.copy_(s["k"])
+    run.cache.v.copy_(s["v"])
+    run.host_len[:] = s["host_len"]
+    for k in STATE:
+        getattr(run, k).copy_(s[k])
+
+
+def _sync(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_frames(run, B: int, n: int):
+    import torch
+
+    rows = list(range(B))
+    _sync(run.device)
+    t0 = time.perf_counter()
+    codes = [run.decode(rows)[0] for _ in range(n)]
+    _sync(run.device)
+    return torch.stack(codes, 1), (time.perf_counter() - t0) * 1000 / n
+
+
+def count_launches(run, B: int) -> dict:
+    """Launches of one frame (state restored after): Triton kernels through `ops`, and the other non-view aten ops
+    (allocations and Triton's interpreter's own tensor work left out)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from . import ops
+
+    skip = {"empty", "empty_strided", "empty_like", "view", "_unsafe_view", "as_strided", "alias", "detach",
+            "lift_fresh", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice",
+            "split", "split_with_sizes", "chunk", "unbind", "unflatten", "_reshape_alias", "reshape",
+            "set_", "resolve_conj", "resolve_neg"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not ops.LaunchCount.active and func.overloadpacket.__name__ not in skip:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    s = snapshot(run)
+    k0 = ops.K.LAUNCHES.total() if ops.K is not None else 0
+    with Count() as c:
+        run.decode(list(range(B)))
+    restore(run, s)
+    n = (ops.K.LAUNCHES.total() if ops.K is not None else 0) - k0
+    return {"triton": n, "aten": c.n, "total": n + c.n}
+
+
+def graph_ms(run, B: int, n: int):
+    """Capture `run.frame` for (B, its length bucket), replay n times -> (codes of the first replay, ms per replay)."""
+    import torch
+
+    from ..engine.cuda_graphs import GraphedFrames
+
+    gf = GraphedFrames(run)
+    read_len = max(run.host_len[i] for i in range(B)) + 1
+    s = snapshot(run)
+    codes = gf.run(B, read_len)[0]      # captures (warm-up on a side stream, then the capture), replays once
+    restore(run, s)
+    codes = gf.run(B, read_len)[0]
+    _sync(run.device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        gf.run(B, read_len)
+    _sync(run.device)
+    ms = (time.perf_counter() - t0) * 1000 / n
+    restore(run, s)
+    del gf
+    torch.cuda.empty_cache()
+    return codes, ms
+
+
+def main(argv=None) -> int:
+    args = _parse(argv if argv is not None else sys.argv[1:])
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"   # before tts_engine.gpu.kernels is imported
+    import torch
+
+    from . import backend
+
+    out: dict = {"arch": args.arch, "dtype": args.dtype}
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.interpret:
+        out["gpu frame"] = "eager (no CUDA: the fused frame's Triton kernels run on a GPU; --interpret for a dry run)"
+        print(json.dumps(out, indent=1))
+        return 0
+    dev = torch.device("cuda" if cuda else "cpu")
+    out["device"] = torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)"
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    run = build_runner(args.arch, dtype, dev, max(batches), args.max_len)
+    with torch.inference_mode():
+        status = backend.attach(run, force_interpreter=args.interpret and not cuda)
+        out.update(status)
+        frame = getattr(run, "gpu_frame", None)
+        out["batches"] = {}
+        for B in batches:
+            res: dict = {}
+            prepare(run, B, args.prompt)
+            s = snapshot(run)
+            backend.uninstall(run)
+            res["eager launches"] = count_launches(run, B)
+            codes_e, res["eager ms/frame"] = run_frames(run, B, args.frames)
+            restore(run, s)
+            if frame is not None:
+                backend.install(run, frame, interp=args.interpret and not cuda)
+                res["fused launches"] = count_launches(run, B)
+                codes_f, res["fused ms/frame"] = run_frames(run, B, args.frames)
+                restore(run, s)
+                res["codes equal"] = f"{int((codes_e == codes_f).sum())}/{codes_e.numel()}"
+                res["speed-up"] = round(res["eager ms/frame"] / res["fused ms/frame"], 2)
+            if args.graphs and cuda:
+                backend.uninstall(run)
+                g_e, res["eager graph ms/frame"] = graph_ms(run, B, args.frames)
+                if frame is not None:
+                    backend.install(run, frame)
+                    g_f, res["fused graph ms/frame"] = graph_ms(run, B, args.frames)
+                    res["graph codes equal (first frame)"] = f"{int((g_e == g_f).sum())}/{g_e.numel()}"
+                    res["real time (fused graph, 12.5 frames/s)"] = round(1000 / 12.5 / res["fused graph ms/frame"], 1)
+            out["batches"][B] = res
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
