@@ -34,7 +34,9 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "as_strided", "slice", 
             "permute", "transpose", "t", "detach", "alias", "unflatten", "flatten", "split", "chunk", "narrow",
             "unbind", "_reshape_alias", "lift_fresh", "view_as", "expand_as", "movedim", "diagonal",
             "split_with_sizes", "_to_copy_view", "real", "imag", "_unsafe_split", "unsafe_split",
-            "numpy_T", "contiguous_view", "_nested_view_from_buffer"}
+            "numpy_T", "contiguous_view", "_nested_view_from_buffer",
+            # allocations: memory from the caching allocator, no kernel (a graph replays none of them)
+            "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 
 
 class LaunchCounter(TorchDispatchMode):

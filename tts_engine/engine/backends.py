@@ -39,5 +39,6 @@ def attach_backend(runner, **options):
             return None
         if got is not None:
             runner.backend = got
+            runner.path_entries["gpu frame"] = got   # (live: `entry()`)
         return got
     return None

@@ -59,6 +59,10 @@ class GpuBackend(dict):
             how = "fell back" if self.fell_back else "default"
         return {"gpu frame": {"path": head, "how": how, "why": why}}
 
+    def entry(self) -> dict[str, str]:
+        """The "gpu frame" part of `TTSEngine.paths()`, live (a fallback while serving shows at once)."""
+        return self.path_entries()["gpu frame"]
+
 
 def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> GpuBackend:
     """Install the fused frame on `runner` where it runs and agrees with eager -> {"gpu frame": status, ...}. Never
@@ -87,17 +91,18 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
         out = GpuBackend({"gpu frame": f"eager ({why})"})
         out.fell_back = True
         return out
-    install(runner, frame, interp)
     where = "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(runner.device)
-    return GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
+    out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
+    install(runner, frame, interp, out)
+    return out
 
 
 HALVES = ("_predict_residuals", "_advance")
 
 
-def install(runner, frame: FusedFrame, interp: bool = False) -> None:
+def install(runner, frame: FusedFrame, interp: bool = False, status: GpuBackend | None = None) -> None:
     """runner._predict_residuals / runner._advance := the fused frame's halves (instance attributes over the class's
-    methods), each falling back to the eager one for good (one log line) if it raises."""
+    methods), each falling back to the eager one for good (one log line) if it raises; `status` then says so."""
     eager = {name: getattr(type(runner), name).__get__(runner) for name in HALVES}
     fused = {"_predict_residuals": frame.predict, "_advance": frame.advance}
 
@@ -111,6 +116,9 @@ def install(runner, frame: FusedFrame, interp: bool = False) -> None:
             except Exception as e:
                 log.warning("tts_engine: fused GPU frame failed, the eager frame serves from now on: %s", _why(e))
                 uninstall(runner)
+                if status is not None:
+                    status["gpu frame"] = f"eager (the fused frame raised while serving: {_why(e)})"
+                    status.fell_back = True
                 return eager[name](*args)
         return call
 
