@@ -197,10 +197,10 @@ def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_lin
     assert len([x for x in caplog.records if "GPU fast paths" in x.getMessage()]) == 1
 
     class Backend:
-        pass
+        def entry(self):
+            return {"path": "fused", "how": "default", "why": "a test"}
 
     def attach(r):
-        r.path_entries["gpu frame"] = {"path": "fused", "how": "default", "why": "a test"}
         return Backend()
 
     def fail(r):
@@ -219,4 +219,7 @@ def test_the_gpu_seam_attaches_tts_engine_gpu_backend_or_falls_back_with_one_lin
     r = runner()
     got = attach_backend(r)
     assert isinstance(got, Backend) and r.backend is got
-    assert r.path_entries == {"gpu frame": {"path": "fused", "how": "default", "why": "a test"}}
+    from tts_engine.cpu.measured import entry_of
+
+    assert list(r.path_entries) == ["gpu frame"] and r.path_entries["gpu frame"] is got
+    assert entry_of(r.path_entries["gpu frame"]) == {"path": "fused", "how": "default", "why": "a test"}
