@@ -158,13 +158,10 @@ class Qwen3TTSModel:
                          "native bf16: AVX-512 BF16 / AMX" if cpu_has_fast_bf16() else "no native bf16")
         folder = resolve_checkpoint(model)
         talker_cfg = ModelConfig.from_dict(read_json(folder / "config.json")).talker
-        if device.type == "cpu":   # our C++ libraries at once, before any choice is timed (a cold cache: 20-70 s)
+        if device.type == "cpu":   # our C++ library loaded (or its build started) before any choice is timed
             from tts_engine.cpu import cpu_build
 
-            q = str(quantize or "none").strip().lower()
-            dense_fp32 = chosen == torch.float32 and (q != "auto" or dtype is not None or dtype_forced())
-            # the libraries that include cpu_ext.cpp serve the fused step: bf16, W8A8, W4A8 (not fp32, int8, int4)
-            cpu_build.build_all(includers=q in ("w8a8", "w4a8") or q not in ("int8", "int4") and not dense_fp32)
+            cpu_build.prepare()
         quantize, why = quantize_choice(quantize, device, chosen, dtype is not None, talker_cfg, folder)
         inst = cls(folder, device, chosen, text_embedding_on_cpu, quantize)
         inst.quantize_why = why

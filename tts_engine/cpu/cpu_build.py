@@ -1,89 +1,149 @@
-"""Our C++ libraries built together, before an engine's first measured choice, instead of one by one when each is
-first used.
+"""When our one C++ library (`cpu_ext.LIBRARY`, every source of csrc/) is built: at install, else never in front of
+a request.
 
-`cpu_ext.cpp` and the three files that include it (`fused_step.cpp`, `predictor_frame.cpp`, `talker_step.cpp`) are
-compiled once per source, torch and compiler into the cache folder (`cpu_ext.build`). On a cold cache (a fresh
-machine, a Space without persistent storage) each was compiled when first used: one after another, on one core,
-6-26 s each on a busy 2-core Zen 4, in the middle of the first request. `build_all` starts those not built yet at
-once, one compiler per core (`cpu_ext.build` lets one thread compile a library and the others wait for it), and
-returns when all are done, so that the measured choices that follow (kernel table, fused step, predictor frame,
-talker step) are not timed beside a compiler. A library switched off (its environment variable, `TTS_CPU_EXT=0`)
-is not built, nor one this process has already built or loaded (once per process, whatever the cache folder is
-later: tests change it per test); a failure is left for the library's own first use to report (nothing here
-raises)."""
+- At install: `python -m tts_engine.cpu.build` (the Dockerfile and the README's install line run it) compiles it for
+  this torch into the cache folder (`cpu_ext.build_dirs`); the app then loads it in milliseconds.
+- At engine load (`prepare`, before any measured choice): a built library is loaded; where none is built yet,
+  `TTS_CPU_BUILD` says what happens:
+    wait        compile it now, then load (the engine's first request waits for the compiler: 10-30 s of one core);
+    background  compile it in a background thread while the engine serves on the plain PyTorch paths; once it is
+                loaded, the engine's own thread gives the model runner its fast paths at the next frame boundary
+                where no row is held (`attach_later`);
+    auto        (default) background on a Hugging Face Space (SPACE_ID set: a Gradio-SDK Space has no install step
+                and no persistent build), wait elsewhere (scripts, benchmarks and tests get the same paths every run).
+  With `TTS_CPU_EXT=0`, or where the library cannot be built (no compiler, not x86-64 Linux), the plain paths serve
+  for good, with one log line (`cpu_ext.library`).
+"""
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from tts_engine.cpu import cpu_ext
 
 log = logging.getLogger("tts_engine")
 
+ENV = "TTS_CPU_BUILD"
+POLICIES = ("auto", "wait", "background")
 
-_done: set = set()   # sources this process built or loaded already (a later engine, another cache folder: skipped)
-
-
-def _loaded(src) -> bool:
-    """This process already has `src`'s library (built here, or loaded on first use)."""
-    if src in _done:
-        return True
-    if src == cpu_ext.SOURCE:
-        return "lib" in cpu_ext._state
-    from tts_engine.cpu import fused_step
-    from tts_engine.cpu import predictor_frame
-    from tts_engine.cpu import talker_step
-
-    for m in (fused_step, predictor_frame, talker_step):
-        if src == m.SOURCE:
-            return getattr(m.library, "_lib", None) is not None
-    return False
+_bg: dict = {}   # "thread": the background build (started once per process), "seconds": its build and load
 
 
-def wanted(includers: bool = True) -> list:
-    """The sources whose libraries this process may load: cpu_ext.cpp, and (`includers`: the engine may run the
-    fused step, i.e. bf16, W8A8 or W4A8) each includer not switched off."""
+def policy() -> str:
+    """"wait" or "background": what an engine load does where the library is not built yet (module doc)."""
+    v = os.environ.get(ENV, "auto").strip().lower()
+    if v not in POLICIES:
+        log.warning("tts_engine: %s=%r is not one of %s; auto", ENV, v, ", ".join(POLICIES))
+        v = "auto"
+    if v == "auto":
+        from tts_engine import cache_paths
+
+        v = "background" if os.environ.get(cache_paths.SPACE_ENV) else "wait"
+    return v
+
+
+def pending() -> bool:
+    """A background build (or its load) is under way: our kernels are not there yet, and will be."""
+    t = _bg.get("thread")
+    return t is not None and t.is_alive()
+
+
+def prepare() -> str:
+    """Before a CPU engine's load measures anything: load the library where it is built, else build it now or start
+    the background build (`policy`) -> what happened, one line. Never raises."""
     if not cpu_ext.enabled():
-        return []
+        return f"off ({cpu_ext.ENABLE_ENV}=0)"
+    if "lib" in cpu_ext._state:
+        return "loaded before"
+    if pending():
+        return "building in the background"
+    if cpu_ext.built() is not None or policy() == "wait":
+        t = time.perf_counter()
+        lib = cpu_ext.library()
+        how = "loaded" if not cpu_ext.builds else "built and loaded"
+        return f"{how} in {time.perf_counter() - t:.1f} s" if lib is not None else f"off ({cpu_ext.why_unavailable()})"
+    start_background()
+    return "building in the background"
+
+
+def start_background() -> threading.Thread:
+    """Build and load the library in a daemon thread (once per process); `cpu_ext.library()` answers None in other
+    threads meanwhile (the plain paths serve)."""
+    with _lock:
+        t = _bg.get("thread")
+        if t is None:
+            t = threading.Thread(target=_build_in_background, name="tts-cpu-build", daemon=True)
+            _bg["thread"] = t
+            cpu_ext.building_thread(t)
+            t.start()
+            log.info("tts_engine: our C++ kernels are not built here yet: building them in the background; the plain "
+                     "PyTorch paths serve until they are loaded (`python -m tts_engine.cpu.build` at install avoids it)")
+        return t
+
+
+_lock = threading.Lock()
+
+
+def _build_in_background() -> None:
+    t = time.perf_counter()
+    try:
+        lib = cpu_ext.library()   # build, load, and the share trial; never raises
+    finally:
+        cpu_ext.building_thread(None)
+    _bg["seconds"] = time.perf_counter() - t
+    if lib is not None:
+        log.info("tts_engine: our C++ kernels built and loaded in the background in %.1f s; engines take their fast "
+                 "paths at their next idle frame boundary", _bg["seconds"])
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait for a background build to end -> whether the library is loaded now (tests, benchmarks)."""
+    t = _bg.get("thread")
+    if t is not None:
+        t.join(timeout)
+    return not pending() and "lib" in cpu_ext._state and cpu_ext._state["lib"] is not None
+
+
+def attach_fast_paths(runner) -> None:
+    """Give a CPU model runner its fast paths: what `ModelRunner.__init__` attaches there (the fused steps, the
+    predictor frame, the talker step, each with its trial). The one call `attach_later` makes once the library is
+    loaded."""
     from tts_engine.cpu import fused_step
     from tts_engine.cpu import predictor_frame
-    from tts_engine.cpu import talker_step
+    from tts_engine.engine.model_runner import aten_bf16_gemv
 
-    out = [cpu_ext.SOURCE]
-    if includers and fused_step.setting() != "off":
-        out.append(fused_step.SOURCE)
-        if predictor_frame.setting() != "off":
-            out.append(predictor_frame.SOURCE)
-        if talker_step.setting() != "off":
-            out.append(talker_step.SOURCE)
-    return out
+    with aten_bf16_gemv(runner._gemv(1)):
+        runner.fused_status = fused_step.attach(runner.talker)
+    runner.frame_status = predictor_frame.attach(runner.talker)
+    runner._measure_predictor_frame()
+    runner._attach_talker_step()
 
 
-def build_all(includers: bool = True, workers: int | None = None) -> dict[str, float]:
-    """Build every wanted library not built yet, `workers` compilers at once (default: one per core, at most 4).
-    -> {source name: seconds of its build call} (about 0 for those already built; failed ones are left out)."""
-    sources = [s for s in wanted(includers) if not _loaded(s)]
-    if not sources:
-        return {}
-    took: dict[str, float] = {}
+def attach_later(runner, attach: Callable = attach_fast_paths) -> Callable[[bool], bool] | None:
+    """Where the library is being built in the background: a function for the engine's own thread to call at every
+    frame boundary, poll(no_row_held) -> True once done (then it is called no more); None where nothing waits. When
+    the library is loaded and no row is held (the trials use row 0 and time the step), it runs attach(runner) once;
+    where the build failed, the plain paths stay (already logged)."""
+    if runner.device.type != "cpu" or not pending():
+        return None
 
-    def one(src):
+    def poll(no_row_held: bool) -> bool:
+        if pending():
+            return False
+        if cpu_ext.library() is None:
+            return True
+        if not no_row_held:
+            return False
         t = time.perf_counter()
         try:
-            cpu_ext.build(source=src)
-        except Exception as e:   # noqa: BLE001 - the library's own first use reports it
-            log.debug("tts_engine: %s not built ahead (%s)", src.name, e)
-            return
-        _done.add(src)
-        took[src.name] = time.perf_counter() - t
+            attach(runner)
+        except Exception as e:   # noqa: BLE001 - a fast path that fails to attach: the plain paths stay
+            log.warning("tts_engine: fast paths not attached after the background build: %s: %s", type(e).__name__, e)
+            return True
+        log.info("tts_engine: fast paths attached after the background build in %.2f s", time.perf_counter() - t)
+        return True
 
-    t0 = time.perf_counter()
-    n = workers or max(1, min(len(sources), os.cpu_count() or 1, 4))
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tts-cpu-build") as ex:
-        list(ex.map(one, sources))
-    if any(s > 0.5 for s in took.values()):
-        log.info("tts_engine: C++ libraries built in %.1f s, %d at once (%s)", time.perf_counter() - t0, n,
-                 ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
-    return took
+    return poll

@@ -62,15 +62,33 @@ _build_locks: dict[Path, threading.Lock] = {}
 _build_locks_guard = threading.Lock()
 
 
-BUILD_DIR_ENV = "TTS_BUILD_DIR"  # where the built libraries go instead of the cache folder's cpu_ext/ (tests/conftest.py:
-                                 # one folder for a whole test run, whatever cache folder each test uses)
+BUILD_DIR_ENV = "TTS_BUILD_DIR"  # the one folder the library is built into and loaded from (tests/conftest.py: one folder
+                                 # for a whole test run, whatever cache folder each test uses)
+LIBRARY = Path(__file__).parent / "csrc" / "ttsx.cpp"   # the one translation unit: every source of csrc/ (its doc)
+
+builds: list[Path] = []   # every library this process compiled, in order (tests count them)
 
 
 def _cache_dir() -> Path:
+    """Where this process builds a library it does not find (`build_dirs()[0]`)."""
+    return build_dirs()[0]
+
+
+def installed_dir() -> Path:
+    """Where `python -m tts_engine.cpu.build` puts the library when no cache folder is named: the user's default cache
+    folder (~/.cache/qwen3-tts-live/cpu_ext, $XDG_CACHE_HOME), whatever cache folder the app is given later."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "cpu_ext"
+
+
+def build_dirs() -> list[Path]:
+    """The folders a built library is looked for in, in order; the first is where one is built. $TTS_BUILD_DIR alone
+    where set; else the cache folder in force (`kernels.cache_root()`: $TTS_CACHE_DIR, a Space's persistent storage,
+    the user's cache folder), then the install folder (`installed_dir`: built by `python -m tts_engine.cpu.build`, so
+    an app started with an empty cache folder still finds it)."""
     if os.environ.get(BUILD_DIR_ENV):
-        return Path(os.environ[BUILD_DIR_ENV]).expanduser()
+        return [Path(os.environ[BUILD_DIR_ENV]).expanduser()]
     from tts_engine.cpu.kernels import cache_root   # kernels imports this module; import late
-    return cache_root() / "cpu_ext"
+    return list(dict.fromkeys([cache_root() / "cpu_ext", installed_dir()]))
 
 
 def _compiler() -> str | None:
@@ -90,29 +108,55 @@ def _local_includes(source: Path, seen: set | None = None) -> list[Path]:
     return out
 
 
-def build(force: bool = False, source: Path | None = None) -> Path:
-    """Compile cpu_ext.cpp (or `source`: another checkout's cpu_ext.cpp, benchmarks; or a file that includes the
-    cpu_ext.cpp beside it, fused_step.cpp) into the cache folder (once per source, torch and compiler) and return the
-    library's path. Raises on any failure (no compiler, compile error)."""
+def _check_platform() -> None:
     if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
         raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
+
+
+def library_file(source: Path | None = None) -> str:
+    """The file name of `source`'s library (default: the one library, `LIBRARY`): the stem and a digest of its
+    sources (the file and what it includes), torch's version and folder. The code is the same on every x86-64 CPU
+    (each kernel picks its path from cpuid at run time), so one file serves every machine with this torch; the
+    compiler is not part of the name (a library built at install is found where no compiler is left)."""
+    source = Path(source) if source is not None else LIBRARY
+    src = source.read_bytes()
+    if source.name != "cpu_ext.cpp":   # a file that includes the kernels: their sources are part of its identity
+        src += b"".join(f.read_bytes() for f in _local_includes(source) or [source.with_name("cpu_ext.cpp")])
+    torch_dir = Path(torch.__file__).parent
+    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode()).hexdigest()[:16]
+    return f"{'ttsx' if source == LIBRARY or source.name == 'cpu_ext.cpp' else source.stem}-{tag}.so"
+
+
+def built(source: Path | None = None) -> Path | None:
+    """The built library of `source` (default: the one library) in the first of `build_dirs()` that has it, or None
+    (nothing is compiled here)."""
+    try:
+        _check_platform()
+        name = library_file(source)
+    except (OSError, RuntimeError):
+        return None
+    for d in build_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def build(force: bool = False, source: Path | None = None) -> Path:
+    """The one library (`LIBRARY`; or `source`: another checkout's cpu_ext.cpp, benchmarks) for this torch: found
+    where it was built before (`built`), else compiled into `build_dirs()[0]` (once per process and file: threads
+    that ask at once wait for the one compile). Raises on any failure (no compiler, compile error)."""
+    _check_platform()
+    source = Path(source) if source is not None else LIBRARY
+    if not force and (found := built(source)) is not None:
+        return found
     cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    source = Path(source) if source is not None else SOURCE
-    src = source.read_bytes()
-    own = source.name == "cpu_ext.cpp" or source == SOURCE
-    if not own:   # a file that includes the kernels (and maybe fused_step.cpp): their sources are part of its identity
-        src += b"".join(f.read_bytes() for f in _local_includes(source) or [source.with_name("cpu_ext.cpp")])
-    torch_dir = Path(torch.__file__).parent
-    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{'ttsx' if own else source.stem}-{tag}.so"
-    if out.exists() and not force:
-        return out
-    with _build_lock(out):   # one compile per library in this process (`cpu_build` starts them all at once)
+    out = _cache_dir() / library_file(source)
+    with _build_lock(out):   # one compile per library in this process (the background build and a caller at once)
         if out.exists() and not force:
             return out
-        return _compile(cxx, source, out, torch_dir)
+        return _compile(cxx, source, out, Path(torch.__file__).parent)
 
 
 def _build_lock(out: Path) -> threading.Lock:
@@ -127,8 +171,9 @@ def _compile(cxx: str, source: Path, out: Path, torch_dir: Path) -> Path:
            str(source), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_dir / 'lib'}"]
     t0 = time.perf_counter()
+    builds.append(out)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cxx} did not run: {e}") from e
     if r.returncode != 0:
@@ -196,32 +241,23 @@ def sync_level(lib: ctypes.CDLL) -> None:
 _synced: list = []   # the libraries sync_level has seen (loaded once per process, never unloaded)
 
 
-def load_beside(source) -> ctypes.CDLL:
-    """Build (on first use) and load another C++ file that includes cpu_ext.cpp (fused_step.cpp, predictor_frame.cpp,
-    talker_step.cpp), at the CPU level our kernels run at here (`sync_level`); raises when our kernels cannot run
-    here. The caller declares its functions and keeps the library."""
-    if library() is None:
-        raise RuntimeError(f"our CPU kernels are not available ({why_unavailable()})")
-    lib = ctypes.CDLL(str(build(source=source)))
-    sync_level(lib)
-    return lib
-
-
 class Beside:
-    """`library = cpu_ext.Beside(SOURCE, declare)`: a module's library built from a C++ file that includes
-    cpu_ext.cpp (`load_beside`), loaded on the first `library()` and kept for the process; declare(lib) gives its
-    functions their C types (it may raise: nothing is kept then). Raises when it cannot run here (the next call tries
-    again)."""
+    """`library = cpu_ext.Beside(declare)`: a module's view of the one library (`library()`: fused_step,
+    predictor_frame, talker_step, int8_conv's rows epilogue): on its first call declare(lib) gives the functions that
+    module calls their C types (it may raise: nothing is kept then), and the library is kept for the process.
+    Raises when our kernels cannot run here (the next call tries again)."""
 
-    def __init__(self, source, declare):
-        self.source, self.declare = Path(source), declare
+    def __init__(self, declare):
+        self.declare = declare
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> ctypes.CDLL:
         with self._lock:
             if self._lib is None:
-                lib = load_beside(self.source)
+                lib = library()
+                if lib is None:
+                    raise RuntimeError(f"our CPU kernels are not available ({why_unavailable()})")
                 self.declare(lib)
                 self._lib = lib
             return self._lib
@@ -287,10 +323,28 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
 
 
+_building: list = [None]   # the thread that builds the library in the background (cpu_build), while it does
+
+
+def building_thread(thread: threading.Thread | None) -> None:
+    """Name the thread that builds and loads the library in the background (None: it has ended); until then
+    `library()` answers None in every other thread without waiting or remembering it (cpu_build)."""
+    _building[0] = thread
+
+
+def building() -> bool:
+    """The library is being built in the background and is not loaded yet (`library()` answers None meanwhile)."""
+    return _building[0] is not None and "lib" not in _state
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded library, built on first use; None (logged once) when it cannot be built or run here."""
+    """The loaded library: found built (`built`), else built now, or None while the background build runs in
+    another thread (`cpu_build`); None (logged once) when it cannot be built or run here."""
     if "lib" in _state:
         return _state["lib"]
+    t = _building[0]
+    if t is not None and t is not threading.current_thread():
+        return None
     with _lock:
         if "lib" not in _state:
             lib = None
@@ -325,7 +379,8 @@ def has_w4a8() -> bool:
 
 
 def why_unavailable() -> str | None:
-    library()
+    if library() is None and building():
+        return "being built in the background"
     return _state.get("why")
 
 

@@ -202,6 +202,9 @@ class TTSEngine:
             overlap_codec = OVERLAP_CODEC_CPU_DEFAULT if not gpu and torch.get_num_threads() >= 2 \
                 and model.dtype != torch.float32 else False
         self.worker.overlap_codec(overlap_codec, codec_threads)
+        from tts_engine.cpu import cpu_build   # our C++ library still building: fast paths at a later frame boundary
+
+        self.worker.between_frames = cpu_build.attach_later(self.runner)
         if govern_threads is None:
             govern_threads = os.environ.get("TTS_GOVERN_THREADS", "1").lower() not in ("0", "off", "no", "false")
         self._govern_threads(govern_threads and not gpu and model.dtype != torch.float32)

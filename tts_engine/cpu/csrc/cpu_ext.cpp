@@ -11,6 +11,7 @@
 //   128, i.e. q = 0). One 64-byte vector holds 4 consecutive k of 16 rows: vpdpbusd (u8 x s8 -> s32, 4 products per
 //   lane) multiplies it by 4 activation bytes broadcast to every lane, so a block is read as one sequential stream.
 //   sum_k (q + 128) * xq = sum_k q * xq + 128 * sum_k xq: the offset costs one subtraction per activation row.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

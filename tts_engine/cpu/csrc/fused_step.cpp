@@ -20,6 +20,7 @@
 // (entry, head) pairs the same way; the rest runs in the caller (run_stack). TEAM_CLAIM / TEAM_BARRIER: the whole
 // stack in one parallel region (run_team, below). All give the same numbers bit for bit.
 // Profile (ttsf_profile_set): per-stage times summed over calls (Stage); off, each stage costs one branch.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "cpu_ext.cpp"
 
 #include <memory>

@@ -14,6 +14,7 @@
 // h, acc, facc and the activation rows x: xq, amax, xsum, gsum, xb, xf, grown here for the heads and the projection),
 // linear() (with its profile stage), run_stack<C>(), rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's
 // f32_to_bf16, round_up, BLK, G4.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "fused_step.cpp"
 
 namespace pframe {

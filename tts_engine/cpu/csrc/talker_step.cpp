@@ -19,6 +19,7 @@
 // What it uses of predictor_frame.cpp (keep in step when that file changes): pframe::RowParams, Facts, Work,
 // choose_row(), round_to(), load_act(), grow(); and of fused_step.cpp: Plan, Cache, Lin, Scratch, linear(), run_stack(),
 // rms_norm_row().
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "predictor_frame.cpp"
 
 namespace tstep {
