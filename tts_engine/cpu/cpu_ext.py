@@ -121,7 +121,7 @@ def library_file(source: Path | None = None) -> str:
     source = Path(source) if source is not None else LIBRARY
     src = source.read_bytes()
     if source.name != "cpu_ext.cpp":   # a file that includes the kernels: their sources are part of its identity
-        src += b"".join(f.read_bytes() for f in _local_includes(source) or [source.with_name("cpu_ext.cpp")])
+        src += b"".join(f.read_bytes() for f in _local_includes(source))
     torch_dir = Path(torch.__file__).parent
     tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode()).hexdigest()[:16]
     return f"{'ttsx' if source == LIBRARY or source.name == 'cpu_ext.cpp' else source.stem}-{tag}.so"

@@ -37,6 +37,7 @@ from collections import defaultdict
 import torch
 
 from tts_engine.errors import TTSError
+from tts_engine.cpu import deferred_trials
 from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
 from tts_engine.engine.codec_thread import CodecThread, decode_group
 from tts_engine.engine.model_runner import ModelRunner
@@ -208,6 +209,7 @@ class EngineWorker:
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if not active:
             return
+        deferred_trials.mark_busy()   # (trials deferred from the start wait for a quiet moment)
         n_active = len(active)
         busy = self.codec is not None and self.codec.busy
         t0 = time.perf_counter()
