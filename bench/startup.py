@@ -14,7 +14,10 @@ folder (`--cache-dir`), `--tiny` or the benchmarks' random-weight 0.6B CustomVoi
 most), then a second one ("warm first audio", from its own request). The trials are timed inside the app's process: a small wrapper
 (`PROBE`) times the named functions of TRIALS that exist in that checkout (a trial inside another is listed with
 it, "in"), each counted once at its outermost call. Figures are the median over rounds; the load average is
-printed with them. No figure here is asserted anywhere.
+printed with them. No figure here is asserted anywhere. Our C++ library built at install (`python -m
+tts_engine.cpu.build`, into the user's cache folder) is found from the empty cache folder; a checkout without that step
+compiles it at start. "first audio after the model loaded" counts from the end of the first
+`Qwen3TTSModel.from_pretrained` (weights read and quantised); --wait-deferred waits for the trials deferred to idle time.
 """
 from __future__ import annotations
 

@@ -226,6 +226,97 @@ def test_attach_later_runs_once_the_library_is_loaded_and_no_row_is_held(monkeyp
     assert poll(True) is True and len(attached) == 1                   # the next free frame boundary
 
 
+@pytest.fixture(scope="module")
+def tiny_cv(tmp_path_factory):
+    from tts_engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("bg") / "cv", kind="custom_voice", seed=0)
+
+
+@pytest.fixture
+def library_in_the_background(monkeypatch):
+    """A process whose library is not built yet, TTS_CPU_BUILD=background: -> release(), which lets the background
+    build end (it then loads the real library, built for this test run)."""
+    _require_compiler()
+    from tts_engine.cpu import fused_step, int8_conv, predictor_frame, talker_step
+
+    real_build = cpu_ext.build
+    assert real_build() is not None                                    # (built before the "fresh process" below)
+    go = threading.Event()
+
+    def slow_build(force=False, source=None):
+        assert go.wait(60)
+        return real_build(force, source)
+
+    saved = {k: cpu_ext._state.get(k) for k in ("lib", "level")}
+    _fresh_process(monkeypatch, built=False, build=slow_build)
+    for wrapper in (fused_step.library, predictor_frame.library, talker_step.library, int8_conv.rows_library):
+        monkeypatch.setattr(wrapper, "_lib", None)
+    monkeypatch.setattr(int8_conv, "_rows_state", {})
+    monkeypatch.setenv(cpu_build.ENV, "background")
+    yield go.set
+    go.set()
+    cpu_build.wait(60)
+    if saved["lib"] is not None:   # (the level this run's earlier tests left; the library is the same)
+        saved["lib"].ttsx_set_level(saved["level"])
+
+
+def _speak(engine):
+    import numpy as np
+
+    wav = engine.synthesize("Hello there.", voice=engine.speakers[0], seed=3, max_new_tokens=8)
+    assert wav.dtype == np.float32 and wav.size > 0 and np.isfinite(wav).all()
+    return wav
+
+
+def test_an_engine_serves_while_the_library_builds_and_takes_its_fast_paths_after(library_in_the_background,
+                                                                                   tiny_cv, monkeypatch):
+    """TTS_CPU_BUILD=background, nothing built: the engine loads and answers at once on the plain paths; once the
+    background build has loaded the library, its own thread attaches the fast paths at the next frame boundary with
+    no row held; an fp32 engine's audio is the same bits before and after."""
+    from tts_engine.engine.engine import TTSEngine
+
+    attached = []
+    real_attach = cpu_build.attach_fast_paths
+    def attach(runner):
+        attached.append(threading.current_thread().name)
+        real_attach(runner)
+
+    monkeypatch.setattr(cpu_build, "attach_fast_paths", attach)
+    engine = TTSEngine.from_pretrained(str(tiny_cv), device="cpu", dtype="fp32", max_batch=1, max_seq_len=128)
+    try:
+        assert cpu_build.pending() and engine.worker.between_frames is not None
+        before = _speak(engine)                                        # served while the library is being built
+        assert cpu_build.pending() and not cpu_ext.available() and attached == []
+        library_in_the_background()
+        assert cpu_build.wait(60) and cpu_ext.available()
+        after = _speak(engine)
+        assert attached == ["tts-engine-worker"] and engine.worker.between_frames is None
+        assert before.tobytes() == after.tobytes()
+    finally:
+        engine.close()
+
+
+def test_a_bf16_engine_gets_its_fused_paths_once_the_library_is_there(library_in_the_background, tiny_cv,
+                                                                       monkeypatch):
+    from tts_engine.cpu import fused_step
+    from tts_engine.engine.engine import TTSEngine
+
+    for env in (fused_step.ENV, "TTS_PREDICTOR_FRAME", "TTS_TALKER_STEP"):
+        monkeypatch.setenv(env, "1")                                   # on without a trial wherever they run
+    engine = TTSEngine.from_pretrained(str(tiny_cv), device="cpu", dtype="bf16", max_batch=1, max_seq_len=128)
+    try:
+        assert all(s.startswith("off") for s in engine.runner.fused_status.values()), engine.runner.fused_status
+        _speak(engine)
+        library_in_the_background()
+        assert cpu_build.wait(60)
+        _speak(engine)
+        assert engine.runner.fused_status == {"talker": "on (TTS_FUSED_STEP=1)", "predictor": "on (TTS_FUSED_STEP=1)"}
+        assert engine.model.talker.model.fused.state == "on" and engine.runner.talker_step is not None
+    finally:
+        engine.close()
+
+
 def test_the_install_command(tmp_path):
     """`python -m tts_engine.cpu.build`: says where the library is (built now or before) and exits 0; without a
     compiler it exits 0 too, saying so; --check exits 1 where nothing is built."""

@@ -61,9 +61,9 @@ def prepare() -> str:
     if pending():
         return "building in the background"
     if cpu_ext.built() is not None or policy() == "wait":
-        t = time.perf_counter()
+        t, n = time.perf_counter(), len(cpu_ext.builds)
         lib = cpu_ext.library()
-        how = "loaded" if not cpu_ext.builds else "built and loaded"
+        how = "built and loaded" if len(cpu_ext.builds) > n else "loaded"
         return f"{how} in {time.perf_counter() - t:.1f} s" if lib is not None else f"off ({cpu_ext.why_unavailable()})"
     start_background()
     return "building in the background"
@@ -122,11 +122,11 @@ def attach_fast_paths(runner) -> None:
     runner._attach_talker_step()
 
 
-def attach_later(runner, attach: Callable = attach_fast_paths) -> Callable[[bool], bool] | None:
+def attach_later(runner, attach: Callable | None = None) -> Callable[[bool], bool] | None:
     """Where the library is being built in the background: a function for the engine's own thread to call at every
     frame boundary, poll(no_row_held) -> True once done (then it is called no more); None where nothing waits. When
-    the library is loaded and no row is held (the trials use row 0 and time the step), it runs attach(runner) once;
-    where the build failed, the plain paths stay (already logged)."""
+    the library is loaded and no row is held (the trials use row 0 and time the step), it runs attach(runner) once
+    (default `attach_fast_paths`); where the build failed, the plain paths stay (already logged)."""
     if runner.device.type != "cpu" or not pending():
         return None
 
@@ -139,7 +139,7 @@ def attach_later(runner, attach: Callable = attach_fast_paths) -> Callable[[bool
             return False
         t = time.perf_counter()
         try:
-            attach(runner)
+            (attach or attach_fast_paths)(runner)
         except Exception as e:   # noqa: BLE001 - a fast path that fails to attach: the plain paths stay
             log.warning("tts_engine: fast paths not attached after the background build: %s: %s", type(e).__name__, e)
             return True

@@ -15,9 +15,13 @@ tested for equality and timed (a forced avx2 on a Zen 4 times our AVX2 code on t
 Haswell's). torch's own kernels follow their own switches (`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`).
 `TTS_CPU_EXT_ISA=avx2` (older name) is `TTS_CPU_ISA=avx2`.
 
-Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
-(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, or `$TTS_BUILD_DIR`; one file per source, torch
-version and compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
+One shared library holds every kernel of ours: `csrc/ttsx.cpp` includes cpu_ext.cpp, fused_step.cpp,
+predictor_frame.cpp, talker_step.cpp and codec_int8_rows.cpp in one translation unit; each Python wrapper declares
+the functions it calls on it (`Beside`). It is built with the system's C++ compiler (`g++`, or $CXX) at install
+(`python -m tts_engine.cpu.build`), else when an engine loads (`cpu_build`: now, or in the background while the plain
+paths serve), into the cache folder (`build_dirs`: `$TTS_BUILD_DIR`, else `$TTS_CACHE_DIR/cpu_ext/` or
+`~/.cache/qwen3-tts-live/cpu_ext/`, where it is also looked for; one file per source and torch: ~10 s of one core
+once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
 ninja nor pybind nor torch's C++ headers beyond `ATen/Parallel.h` are needed (a `torch.utils.cpp_extension`
 module with a registered op compiles ~4x longer for the same ~1.5-2 us per call). The work of a call is split over
 output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
@@ -224,11 +228,11 @@ def asked_level() -> int | None:
 
 
 def sync_level(lib: ctypes.CDLL) -> None:
-    """Give another library built from this source (fused_step, predictor_frame, any file that includes
-    cpu_ext.cpp) the level the kernels run at here, now and after every `set_level`, so one process never mixes
-    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA), and the
-    way its matmuls share work between threads (`set_share`). A loader calls it once, right after loading the
-    library."""
+    """Give a second library built from this source (a file that includes cpu_ext.cpp loaded beside the one
+    library, e.g. a benchmark's) the level the kernels run at here, now and after every `set_level`, so one process
+    never mixes paths (it reads TTS_CPU_ISA itself too; this also covers set_level and the older TTS_CPU_EXT_ISA),
+    and the way its matmuls share work between threads (`set_share`). A loader calls it once, right after loading
+    that library. (The one library's fused step, predictor frame, talker step and codec rows share its level.)"""
     lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [ctypes.c_int], ctypes.c_int
     lib.ttsx_set_level(int(_state.get("level", 99)))
     if hasattr(lib, "ttsx_set_share"):   # and the way its matmuls share work between threads (`set_share`)
@@ -299,8 +303,7 @@ def cpu_level() -> int:
 
 def set_level(new: int) -> int:
     """Run our kernels at `new` (clamped to cpuid's level; tests and benchmarks: the same as TTS_CPU_ISA at load,
-    for this process's cpu_ext library and the fused step's and predictor frame's libraries once they load or are
-    synced). Returns the level before. Layers packed before keep working: the layouts are the same on every path."""
+    for every kernel of the one library, and any library `sync_level` has seen). Returns the level before. Layers packed before keep working: the layouts are the same on every path."""
     lib = library()
     assert lib is not None
     was = _state["level"]
