@@ -3,6 +3,8 @@ background while the plain paths serve), and measured choices are kept where a H
 restarts. Figures: `python -m bench startup` (never asserted here)."""
 from __future__ import annotations
 
+import collections
+import json
 import os
 import threading
 import time
@@ -367,3 +369,73 @@ def test_choices_go_to_a_spaces_persistent_storage(tmp_path, monkeypatch):
     monkeypatch.delenv("TTS_CACHE_DIR")
     monkeypatch.setattr(cache_paths, "PERSISTENT", tmp_path / "absent")
     assert cache_paths.choices_root() == tmp_path / "xdg" / "qwen3-tts-live"     # a Space without persistent storage
+
+
+# --- trials that do not fit in a fresh start: deferred to idle time --------------------------------------------------
+@pytest.fixture
+def quiet_trials(monkeypatch):
+    from tts_engine.cpu import deferred_trials
+
+    monkeypatch.setattr(deferred_trials, "QUIET_S", 0.3)
+    monkeypatch.setattr(deferred_trials, "_state", {"last_busy": 0.0, "thread": None, "done": []})
+    monkeypatch.setattr(deferred_trials, "_jobs", collections.deque())
+    monkeypatch.setenv(deferred_trials.ENV, "bounded")
+    yield deferred_trials
+    assert deferred_trials.wait(120)
+
+
+def test_a_deferred_trial_waits_for_quiet_and_is_measured_again_when_a_request_came(quiet_trials):
+    trials = quiet_trials
+    runs, kept = [], []
+
+    def measure():
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            trials.mark_busy()          # a frame served while it measured: thrown away, measured again
+        return len(runs)
+
+    trials.mark_busy()
+    trials.defer("test trial", measure, kept.append)
+    time.sleep(0.1)
+    assert runs == [] and trials.pending() == ["test trial"]          # not while frames are being served
+    assert trials.wait(30)
+    assert kept == [2] and len(runs) == 2 and trials._state["done"] == ["test trial"]
+    assert runs[1] - runs[0] >= trials.QUIET_S                         # after another quiet spell
+
+
+def test_a_trial_disturbed_every_time_is_left_for_the_next_start(quiet_trials):
+    kept = []
+    quiet_trials.defer("noisy", lambda: quiet_trials.mark_busy(), kept.append)
+    assert quiet_trials.wait(30) and kept == [] and quiet_trials._state["done"] == []
+
+
+def test_a_fresh_start_defers_the_codec_conv_choice_to_idle_time(quiet_trials, tmp_path, monkeypatch):
+    """No remembered codec choice (a fresh cache folder): the bf16 decoder serves on aten's convolutions at once,
+    nothing timed; the measurement runs later while idle and is remembered, so the next start reads it."""
+    from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
+    from tts_engine.cpu import codec_dtype
+    from tts_engine.cpu import remembered_choice
+    from tts_engine.tiny import tiny_speech_tokenizer_config
+
+    monkeypatch.setenv("TTS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(codec_dtype.ENV, raising=False)
+    monkeypatch.delenv(codec_dtype.CONV_ENV, raising=False)
+    monkeypatch.setattr(codec_dtype, "_bf16_convs", lambda: True)
+    timed = []
+    real = codec_dtype.time_decoder
+    monkeypatch.setattr(codec_dtype, "time_decoder", lambda dec, rounds=3: (timed.append(1), real(dec, rounds))[1])
+    torch.manual_seed(0)
+    dec = CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"]))
+    dec = dec.to(torch.bfloat16).eval()
+    got = codec_dtype.choose(dec)
+    assert got is dec and dec.conv_mode == "aten" and timed == [] and not codec_dtype.cache_file().exists()
+    assert remembered_choice.made()["codec_conv"].startswith("bf16 aten")
+    assert quiet_trials.pending() == ["codec conv choice"]
+    assert quiet_trials.wait(120) and timed
+    entry = json.loads(codec_dtype.cache_file().read_text())[codec_dtype.machine_key(dec)]
+    assert entry["v"] == codec_dtype.ENTRY_VERSION and entry["ms_per_frame"]
+    assert dec.conv_mode == "aten"                                     # the serving decoder was not touched
+    timed.clear()
+    codec_dtype.choose(CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"]))
+                       .to(torch.bfloat16).eval())
+    assert timed == [] and quiet_trials.pending() == []                # the next start reads it
