@@ -439,3 +439,29 @@ def test_a_fresh_start_defers_the_codec_conv_choice_to_idle_time(quiet_trials, t
     codec_dtype.choose(CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"]))
                        .to(torch.bfloat16).eval())
     assert timed == [] and quiet_trials.pending() == []                # the next start reads it
+
+
+def test_a_bounded_start_times_one_row_kernels_now_and_batches_while_idle(quiet_trials, tmp_path, monkeypatch):
+    """At a bounded start the kernel table times the 1-row bucket of each shape now; the 3+-row bucket takes that
+    winner (one log line) and is timed while idle, saved for the next start."""
+    monkeypatch.setenv(kernels.TUNE_ENV, "1")
+    timed = []
+
+    def fake(fmt, N, K, rows, buf=None, candidates=None):
+        timed.append((N, rows))
+        return {"int_mm": 2e-6, "int8pack_a8": 1e-6} if rows == 1 else {"int_mm": 1e-6, "int8pack_a8": 2e-6}
+
+    monkeypatch.setattr(kernels, "time_candidates", fake)
+    monkeypatch.setattr(kernels, "scratch_buffer", lambda: torch.zeros(16, dtype=torch.uint8))
+    t = kernels.KernelTable(key={"test": 1}, path=tmp_path / "kernels.json")
+    quiet_trials.mark_busy()
+    assert t.ensure("w8a8", [(64, 32), (96, 32)]) == 2
+    assert timed == [(64, 1), (96, 1)]                                  # the 1-row bucket only, now
+    assert t.choice("w8a8", 64, 32, 1) == t.choice("w8a8", 64, 32, 4) == "int8pack_a8"   # its winner stands in
+    assert quiet_trials.wait(30)
+    assert sorted(timed[2:]) == [(64, 4), (96, 4)] and t.choice("w8a8", 64, 32, 4) == "int_mm"
+    again = kernels.KernelTable(key={"test": 1}, path=tmp_path / "kernels.json")   # the next start reads them
+    assert again.lookup("w8a8", 96, 32, 4)["winner"] == "int_mm" and again.ensure("w8a8", [(64, 32), (96, 32)]) == 0
+    monkeypatch.setenv(quiet_trials.ENV, "all")                          # everything at start
+    timed.clear()
+    assert t.ensure("w8a8", [(128, 32)]) == 2 and sorted(timed) == [(128, 1), (128, 4)]
