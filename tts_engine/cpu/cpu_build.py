@@ -53,7 +53,17 @@ def pending() -> bool:
 
 def prepare() -> str:
     """Before a CPU engine's load measures anything: load the library where it is built, else build it now or start
-    the background build (`policy`) -> what happened, one line. Never raises."""
+    the background build (`policy`) -> what happened, one line (also in `engine.paths()`, "cpu library"). Never
+    raises."""
+    line = _prepare()
+    if line != "loaded before":
+        from tts_engine.cpu import remembered_choice
+
+        remembered_choice.note("cpu library", "our C++ kernels" if cpu_ext._state.get("lib") else "plain PyTorch", line)
+    return line
+
+
+def _prepare() -> str:
     if not cpu_ext.enabled():
         return f"off ({cpu_ext.ENABLE_ENV}=0)"
     if "lib" in cpu_ext._state:
@@ -94,6 +104,11 @@ def _build_in_background() -> None:
     finally:
         cpu_ext.building_thread(None)
     _bg["seconds"] = time.perf_counter() - t
+    from tts_engine.cpu import remembered_choice
+
+    remembered_choice.note("cpu library", "our C++ kernels" if lib is not None else "plain PyTorch",
+                           f"built in the background in {_bg['seconds']:.1f} s" if lib is not None
+                           else f"fell back: {cpu_ext.why_unavailable()}")
     if lib is not None:
         log.info("tts_engine: our C++ kernels built and loaded in the background in %.1f s; engines take their fast "
                  "paths at their next idle frame boundary", _bg["seconds"])

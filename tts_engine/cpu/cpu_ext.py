@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from tts_engine.cpu import deferred_trials
+
 log = logging.getLogger("tts_engine")
 
 ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
@@ -479,7 +481,8 @@ def _share_key() -> dict:
 def _choose_share() -> None:
     """The process's share mode (`share`): TTS_MATMUL_SHARE where it forces one; else what was measured before on
     this machine (remembered_choice, key: the kernel table's machine key), else the trial now (`measure_share`,
-    ~0.1-0.3 s once per machine) when kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
+    ~0.1-0.7 s once per machine; at a bounded start split now and the trial while idle, `deferred_trials`) when
+    kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
     with _share_lock:
         if "share" in _state:
             return
@@ -499,10 +502,12 @@ def _choose_share() -> None:
                     got = remembered_choice.recall(path, key, tuple(SHARES))
                     if got is not None:
                         mode, why = got["choice"], f"measured before: {got['why']}"
+                    elif deferred_trials.bounded():   # a fresh start: split until measured while idle
+                        why = "default until measured while idle"
+                        deferred_trials.defer("matmul share", measure_share,
+                                              lambda t: remembered_choice.remember(path, key, *_share_pick(t)))
                     else:
-                        t = measure_share()
-                        mode = "claim" if t["claim"] < t["split"] else "split"
-                        why = f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep"
+                        mode, why = _share_pick(measure_share())
                         remembered_choice.remember(path, key, mode, why)
                         log.info("tts_engine: W8A8/W4A8 calls share work by %s (%s)", mode, why)
         except Exception as e:   # the trial must never take the kernels down: split, as before
@@ -510,6 +515,12 @@ def _choose_share() -> None:
             log.warning("tts_engine: %s", why)
         set_share(mode)
         _state["share_why"] = why
+
+
+def _share_pick(t: dict[str, float]) -> tuple[str, str]:
+    """(mode, why) from `measure_share`'s times."""
+    return ("claim" if t["claim"] < t["split"] else "split",
+            f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep")
 
 
 _share_lock = threading.RLock()
