@@ -465,3 +465,19 @@ def test_a_bounded_start_times_one_row_kernels_now_and_batches_while_idle(quiet_
     monkeypatch.setenv(quiet_trials.ENV, "all")                          # everything at start
     timed.clear()
     assert t.ensure("w8a8", [(128, 32)]) == 2 and sorted(timed) == [(128, 1), (128, 4)]
+
+
+def test_any_first_use_starts_the_background_build_instead_of_compiling(monkeypatch):
+    """TTS_CPU_BUILD=background: the first caller of `library()` (the page asking for the precision label, a kernel
+    table) starts the background build and gets None at once, not a compile in its own thread."""
+    release = threading.Event()
+    _fresh_process(monkeypatch, built=False, build=lambda force=False, source=None: (release.wait(10), "x")[1])
+    sentinel = object()
+    monkeypatch.setattr(cpu_ext, "_load", lambda: (cpu_ext.build(), sentinel)[1])
+    monkeypatch.setattr(cpu_ext, "_choose_share", lambda: cpu_ext._state.setdefault("share", "split"))
+    monkeypatch.setenv(cpu_build.ENV, "background")
+    t0 = time.perf_counter()
+    assert cpu_ext.library() is None and not cpu_ext.available() and time.perf_counter() - t0 < 1
+    assert cpu_build.pending() and cpu_build.prepare() == "building in the background"
+    release.set()
+    assert cpu_build.wait(10) and cpu_ext.library() is sentinel

@@ -337,6 +337,17 @@ def building_thread(thread: threading.Thread | None) -> None:
     _building[0] = thread
 
 
+def _starts_in_background() -> bool:
+    """Not built here yet and TTS_CPU_BUILD says background (cpu_build.policy): the build starts in its thread, and
+    whoever asked first (an engine's load, the page's precision label) does not wait for it."""
+    from tts_engine.cpu import cpu_build   # (it imports this module)
+
+    if not enabled() or cpu_build.policy() != "background" or built() is not None:
+        return False
+    cpu_build.start_background()
+    return True
+
+
 def building() -> bool:
     """The library is being built in the background and is not loaded yet (`library()` answers None meanwhile)."""
     return _building[0] is not None and "lib" not in _state
@@ -349,6 +360,8 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]
     t = _building[0]
     if t is not None and t is not threading.current_thread():
+        return None
+    if t is None and _starts_in_background():
         return None
     with _lock:
         if "lib" not in _state:
