@@ -377,7 +377,8 @@ def quiet_trials(monkeypatch):
     from tts_engine.cpu import deferred_trials
 
     monkeypatch.setattr(deferred_trials, "QUIET_S", 0.3)
-    monkeypatch.setattr(deferred_trials, "_state", {"last_busy": 0.0, "thread": None, "done": []})
+    monkeypatch.setattr(deferred_trials, "_state", {"last_busy": time.monotonic() - 60, "served": True, "thread": None,
+                                                    "done": []})
     monkeypatch.setattr(deferred_trials, "_jobs", collections.deque())
     monkeypatch.setenv(deferred_trials.ENV, "bounded")
     yield deferred_trials
@@ -401,6 +402,18 @@ def test_a_deferred_trial_waits_for_quiet_and_is_measured_again_when_a_request_c
     assert trials.wait(30)
     assert kept == [2] and len(runs) == 2 and trials._state["done"] == ["test trial"]
     assert runs[1] - runs[0] >= trials.QUIET_S                         # after another quiet spell
+
+
+def test_nothing_runs_before_the_first_frame_is_served(quiet_trials, monkeypatch):
+    """An engine still loading (no frame served yet) times its own choices: no deferred trial runs beside them."""
+    monkeypatch.setitem(quiet_trials._state, "served", False)
+    ran = []
+    quiet_trials.defer("early", lambda: ran.append(1), lambda got: None)
+    quiet_trials.mark_busy(frame=False)                                # a load-time timing: no frame yet
+    time.sleep(quiet_trials.QUIET_S + 0.5)
+    assert ran == [] and quiet_trials.pending() == ["early"]
+    quiet_trials.mark_busy()                                           # the first frame
+    assert quiet_trials.wait(30) and ran == [1]
 
 
 def test_a_trial_disturbed_every_time_is_left_for_the_next_start(quiet_trials):

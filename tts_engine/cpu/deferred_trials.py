@@ -9,8 +9,9 @@ threshold and the int8 quality check: ~70 s for the 0.6B codec on a busy 2-vCPU 
 here (cpu/codec_dtype.py). TTS_START_TRIALS=all runs every trial at start instead (tests, benchmarks that want the
 measured paths from the first request), `bounded` (default) defers.
 
-"While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs; a job starts after
-QUIET_S seconds without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
+"While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs (and the kernel table at
+every timing); a job starts once the process has served its first frame (an engine that is still loading times its
+own choices: nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
 it runs again at the next quiet moment (RETRIES times at most; then it is left for the next start, one log line).
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ NICE = 10         # the trials' thread yields the CPU to the engines' threads
 
 _jobs: deque = deque()
 _lock = threading.Lock()
-_state: dict = {"last_busy": 0.0, "thread": None, "done": []}
+_state: dict = {"last_busy": 0.0, "served": False, "thread": None, "done": []}
 
 
 def bounded() -> bool:
@@ -40,13 +41,17 @@ def bounded() -> bool:
     return v not in ("all", "0", "off", "no", "false")
 
 
-def mark_busy() -> None:
-    """An engine served a frame now (its worker calls this at every frame)."""
+def mark_busy(frame: bool = True) -> None:
+    """An engine served a frame now (its worker calls this at every frame), or (frame=False) a load-time trial
+    timed something now."""
     _state["last_busy"] = time.monotonic()
+    if frame:
+        _state["served"] = True
 
 
 def quiet_for() -> float:
-    return time.monotonic() - _state["last_busy"]
+    """Seconds since the last frame or timing (0 before the first frame: the start is not over)."""
+    return time.monotonic() - _state["last_busy"] if _state["served"] else 0.0
 
 
 def defer(name: str, measure: Callable[[], object], commit: Callable[[object], None]) -> None:

@@ -464,6 +464,7 @@ class KernelTable:
             t0 = time.perf_counter()
             buf = scratch_buffer()
             for N, K, b in todo:
+                deferred_trials.mark_busy(frame=False)   # (no deferred trial runs beside these timings)
                 times = time_candidates(fmt, N, K, b, buf)
                 if not times:
                     log.warning("no %s kernel ran at %dx%d (%d rows); using %s", fmt, N, K, b, FORMATS[fmt].default)
