@@ -404,6 +404,28 @@ def test_a_deferred_trial_waits_for_quiet_and_is_measured_again_when_a_request_c
     assert runs[1] - runs[0] >= trials.QUIET_S                         # after another quiet spell
 
 
+def test_a_request_stops_a_deferred_trial_at_its_next_check(quiet_trials):
+    """A frame served while a deferred trial times: its next `check()` stops it (the CPU goes back to the request),
+    and it runs again at the next quiet moment; outside a deferred job `check()` never stops anything."""
+    trials = quiet_trials
+    steps, kept = [], []
+
+    def measure():
+        for i in range(50):
+            trials.check()
+            steps.append(i)
+            if len(steps) == 3:
+                trials.mark_busy()            # a request came
+            time.sleep(0.01)
+        return "done"
+
+    trials.defer("stoppable", measure, kept.append)
+    assert trials.wait(30) and kept == ["done"]
+    assert steps[:3] == [0, 1, 2] and steps[3:] == list(range(50))   # stopped at once, then run whole
+    trials.mark_busy()
+    trials.check()                                                     # (not in a deferred job: nothing)
+
+
 def test_nothing_runs_before_the_first_frame_is_served(quiet_trials, monkeypatch):
     """An engine still loading (no frame served yet) times its own choices: no deferred trial runs beside them."""
     monkeypatch.setitem(quiet_trials._state, "served", False)

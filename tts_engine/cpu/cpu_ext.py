@@ -472,6 +472,7 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     try:
         with torch.inference_mode():
             for r in range(rounds):
+                deferred_trials.check()   # (measured while idle: a request stops it)
                 for mode in (list(SHARES) if r % 2 == 0 else list(SHARES)[::-1]):
                     set_share(mode)
                     t0 = time.perf_counter()

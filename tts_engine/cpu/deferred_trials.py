@@ -9,6 +9,9 @@ threshold and the int8 quality check: ~70 s for the 0.6B codec on a busy 2-vCPU 
 here (cpu/codec_dtype.py). TTS_START_TRIALS=all runs every trial at start instead (tests, benchmarks that want the
 measured paths from the first request), `bounded` (default) defers.
 
+A request that comes while a job times stops it at its next `check()` (the timing loops call it between timings: the
+CPU goes back to the request at once); the job runs again at the next quiet moment.
+
 "While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs (and the kernel table at
 every timing); a job starts once the process has served its first frame (an engine that is still loading times its
 own choices: nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
@@ -27,12 +30,27 @@ log = logging.getLogger("tts_engine")
 
 ENV = "TTS_START_TRIALS"
 QUIET_S = 2.0     # seconds without a served frame before a deferred trial starts
-RETRIES = 3       # runs of a job disturbed by a request before it is left for the next start
+RETRIES = 5       # runs of a job disturbed by a request before it is left for the next start
 NICE = 10         # the trials' thread yields the CPU to the engines' threads
 
 _jobs: deque = deque()
 _lock = threading.Lock()
 _state: dict = {"last_busy": 0.0, "served": False, "thread": None, "done": []}
+
+
+class Interrupted(Exception):
+    """A frame was served (or a load-time trial timed) while a deferred trial ran: its timings are thrown away."""
+
+
+_local = threading.local()   # .started: when this thread's deferred job started (None outside one)
+
+
+def check() -> None:
+    """Between two timings of a trial: inside a deferred job, raise `Interrupted` once an engine served a frame since
+    the job started; anywhere else nothing (the load-time trials call the same loops)."""
+    t0 = getattr(_local, "started", None)
+    if t0 is not None and _state["last_busy"] >= t0:
+        raise Interrupted
 
 
 def bounded() -> bool:
@@ -93,12 +111,16 @@ def _run() -> None:
         for attempt in range(1, RETRIES + 1):
             while quiet_for() < QUIET_S:
                 time.sleep(0.2)
-            t0 = time.monotonic()
+            t0 = _local.started = time.monotonic()
             try:
                 got = measure()
+            except Interrupted:
+                got = None
             except Exception as e:   # noqa: BLE001 - a failed trial leaves the default serving
                 log.warning("tts_engine: deferred trial %s failed (%s: %s); the default stays", name, type(e).__name__, e)
                 break
+            finally:
+                _local.started = None
             if _state["last_busy"] < t0:
                 try:
                     commit(got)
@@ -108,7 +130,7 @@ def _run() -> None:
                     log.info("tts_engine: deferred trial %s measured while idle in %.1f s", name, time.monotonic() - t0)
                     _state["done"].append(name)
                 break
-            log.info("tts_engine: deferred trial %s ran while a request was served (try %d of %d); again when idle",
+            log.info("tts_engine: deferred trial %s stopped for a request (try %d of %d); again when idle",
                      name, attempt, RETRIES)
         else:
             log.info("tts_engine: deferred trial %s left for the next start (requests kept coming)", name)

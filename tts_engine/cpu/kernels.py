@@ -374,6 +374,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     with torch.inference_mode(), (onednn_off() if rows <= 2 and f.act_dtype == torch.bfloat16
                                   else contextlib.nullcontext()):
         for r in range(ROUNDS * (2 if busy else 1)):
+            deferred_trials.check()   # (measured while idle: a request stops it)
             for i in range(copies):
                 for j, name in enumerate(names):   # candidates interleaved, each on a weight not read lately
                     k = (i + j * copies // len(names)) % copies
