@@ -136,7 +136,7 @@ def _fresh_process(monkeypatch, built: bool, build=None):
     """cpu_ext and cpu_build as in a fresh process whose library is (not) built; `build`: cpu_ext.build's stand-in."""
     monkeypatch.setattr(cpu_ext, "_state", {})
     monkeypatch.setattr(cpu_ext, "_building", [None])
-    monkeypatch.setattr(cpu_build, "_bg", {})
+    monkeypatch.setattr(cpu_ext, "_bg", {})
     monkeypatch.delenv("TTS_CPU_EXT", raising=False)
     monkeypatch.setattr(cpu_ext, "built", lambda source=None: Path("/built.so") if built else None)
     if build is not None:

@@ -17,8 +17,6 @@ a request.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from typing import Callable
 
@@ -26,29 +24,10 @@ from tts_engine.cpu import cpu_ext
 
 log = logging.getLogger("tts_engine")
 
-ENV = "TTS_CPU_BUILD"
-POLICIES = ("auto", "wait", "background")
-
-_bg: dict = {}   # "thread": the background build (started once per process), "seconds": its build and load
-
-
-def policy() -> str:
-    """"wait" or "background": what an engine load does where the library is not built yet (module doc)."""
-    v = os.environ.get(ENV, "auto").strip().lower()
-    if v not in POLICIES:
-        log.warning("tts_engine: %s=%r is not one of %s; auto", ENV, v, ", ".join(POLICIES))
-        v = "auto"
-    if v == "auto":
-        from tts_engine import cache_paths
-
-        v = "background" if os.environ.get(cache_paths.SPACE_ENV) else "wait"
-    return v
-
-
-def pending() -> bool:
-    """A background build (or its load) is under way: our kernels are not there yet, and will be."""
-    t = _bg.get("thread")
-    return t is not None and t.is_alive()
+ENV = cpu_ext.BUILD_ENV
+policy = cpu_ext.build_policy                 # "wait" or "background" (module doc)
+start_background = cpu_ext.start_background   # the background build, once per process
+pending = cpu_ext.background_pending          # a background build (or its load) is under way
 
 
 def prepare() -> str:
@@ -79,44 +58,9 @@ def _prepare() -> str:
     return "building in the background"
 
 
-def start_background() -> threading.Thread:
-    """Build and load the library in a daemon thread (once per process); `cpu_ext.library()` answers None in other
-    threads meanwhile (the plain paths serve)."""
-    with _lock:
-        t = _bg.get("thread")
-        if t is None:
-            t = threading.Thread(target=_build_in_background, name="tts-cpu-build", daemon=True)
-            _bg["thread"] = t
-            cpu_ext.building_thread(t)
-            t.start()
-            log.info("tts_engine: our C++ kernels are not built here yet: building them in the background; the plain "
-                     "PyTorch paths serve until they are loaded (`python -m tts_engine.cpu.build` at install avoids it)")
-        return t
-
-
-_lock = threading.Lock()
-
-
-def _build_in_background() -> None:
-    t = time.perf_counter()
-    try:
-        lib = cpu_ext.library()   # build, load, and the share trial; never raises
-    finally:
-        cpu_ext.building_thread(None)
-    _bg["seconds"] = time.perf_counter() - t
-    from tts_engine.cpu import remembered_choice
-
-    remembered_choice.note("cpu library", "our C++ kernels" if lib is not None else "plain PyTorch",
-                           f"built in the background in {_bg['seconds']:.1f} s" if lib is not None
-                           else f"fell back: {cpu_ext.why_unavailable()}")
-    if lib is not None:
-        log.info("tts_engine: our C++ kernels built and loaded in the background in %.1f s; engines take their fast "
-                 "paths at their next idle frame boundary", _bg["seconds"])
-
-
 def wait(timeout: float | None = None) -> bool:
     """Wait for a background build to end -> whether the library is loaded now (tests, benchmarks)."""
-    t = _bg.get("thread")
+    t = cpu_ext._bg.get("thread")
     if t is not None:
         t.join(timeout)
     return not pending() and "lib" in cpu_ext._state and cpu_ext._state["lib"] is not None

@@ -328,23 +328,75 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
 
 
-_building: list = [None]   # the thread that builds the library in the background (cpu_build), while it does
+_building: list = [None]   # the thread that builds the library in the background (`start_background`), while it does
 
 
-def building_thread(thread: threading.Thread | None) -> None:
-    """Name the thread that builds and loads the library in the background (None: it has ended); until then
-    `library()` answers None in every other thread without waiting or remembering it (cpu_build)."""
-    _building[0] = thread
+BUILD_ENV = "TTS_CPU_BUILD"     # auto (default) / wait / background: where the library is not built yet (cpu_build)
+BUILD_POLICIES = ("auto", "wait", "background")
+_bg: dict = {}   # "thread": the background build (started once per process), "seconds": its build and load
+
+
+def build_policy() -> str:
+    """"wait" or "background": what happens where the library is not built yet (TTS_CPU_BUILD; `auto`: background
+    on a Hugging Face Space, SPACE_ID set, else wait; cpu_build's doc)."""
+    v = os.environ.get(BUILD_ENV, "auto").strip().lower()
+    if v not in BUILD_POLICIES:
+        log.warning("tts_engine: %s=%r is not one of %s; auto", BUILD_ENV, v, ", ".join(BUILD_POLICIES))
+        v = "auto"
+    if v == "auto":
+        from tts_engine import cache_paths
+
+        v = "background" if os.environ.get(cache_paths.SPACE_ENV) else "wait"
+    return v
+
+
+def start_background() -> threading.Thread:
+    """Build and load the library in a daemon thread (once per process); `library()` answers None in other threads
+    meanwhile (the plain paths serve)."""
+    with _bg_lock:
+        t = _bg.get("thread")
+        if t is None:
+            t = threading.Thread(target=_build_in_background, name="tts-cpu-build", daemon=True)
+            _bg["thread"] = t
+            _building[0] = t
+            t.start()
+            log.info("tts_engine: our C++ kernels are not built here yet: building them in the background; the plain "
+                     "PyTorch paths serve until they are loaded (`python -m tts_engine.cpu.build` at install avoids it)")
+        return t
+
+
+_bg_lock = threading.Lock()
+
+
+def _build_in_background() -> None:
+    from tts_engine.cpu import remembered_choice
+
+    t = time.perf_counter()
+    try:
+        lib = library()   # build, load, and the share trial; never raises
+    finally:
+        _building[0] = None
+    _bg["seconds"] = time.perf_counter() - t
+    remembered_choice.note("cpu library", "our C++ kernels" if lib is not None else "plain PyTorch",
+                           f"built in the background in {_bg['seconds']:.1f} s" if lib is not None
+                           else f"fell back: {why_unavailable()}")
+    if lib is not None:
+        log.info("tts_engine: our C++ kernels built and loaded in the background in %.1f s; engines take their fast "
+                 "paths at their next idle frame boundary", _bg["seconds"])
+
+
+def background_pending() -> bool:
+    """A background build (or its load) is under way: our kernels are not there yet, and will be."""
+    t = _bg.get("thread")
+    return t is not None and t.is_alive()
 
 
 def _starts_in_background() -> bool:
-    """Not built here yet and TTS_CPU_BUILD says background (cpu_build.policy): the build starts in its thread, and
-    whoever asked first (an engine's load, the page's precision label) does not wait for it."""
-    from tts_engine.cpu import cpu_build   # (it imports this module)
-
-    if not enabled() or cpu_build.policy() != "background" or built() is not None:
+    """Not built here yet and TTS_CPU_BUILD says background: the build starts in its thread, and whoever asked
+    first (an engine's load, the page's precision label) does not wait for it."""
+    if not enabled() or build_policy() != "background" or built() is not None:
         return False
-    cpu_build.start_background()
+    start_background()
     return True
 
 
@@ -355,7 +407,7 @@ def building() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded library: found built (`built`), else built now, or None while the background build runs in
-    another thread (`cpu_build`); None (logged once) when it cannot be built or run here."""
+    another thread (`start_background`, TTS_CPU_BUILD); None (logged once) when it cannot be built or run here."""
     if "lib" in _state:
         return _state["lib"]
     t = _building[0]
