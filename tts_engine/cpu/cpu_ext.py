@@ -88,13 +88,14 @@ def installed_dir() -> Path:
 
 def build_dirs() -> list[Path]:
     """The folders a built library is looked for in, in order; the first is where one is built. $TTS_BUILD_DIR alone
-    where set; else the cache folder in force (`kernels.cache_root()`: $TTS_CACHE_DIR, a Space's persistent storage,
+    where set; else the cache folder in force (`cache_paths.choices_root()`: $TTS_CACHE_DIR, a Space's persistent storage,
     the user's cache folder), then the install folder (`installed_dir`: built by `python -m tts_engine.cpu.build`, so
     an app started with an empty cache folder still finds it)."""
     if os.environ.get(BUILD_DIR_ENV):
         return [Path(os.environ[BUILD_DIR_ENV]).expanduser()]
-    from tts_engine.cpu.kernels import cache_root   # kernels imports this module; import late
-    return list(dict.fromkeys([cache_root() / "cpu_ext", installed_dir()]))
+    from tts_engine import cache_paths
+
+    return list(dict.fromkeys([cache_paths.choices_root() / "cpu_ext", installed_dir()]))
 
 
 def _compiler() -> str | None:
@@ -509,11 +510,9 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     """{"split": s, "claim": s}: the fastest of `rounds` sweeps (modes alternating which goes first) over W8A8 and
     W4A8 weights of SHARE_SHAPE rotated over `total_bytes` (default: the kernel table's, more than the L3), one and
     four activation rows each, so every call reads its weight from memory. The mode is restored afterwards."""
-    from tts_engine.cpu import kernels
-
     N, K = SHARE_SHAPE
     w8, w4 = packed_bytes(N, K), packed4_bytes(N, K)
-    n = max(4, (total_bytes or kernels.rotate_bytes()) // (w8 + w4))
+    n = max(4, (total_bytes or _machine["rotate_bytes"]()) // (w8 + w4))
     buf = torch.full((n * (w8 + w4),), 0x3C, dtype=torch.uint8)   # touched once: no page faults in the sweeps
     weights = [(buf[i * (w8 + w4): i * (w8 + w4) + w8], buf[i * (w8 + w4) + w8: (i + 1) * (w8 + w4)]) for i in range(n)]
     s127 = torch.full((N,), 1e-4)
@@ -538,10 +537,19 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     return best
 
 
-def _share_key() -> dict:
-    from tts_engine.cpu import kernels
+# what the share trial takes from the kernel table (kernels.py gives it when imported: it imports this module):
+# "key" () -> its machine key, "rotate_bytes" () -> bytes a timing rotates over, "tuning" () -> whether to measure,
+# "tune_env" the switch's name
+_machine: dict = {}
 
-    return {"machine": kernels.machine_key(), "shape": list(SHARE_SHAPE)}
+
+def use_machine(**facts) -> None:
+    """kernels.py: the machine facts the share trial needs (`_machine`)."""
+    _machine.update(facts)
+
+
+def _share_key() -> dict:
+    return {"machine": _machine["key"](), "shape": list(SHARE_SHAPE)}
 
 
 def _choose_share() -> None:
@@ -556,13 +564,13 @@ def _choose_share() -> None:
         mode, why = share_setting(), f"{SHARE_ENV}={os.environ.get(SHARE_ENV, '')}"
         try:
             from tts_engine.cpu import remembered_choice
-            from tts_engine.cpu import kernels
-
             if mode == "auto":
-                mode, why = "split", f"not measured ({kernels.TUNE_ENV}=0)"
+                mode, why = "split", f"not measured ({_machine.get('tune_env', 'kernel tuning')}=0)"
                 if torch.get_num_threads() < 2:
                     why = "one thread"
-                elif kernels.tuning_enabled():
+                elif "key" not in _machine:
+                    why = "not measured (the kernel table is not loaded in this process)"
+                elif _machine["tuning"]():
                     key = _share_key()
                     path = remembered_choice.path_for("matmul_share", key)
                     got = remembered_choice.recall(path, key, tuple(SHARES))

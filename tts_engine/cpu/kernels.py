@@ -532,3 +532,6 @@ def kernel_table() -> KernelTable:
 
 def reset_kernel_table() -> None:
     _TABLE[0] = None
+
+
+cpu_ext.use_machine(key=machine_key, rotate_bytes=rotate_bytes, tuning=tuning_enabled, tune_env=TUNE_ENV)
