@@ -1,5 +1,5 @@
-// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (tts_engine/model/cpu_ext.py
-// builds this file with g++ on first use and calls it through ctypes; torch is loaded first, so the OpenMP runtime
+// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (part of the one library,
+// ttsx.cpp; tts_engine/cpu/cpu_ext.py calls it through ctypes; torch is loaded first, so the OpenMP runtime
 // and libtorch_cpu resolve to the process's own and at::parallel_for runs on torch's thread pool).
 //
 // One call per linear layer: y[m, n] = (sum_k xq[m, k] * q[n, k]) * amax[m] * scale127[n]

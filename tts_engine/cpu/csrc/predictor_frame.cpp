@@ -1,5 +1,5 @@
-// The code predictor's whole frame in one call (tts_engine/model/predictor_frame.py builds this file with g++ on first
-// use, as fused_step.py builds fused_step.cpp, and calls it through ctypes).
+// The code predictor's whole frame in one call (part of the one library, ttsx.cpp; tts_engine/cpu/predictor_frame.py
+// calls it through ctypes).
 //
 // For B rows (talker hidden h [B, Dt], codebook-0 id c0 [B]) one call runs the 15 passes that
 // ModelRunner._predict_residuals runs from Python:
