@@ -8,7 +8,8 @@ FROM python:3.11-slim
 # ffmpeg is optional (the app, its streaming and its tests run without it); it is kept because it reads
 # compressed reference clips that libsndfile cannot (m4a, aac, webm, ...) and lets the Gradio endpoints also
 # stream live audio chunks to gradio_client. mp3 export does not use it (libsndfile encodes mp3).
-# g++ builds our own CPU matmul kernels on first use (tts_engine/model/cpu_ext.cpp; optional: without it aten's serve).
+# g++ builds our own CPU kernels (tts_engine/cpu/csrc/, one library) below, at image build time (optional: without it
+# the plain PyTorch paths serve).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ffmpeg g++ \
  && rm -rf /var/lib/apt/lists/*
@@ -28,6 +29,9 @@ COPY --chown=user requirements.txt .
 RUN pip install --user -r requirements.txt
 
 COPY --chown=user . .
+# our C++ library for this torch, built now (as the app's user: into the cache folder the app looks in), so no
+# request waits for a compiler; prints where and how long, and exits 0 without a compiler
+RUN python -m tts_engine.cpu.build
 
 EXPOSE 7860
 CMD ["python", "app.py", "--host", "0.0.0.0", "--port", "7860"]

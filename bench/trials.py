@@ -77,12 +77,10 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
     from bench.common import random_checkpoint
-    from tts_engine.cpu import cpu_build
     from tts_engine.cpu import cpu_ext
 
     checkpoint = random_checkpoint("0.6b").resolve()
-    cpu_build.build_all()   # the libraries once, into this user's cache folder: copied into each fresh one
-    libs = cpu_ext.build().parent
+    libs = cpu_ext.build().parent   # the library once, into this user's cache folder: copied into each fresh one
     here = Path(__file__).resolve().parent.parent
     got: dict = {"A": [], "B": []}
     loads = [load_average()]

@@ -128,7 +128,7 @@ os.environ.setdefault("TTS_CODEC_DTYPE", "model")
 # tests/test_fused_step.py, tests/test_predictor_frame.py and tests/test_talker_step.py set them per test (trial, on,
 # off) and check that the trials never change a request.
 os.environ.setdefault("TTS_FUSED_STEP", "0")
-# Our C++ kernels (cpu_ext.cpp and the files that include it: fused step, predictor frame, talker step) are built once
+# Our C++ library (csrc/ttsx.cpp: the kernels, fused step, predictor frame, talker step, codec rows) is built once
 # for the whole run, into the cache folder in force when the run starts: tests that give themselves a fresh cache
 # folder (TTS_CACHE_DIR=tmp, for remembered choices) and the processes they start (app servers, the emulated CPU)
 # load those builds instead of compiling again (each compile is seconds of CPU; 2-3x that on a busy machine).
@@ -138,6 +138,11 @@ os.environ.setdefault("TTS_BUILD_DIR", str(_cache_paths.cache_root() / "cpu_ext"
 # the CPU package gives model/quant.py and codec/decoder.py their kernels when imported (cpu/backend.py `set_hooks`):
 # tests that build a W8A8 layer or a packed codec directly need it as an engine would have it
 import tts_engine.cpu  # noqa: E402,F401
+# ... built when first needed, before the engine that needs it measures anything (not in the background, as on a
+# Space: tests/test_startup_trials.py covers that), and every load-time trial runs at load, none deferred to idle time
+# (tests/test_startup_trials.py covers the deferral).
+os.environ.setdefault("TTS_CPU_BUILD", "wait")
+os.environ.setdefault("TTS_START_TRIALS", "all")
 
 
 @pytest.fixture

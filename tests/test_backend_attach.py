@@ -154,10 +154,10 @@ def test_model_codec_and_runner_do_not_import_the_cpu_package():
         assert not bad, (f.name, bad)
     loader = ROOT / "tts_engine" / "loader.py"
     assert not any("cpu_build" in m for m in _imports(loader))
-    assert "build_all" not in loader.read_text(encoding="utf-8")
-    # the build is called in one place only: the CPU backend's build_libraries
+    assert "prepare(" not in loader.read_text(encoding="utf-8")
+    # the build is asked for in one place only: the CPU backend's build_libraries (cpu_build.prepare)
     callers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "tts_engine").rglob("*.py")
-               if "build_all(" in p.read_text(encoding="utf-8") and p.name != "cpu_build.py"]
+               if "cpu_build.prepare(" in p.read_text(encoding="utf-8")]
     assert callers == ["tts_engine/cpu/backend.py"], callers
 
 

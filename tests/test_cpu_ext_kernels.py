@@ -186,7 +186,7 @@ def test_a_compile_error_is_caught(fresh_state, monkeypatch, tmp_path):
     """A real compiler run on a broken source: `available()` is False with the compiler's message, no raise."""
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_ext, "SOURCE", bad)
+    monkeypatch.setattr(cpu_ext, "LIBRARY", bad)
     assert not cpu_ext.available()
     why = cpu_ext.why_unavailable()
     assert why and ("failed" in why or "no C++ compiler" in why or "x86-64 Linux only" in why)

@@ -154,6 +154,27 @@ def test_auto_measures_once_and_remembers(fresh, monkeypatch, tmp_path):
     assert cpu_ext.share() == "split" and "trial failed" in cpu_ext._state["share_why"]
 
 
+def test_a_bounded_start_splits_now_and_measures_while_idle(fresh, monkeypatch):
+    """TTS_START_TRIALS=bounded (a fresh start): split at once, the trial later while no engine serves, remembered
+    for the next start."""
+    from tts_engine.cpu import deferred_trials
+
+    calls = []
+
+    def fake(*a, **k):
+        calls.append(1)
+        return {"split": 2.0, "claim": 1.0}
+    monkeypatch.setattr(cpu_ext, "measure_share", fake)
+    monkeypatch.setattr(deferred_trials, "QUIET_S", 0.1)
+    monkeypatch.setitem(deferred_trials._state, "served", True)        # (as after the first frame)
+    if torch.get_num_threads() < 2:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv(deferred_trials.ENV, "bounded")
+    assert fresh() == "split" and cpu_ext._state["share_why"] == "default until measured while idle"
+    assert deferred_trials.wait(30) and calls == [1]
+    assert fresh() == "claim" and calls == [1] and cpu_ext._state["share_why"].startswith("measured before")
+
+
 @torch.inference_mode()
 def test_the_trial_times_both_modes_and_restores_the_mode(two_threads):
     cpu_ext.set_share("claim")

@@ -72,14 +72,13 @@ def fused_step_may_serve(talker, dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
-def build_libraries(includers: bool = True) -> dict[str, float]:
-    """Our C++ libraries, built now where the cache folder lacks them (before any measured choice is timed, so that
-    none is timed beside a compiler): the one place the backend builds. `includers`: also the libraries of the
-    fused step (`fused_step_may_serve`). -> {source: seconds}; never raises (a failed build is reported by the
-    library's first use)."""
+def build_libraries() -> str:
+    """Our one C++ library: loaded where it was built (at install: `python -m tts_engine.cpu.build`), else built now
+    or in the background (`cpu_build.prepare`, TTS_CPU_BUILD) before any measured choice is timed -> what happened,
+    one line. The one place the backend builds; never raises."""
     from tts_engine.cpu import cpu_build
 
-    return cpu_build.build_all(includers=includers)
+    return cpu_build.prepare()
 
 
 class CpuBackend:
@@ -97,26 +96,26 @@ class CpuBackend:
         self.gemv_rows = 0             # steps of up to this many rows run with oneDNN off (`aten_bf16_gemv`)
         self.governor = None           # threads.ThreadGovernor for the worker (None: the process's threads)
         self.matmul_threads = None     # threads.MatmulThreads wrapped around the linear layers (governor's option)
+        self.between_frames = None     # poll(no_row_held) -> done: attaches our kernels once a background build ends
 
     # --- attach -----------------------------------------------------------------------------------------------------
     def attach(self, runner) -> "CpuBackend":
         """Give `runner` its CPU fast paths (see the module's docstring); never raises. Sets on the runner:
         `talker_step`, `step_scope`, and an entry per part in `path_entries`."""
-        from tts_engine.cpu import compiled_predictor, fused_step, predictor_frame
+        from tts_engine.cpu import compiled_predictor, cpu_build
         from tts_engine.cpu.measured import DEFAULT, Record
 
         self.runner = runner
         talker = runner.talker
         runner.backend = self   # (from here on the runner's steps run in `step_scope`)
         self.gemv_rows = ATEN_GEMV_MAX_ROWS if runner.dtype == torch.bfloat16 else 0
-        build_libraries(includers=fused_step_may_serve(talker, runner.dtype))
+        build_libraries()
         if runner.dtype != torch.float32:
             talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
-        with self.step_scope(1):   # the fused step's trial times the eager path as a one-row step runs it
-            runner.path_entries.update(fused_step.attach(talker))
-        runner.path_entries.update(predictor_frame.attach(talker))
-        self._measure_predictor_frame(runner)
-        self._attach_talker_step(runner)
+        self.attach_kernels(runner)
+        # where the library is still building in the background: the same three parts once it is loaded, at a frame
+        # boundary with no row held (the engine's worker calls `between_frames`)
+        self.between_frames = cpu_build.attach_later(runner, attach=self.attach_kernels)
         want = self.compile_predictor_wanted
         if want if want is not None else compiled_predictor.wanted():
             self.compile_predictor(runner)
@@ -128,6 +127,18 @@ class CpuBackend:
             "PyTorch's gemv", DEFAULT, f"oneDNN off up to {self.gemv_rows} rows: it reads the weights faster") \
             if self.gemv_rows else Record("oneDNN", DEFAULT, "not bf16")
         return self
+
+    def attach_kernels(self, runner) -> None:
+        """The parts that run in our C++ library, each with its trial now: each decoder stack's step in one call, the
+        predictor's frame in one call, the talker's step in one call (each off, with its reason, where the library is
+        not loaded)."""
+        from tts_engine.cpu import fused_step, predictor_frame
+
+        with self.step_scope(1):   # the fused step's trial times the eager path as a one-row step runs it
+            runner.path_entries.update(fused_step.attach(runner.talker))
+        runner.path_entries.update(predictor_frame.attach(runner.talker))
+        self._measure_predictor_frame(runner)
+        self._attach_talker_step(runner)
 
     def step_scope(self, rows: int):
         """What a frame step of `rows` rows runs inside (`ModelRunner.step_scope`): oneDNN off for 1-2 bf16 rows."""

@@ -47,6 +47,7 @@ from tts_engine.cpu import measured
 from tts_engine.cpu import codec_int8_threshold as int8_threshold
 from tts_engine.cpu import packed_conv
 from tts_engine.cpu import codec_quality as quality
+from tts_engine.cpu import deferred_trials
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_DTYPE"
@@ -81,6 +82,7 @@ def time_decoder(dec, rounds: int = 3) -> float:
             st = dec.init_state(1)
             t0, o = time.perf_counter(), 0
             for n in TIMED_CHUNKS:
+                deferred_trials.check()   # (measured while idle: a request stops it)
                 dec.decode_step(codes[..., o:o + n], st)
                 o += n
             best = min(best, time.perf_counter() - t0)
@@ -128,6 +130,11 @@ def choose(dec):
     convs = ["aten", "packed"] + (["int8"] if _int8_ok() else []) if want_conv == "auto" else [want_conv]
     if not packed_conv.available():
         convs = ["aten"]
+    key = machine_key(dec)
+    entry, timed = _read().get(key), {}
+    fresh = entry is None or "conv" not in entry or entry.get("v", 1) < ENTRY_VERSION   # (older entries: fewer paths)
+    if fresh and not (len(dtypes) == len(convs) == 1) and deferred_trials.bounded():
+        return _defer(dec, key, dtypes, convs)   # a fresh start: the model's dtype on aten's convs until measured
     if "int8" in convs:   # from how many positions each int8 conv pays (measured once per machine, remembered)
         int8_threshold.apply(dec, torch.bfloat16 if "bf16" in dtypes else torch.float32)
     forced = [f"{e}={w}" for e, w in ((ENV, want), (CONV_ENV, want_conv)) if w != "auto"]
@@ -137,10 +144,8 @@ def choose(dec):
         out.set_conv_mode(convs[0])
         _note(dtypes[0], convs[0], forced_how or measured.DEFAULT, ", ".join(forced) or "one candidate here")
         return out
-    key = machine_key(dec)
-    entry, timed = _read().get(key), {}
     how = measured.REMEMBERED
-    if entry is None or "conv" not in entry or entry.get("v", 1) < ENTRY_VERSION:   # (older entries: fewer paths)
+    if fresh:
         entry, timed = _measure(dec)
         _write(key, entry)
         how = measured.MEASURED
@@ -178,6 +183,35 @@ def _note(dtype: str, conv: str, how: str, why: str) -> None:
                       "row by row or one call, per conv as the decoder runs (int8_conv.PathClock)" if way == "auto"
                       else f"{env}={os.environ.get(env, '')}" if way == "batched"
                       else "one call per row")
+
+
+def _defer(dec, key: str, dtypes: list, convs: list):
+    """`dec` on aten's convolutions in the model's dtype (lossless, nothing measured) now; the measurement of `choose`
+    (int8 threshold, every candidate's timing, int8 quality) on a copy later, while no engine serves
+    (`deferred_trials`), remembered for the next start."""
+    dec.set_conv_mode("aten")
+    _note("bf16", "aten", measured.DEFAULT, "not measured here yet (measured when idle, used from the next start)")
+    log.info("codec decoder: bf16 on aten's convolutions until measured on this CPU (when idle, in the background; "
+             "%s=all measures at start)", deferred_trials.ENV)
+
+    def measure():
+        d = copy.deepcopy(dec)
+        if "int8" in convs:
+            int8_threshold.apply(d, torch.bfloat16 if "bf16" in dtypes else torch.float32)
+        return d, _measure(d)[0]
+
+    def commit(got):
+        d, entry = got
+        _write(key, entry)
+        ms = entry["ms_per_frame"]
+        i8 = min((x for x in dtypes if f"{x} int8" in ms), key=lambda x: ms[f"{x} int8"], default=None)
+        dtype, conv = _pick(ms, dtypes, [c for c in convs if c != "int8"] or ["packed"])
+        if "int8" in convs and i8 is not None and ms[f"{i8} int8"] < INT8_MARGIN * ms.get(f"{dtype} {conv}", 1e30):
+            int8_quality(d, i8, entry, key)   # (numbers, not timings: written with the entry)
+        log.info("codec decoder measured on this CPU while idle: %s (used from the next start)", entry)
+
+    deferred_trials.defer("codec conv choice", measure, commit)
+    return dec
 
 
 def _pick(ms: dict, dtypes: list, convs: list) -> tuple[str, str]:

@@ -15,9 +15,13 @@ tested for equality and timed (a forced avx2 on a Zen 4 times our AVX2 code on t
 Haswell's). torch's own kernels follow their own switches (`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`).
 `TTS_CPU_EXT_ISA=avx2` (older name) is `TTS_CPU_ISA=avx2`.
 
-Built on first use with the system's C++ compiler (`g++`, or $CXX) into the cache folder
-(`$TTS_CACHE_DIR/cpu_ext/`, default `~/.cache/qwen3-tts-live/cpu_ext/`, or `$TTS_BUILD_DIR`; one file per source, torch
-version and compiler: ~1.5 s of CPU once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
+One shared library holds every kernel of ours: `csrc/ttsx.cpp` includes cpu_ext.cpp, fused_step.cpp,
+predictor_frame.cpp, talker_step.cpp and codec_int8_rows.cpp in one translation unit; each Python wrapper declares
+the functions it calls on it (`Beside`). It is built with the system's C++ compiler (`g++`, or $CXX) at install
+(`python -m tts_engine.cpu.build`), else when an engine loads (`cpu_build`: now, or in the background while the plain
+paths serve), into the cache folder (`build_dirs`: `$TTS_BUILD_DIR`, else `$TTS_CACHE_DIR/cpu_ext/` or
+`~/.cache/qwen3-tts-live/cpu_ext/`, where it is also looked for; one file per source and torch: ~10 s of one core
+once) and loaded with ctypes: a plain C ABI against the already loaded torch, so neither
 ninja nor pybind nor torch's C++ headers beyond `ATen/Parallel.h` are needed (a `torch.utils.cpp_extension`
 module with a registered op compiles ~4x longer for the same ~1.5-2 us per call). The work of a call is split over
 output rows with `at::parallel_for`, i.e. torch's own OpenMP pool, never a second one.
@@ -45,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from tts_engine.cpu import deferred_trials
+
 log = logging.getLogger("tts_engine")
 
 ENABLE_ENV = "TTS_CPU_EXT"      # 0 / off / no: never build or use the extension
@@ -62,15 +68,34 @@ _build_locks: dict[Path, threading.Lock] = {}
 _build_locks_guard = threading.Lock()
 
 
-BUILD_DIR_ENV = "TTS_BUILD_DIR"  # where the built libraries go instead of the cache folder's cpu_ext/ (tests/conftest.py:
-                                 # one folder for a whole test run, whatever cache folder each test uses)
+BUILD_DIR_ENV = "TTS_BUILD_DIR"  # the one folder the library is built into and loaded from (tests/conftest.py: one folder
+                                 # for a whole test run, whatever cache folder each test uses)
+LIBRARY = Path(__file__).parent / "csrc" / "ttsx.cpp"   # the one translation unit: every source of csrc/ (its doc)
+
+builds: list[Path] = []   # every library this process compiled, in order (tests count them)
 
 
 def _cache_dir() -> Path:
+    """Where this process builds a library it does not find (`build_dirs()[0]`)."""
+    return build_dirs()[0]
+
+
+def installed_dir() -> Path:
+    """Where `python -m tts_engine.cpu.build` puts the library when no cache folder is named: the user's default cache
+    folder (~/.cache/qwen3-tts-live/cpu_ext, $XDG_CACHE_HOME), whatever cache folder the app is given later."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3-tts-live" / "cpu_ext"
+
+
+def build_dirs() -> list[Path]:
+    """The folders a built library is looked for in, in order; the first is where one is built. $TTS_BUILD_DIR alone
+    where set; else the cache folder in force (`cache_paths.choices_root()`: $TTS_CACHE_DIR, a Space's persistent storage,
+    the user's cache folder), then the install folder (`installed_dir`: built by `python -m tts_engine.cpu.build`, so
+    an app started with an empty cache folder still finds it)."""
     if os.environ.get(BUILD_DIR_ENV):
-        return Path(os.environ[BUILD_DIR_ENV]).expanduser()
-    from tts_engine.cpu.kernels import cache_root   # kernels imports this module; import late
-    return cache_root() / "cpu_ext"
+        return [Path(os.environ[BUILD_DIR_ENV]).expanduser()]
+    from tts_engine import cache_paths
+
+    return list(dict.fromkeys([cache_paths.choices_root() / "cpu_ext", installed_dir()]))
 
 
 def _compiler() -> str | None:
@@ -90,29 +115,55 @@ def _local_includes(source: Path, seen: set | None = None) -> list[Path]:
     return out
 
 
-def build(force: bool = False, source: Path | None = None) -> Path:
-    """Compile cpu_ext.cpp (or `source`: another checkout's cpu_ext.cpp, benchmarks; or a file that includes the
-    cpu_ext.cpp beside it, fused_step.cpp) into the cache folder (once per source, torch and compiler) and return the
-    library's path. Raises on any failure (no compiler, compile error)."""
+def _check_platform() -> None:
     if sys.platform != "linux" or not any(m in (os.uname().machine or "") for m in ("x86_64", "amd64")):
         raise RuntimeError(f"built for x86-64 Linux only (this is {sys.platform} {os.uname().machine})")
+
+
+def library_file(source: Path | None = None) -> str:
+    """The file name of `source`'s library (default: the one library, `LIBRARY`): the stem and a digest of its
+    sources (the file and what it includes), torch's version and folder. The code is the same on every x86-64 CPU
+    (each kernel picks its path from cpuid at run time), so one file serves every machine with this torch; the
+    compiler is not part of the name (a library built at install is found where no compiler is left)."""
+    source = Path(source) if source is not None else LIBRARY
+    src = source.read_bytes()
+    if source.name != "cpu_ext.cpp":   # a file that includes the kernels: their sources are part of its identity
+        src += b"".join(f.read_bytes() for f in _local_includes(source))
+    torch_dir = Path(torch.__file__).parent
+    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode()).hexdigest()[:16]
+    return f"{'ttsx' if source == LIBRARY or source.name == 'cpu_ext.cpp' else source.stem}-{tag}.so"
+
+
+def built(source: Path | None = None) -> Path | None:
+    """The built library of `source` (default: the one library) in the first of `build_dirs()` that has it, or None
+    (nothing is compiled here)."""
+    try:
+        _check_platform()
+        name = library_file(source)
+    except (OSError, RuntimeError):
+        return None
+    for d in build_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def build(force: bool = False, source: Path | None = None) -> Path:
+    """The one library (`LIBRARY`; or `source`: another checkout's cpu_ext.cpp, benchmarks) for this torch: found
+    where it was built before (`built`), else compiled into `build_dirs()[0]` (once per process and file: threads
+    that ask at once wait for the one compile). Raises on any failure (no compiler, compile error)."""
+    _check_platform()
+    source = Path(source) if source is not None else LIBRARY
+    if not force and (found := built(source)) is not None:
+        return found
     cxx = _compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    source = Path(source) if source is not None else SOURCE
-    src = source.read_bytes()
-    own = source.name == "cpu_ext.cpp" or source == SOURCE
-    if not own:   # a file that includes the kernels (and maybe fused_step.cpp): their sources are part of its identity
-        src += b"".join(f.read_bytes() for f in _local_includes(source) or [source.with_name("cpu_ext.cpp")])
-    torch_dir = Path(torch.__file__).parent
-    tag = hashlib.sha1(src + torch.__version__.encode() + str(torch_dir).encode() + cxx.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{'ttsx' if own else source.stem}-{tag}.so"
-    if out.exists() and not force:
-        return out
-    with _build_lock(out):   # one compile per library in this process (`cpu_build` starts them all at once)
+    out = _cache_dir() / library_file(source)
+    with _build_lock(out):   # one compile per library in this process (the background build and a caller at once)
         if out.exists() and not force:
             return out
-        return _compile(cxx, source, out, torch_dir)
+        return _compile(cxx, source, out, Path(torch.__file__).parent)
 
 
 def _build_lock(out: Path) -> threading.Lock:
@@ -127,8 +178,9 @@ def _compile(cxx: str, source: Path, out: Path, torch_dir: Path) -> Path:
            str(source), "-o", str(tmp), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_dir / 'lib'}"]
     t0 = time.perf_counter()
+    builds.append(out)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cxx} did not run: {e}") from e
     if r.returncode != 0:
@@ -179,11 +231,11 @@ def asked_level() -> int | None:
 
 
 def sync_level(lib: ctypes.CDLL) -> None:
-    """Give another library built from this source (fused_step, predictor_frame, any file that includes
-    cpu_ext.cpp) the level the kernels run at here, now and after every `set_level`, so one process never mixes
-    paths (they read TTS_CPU_ISA themselves too; this also covers set_level and the older TTS_CPU_EXT_ISA), and the
-    way its matmuls share work between threads (`set_share`). A loader calls it once, right after loading the
-    library."""
+    """Give a second library built from this source (a file that includes cpu_ext.cpp loaded beside the one
+    library, e.g. a benchmark's) the level the kernels run at here, now and after every `set_level`, so one process
+    never mixes paths (it reads TTS_CPU_ISA itself too; this also covers set_level and the older TTS_CPU_EXT_ISA),
+    and the way its matmuls share work between threads (`set_share`). A loader calls it once, right after loading
+    that library. (The one library's fused step, predictor frame, talker step and codec rows share its level.)"""
     lib.ttsx_set_level.argtypes, lib.ttsx_set_level.restype = [ctypes.c_int], ctypes.c_int
     lib.ttsx_set_level(int(_state.get("level", 99)))
     if hasattr(lib, "ttsx_set_share"):   # and the way its matmuls share work between threads (`set_share`)
@@ -196,32 +248,23 @@ def sync_level(lib: ctypes.CDLL) -> None:
 _synced: list = []   # the libraries sync_level has seen (loaded once per process, never unloaded)
 
 
-def load_beside(source) -> ctypes.CDLL:
-    """Build (on first use) and load another C++ file that includes cpu_ext.cpp (fused_step.cpp, predictor_frame.cpp,
-    talker_step.cpp), at the CPU level our kernels run at here (`sync_level`); raises when our kernels cannot run
-    here. The caller declares its functions and keeps the library."""
-    if library() is None:
-        raise RuntimeError(f"our CPU kernels are not available ({why_unavailable()})")
-    lib = ctypes.CDLL(str(build(source=source)))
-    sync_level(lib)
-    return lib
-
-
 class Beside:
-    """`library = cpu_ext.Beside(SOURCE, declare)`: a module's library built from a C++ file that includes
-    cpu_ext.cpp (`load_beside`), loaded on the first `library()` and kept for the process; declare(lib) gives its
-    functions their C types (it may raise: nothing is kept then). Raises when it cannot run here (the next call tries
-    again)."""
+    """`library = cpu_ext.Beside(declare)`: a module's view of the one library (`library()`: fused_step,
+    predictor_frame, talker_step, int8_conv's rows epilogue): on its first call declare(lib) gives the functions that
+    module calls their C types (it may raise: nothing is kept then), and the library is kept for the process.
+    Raises when our kernels cannot run here (the next call tries again)."""
 
-    def __init__(self, source, declare):
-        self.source, self.declare = Path(source), declare
+    def __init__(self, declare):
+        self.declare = declare
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> ctypes.CDLL:
         with self._lock:
             if self._lib is None:
-                lib = load_beside(self.source)
+                lib = library()
+                if lib is None:
+                    raise RuntimeError(f"our CPU kernels are not available ({why_unavailable()})")
                 self.declare(lib)
                 self._lib = lib
             return self._lib
@@ -263,8 +306,7 @@ def cpu_level() -> int:
 
 def set_level(new: int) -> int:
     """Run our kernels at `new` (clamped to cpuid's level; tests and benchmarks: the same as TTS_CPU_ISA at load,
-    for this process's cpu_ext library and the fused step's and predictor frame's libraries once they load or are
-    synced). Returns the level before. Layers packed before keep working: the layouts are the same on every path."""
+    for every kernel of the one library, and any library `sync_level` has seen). Returns the level before. Layers packed before keep working: the layouts are the same on every path."""
     lib = library()
     assert lib is not None
     was = _state["level"]
@@ -287,10 +329,93 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
 
 
+_building: list = [None]   # the thread that builds the library in the background (`start_background`), while it does
+
+
+BUILD_ENV = "TTS_CPU_BUILD"     # auto (default) / wait / background: where the library is not built yet (cpu_build)
+BUILD_POLICIES = ("auto", "wait", "background")
+_bg: dict = {}   # "thread": the background build (started once per process), "seconds": its build and load
+
+
+def build_policy() -> str:
+    """"wait" or "background": what happens where the library is not built yet (TTS_CPU_BUILD; `auto`: background
+    on a Hugging Face Space, SPACE_ID set, else wait; cpu_build's doc)."""
+    v = os.environ.get(BUILD_ENV, "auto").strip().lower()
+    if v not in BUILD_POLICIES:
+        log.warning("tts_engine: %s=%r is not one of %s; auto", BUILD_ENV, v, ", ".join(BUILD_POLICIES))
+        v = "auto"
+    if v == "auto":
+        from tts_engine import cache_paths
+
+        v = "background" if os.environ.get(cache_paths.SPACE_ENV) else "wait"
+    return v
+
+
+def start_background() -> threading.Thread:
+    """Build and load the library in a daemon thread (once per process); `library()` answers None in other threads
+    meanwhile (the plain paths serve)."""
+    with _bg_lock:
+        t = _bg.get("thread")
+        if t is None:
+            t = threading.Thread(target=_build_in_background, name="tts-cpu-build", daemon=True)
+            _bg["thread"] = t
+            _building[0] = t
+            t.start()
+            log.info("tts_engine: our C++ kernels are not built here yet: building them in the background; the plain "
+                     "PyTorch paths serve until they are loaded (`python -m tts_engine.cpu.build` at install avoids it)")
+        return t
+
+
+_bg_lock = threading.Lock()
+
+
+def _build_in_background() -> None:
+    from tts_engine.cpu import measured
+
+    t = time.perf_counter()
+    try:
+        lib = library()   # build, load, and the share trial; never raises
+    finally:
+        _building[0] = None
+    _bg["seconds"] = time.perf_counter() - t
+    measured.note("cpu library", "our C++ kernels" if lib is not None else "plain PyTorch",
+                  measured.DEFAULT if lib is not None else measured.FELL_BACK,
+                  f"built in the background in {_bg['seconds']:.1f} s" if lib is not None else why_unavailable())
+    if lib is not None:
+        log.info("tts_engine: our C++ kernels built and loaded in the background in %.1f s; engines take their fast "
+                 "paths at their next idle frame boundary", _bg["seconds"])
+
+
+def background_pending() -> bool:
+    """A background build (or its load) is under way: our kernels are not there yet, and will be."""
+    t = _bg.get("thread")
+    return t is not None and t.is_alive()
+
+
+def _starts_in_background() -> bool:
+    """Not built here yet and TTS_CPU_BUILD says background: the build starts in its thread, and whoever asked
+    first (an engine's load, the page's precision label) does not wait for it."""
+    if not enabled() or build_policy() != "background" or built() is not None:
+        return False
+    start_background()
+    return True
+
+
+def building() -> bool:
+    """The library is being built in the background and is not loaded yet (`library()` answers None meanwhile)."""
+    return _building[0] is not None and "lib" not in _state
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded library, built on first use; None (logged once) when it cannot be built or run here."""
+    """The loaded library: found built (`built`), else built now, or None while the background build runs in
+    another thread (`start_background`, TTS_CPU_BUILD); None (logged once) when it cannot be built or run here."""
     if "lib" in _state:
         return _state["lib"]
+    t = _building[0]
+    if t is not None and t is not threading.current_thread():
+        return None
+    if t is None and _starts_in_background():
+        return None
     with _lock:
         if "lib" not in _state:
             lib = None
@@ -325,7 +450,8 @@ def has_w4a8() -> bool:
 
 
 def why_unavailable() -> str | None:
-    library()
+    if library() is None and building():
+        return "being built in the background"
     return _state.get("why")
 
 
@@ -384,11 +510,9 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     """{"split": s, "claim": s}: the fastest of `rounds` sweeps (modes alternating which goes first) over W8A8 and
     W4A8 weights of SHARE_SHAPE rotated over `total_bytes` (default: the kernel table's, more than the L3), one and
     four activation rows each, so every call reads its weight from memory. The mode is restored afterwards."""
-    from tts_engine.cpu import kernels
-
     N, K = SHARE_SHAPE
     w8, w4 = packed_bytes(N, K), packed4_bytes(N, K)
-    n = max(4, (total_bytes or kernels.rotate_bytes()) // (w8 + w4))
+    n = max(4, (total_bytes or _machine["rotate_bytes"]()) // (w8 + w4))
     buf = torch.full((n * (w8 + w4),), 0x3C, dtype=torch.uint8)   # touched once: no page faults in the sweeps
     weights = [(buf[i * (w8 + w4): i * (w8 + w4) + w8], buf[i * (w8 + w4) + w8: (i + 1) * (w8 + w4)]) for i in range(n)]
     s127 = torch.full((N,), 1e-4)
@@ -399,6 +523,7 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     try:
         with torch.inference_mode():
             for r in range(rounds):
+                deferred_trials.check()   # (measured while idle: a request stops it)
                 for mode in (list(SHARES) if r % 2 == 0 else list(SHARES)[::-1]):
                     set_share(mode)
                     t0 = time.perf_counter()
@@ -412,16 +537,26 @@ def measure_share(total_bytes: int | None = None, rounds: int = SHARE_ROUNDS) ->
     return best
 
 
-def _share_key() -> dict:
-    from tts_engine.cpu import kernels
+# what the share trial takes from the kernel table (kernels.py gives it when imported: it imports this module):
+# "key" () -> its machine key, "rotate_bytes" () -> bytes a timing rotates over, "tuning" () -> whether to measure,
+# "tune_env" the switch's name
+_machine: dict = {}
 
-    return {"machine": kernels.machine_key(), "shape": list(SHARE_SHAPE)}
+
+def use_machine(**facts) -> None:
+    """kernels.py: the machine facts the share trial needs (`_machine`)."""
+    _machine.update(facts)
+
+
+def _share_key() -> dict:
+    return {"machine": _machine["key"](), "shape": list(SHARE_SHAPE)}
 
 
 def _choose_share() -> None:
     """The process's share mode (`share`): TTS_MATMUL_SHARE where it forces one; else what was measured before on
     this machine (`measured`, key: the kernel table's machine key), else the trial now (`measure_share`,
-    ~0.1-0.3 s once per machine) when kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
+    ~0.1-0.7 s once per machine; at a bounded start split now and the trial while idle, `deferred_trials`) when
+    kernel tuning is on (TTS_KERNEL_TUNE), else split. Never raises."""
     with _share_lock:
         if "share" in _state:
             return
@@ -431,22 +566,25 @@ def _choose_share() -> None:
         mode, why = share_setting(), f"{SHARE_ENV}={os.environ.get(SHARE_ENV, '')}"
         how = measured.forced_by(SHARE_ENV)
         try:
-            from tts_engine.cpu import kernels
-
             if mode == "auto":
-                mode, why, how = "split", f"not measured ({kernels.TUNE_ENV}=0)", measured.forced_by(kernels.TUNE_ENV)
+                tune_env = _machine.get("tune_env", "TTS_KERNEL_TUNE")
+                mode, why, how = "split", f"not measured ({tune_env}=0)", measured.forced_by(tune_env)
                 if torch.get_num_threads() < 2:
                     why, how = "one thread", measured.DEFAULT
-                elif kernels.tuning_enabled():
+                elif "key" not in _machine:
+                    why, how = "not measured (the kernel table is not loaded in this process)", measured.DEFAULT
+                elif _machine["tuning"]():
                     key = _share_key()
                     path = measured.path_for("matmul_share", key)
                     got = measured.recall(path, key, tuple(SHARES))
                     if got is not None:
                         mode, why, how = got["choice"], f"measured before: {got['why']}", measured.REMEMBERED
+                    elif deferred_trials.bounded():   # a fresh start: split until measured while idle
+                        why, how = "default until measured while idle", measured.DEFAULT
+                        deferred_trials.defer("matmul share", measure_share,
+                                              lambda t: measured.remember(path, key, *_share_pick(t)))
                     else:
-                        t = measure_share()
-                        mode = "claim" if t["claim"] < t["split"] else "split"
-                        why = f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep"
+                        mode, why = _share_pick(measure_share())
                         how = measured.MEASURED
                         measured.remember(path, key, mode, why)
                         log.info("tts_engine: W8A8/W4A8 calls share work by %s (%s)", mode, why)
@@ -456,6 +594,12 @@ def _choose_share() -> None:
         set_share(mode)
         _state["share_why"] = why
         measured.note("matmul share", mode, how, why)
+
+
+def _share_pick(t: dict[str, float]) -> tuple[str, str]:
+    """(mode, why) from `measure_share`'s times."""
+    return ("claim" if t["claim"] < t["split"] else "split",
+            f"claim {1e3 * t['claim']:.1f} ms vs split {1e3 * t['split']:.1f} ms per sweep")
 
 
 _share_lock = threading.RLock()

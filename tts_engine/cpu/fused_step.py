@@ -143,8 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         raise RuntimeError("fused_step.cpp and fused_step.py disagree on the plan's layout")
 
 
-# library(): the fused step's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
-library = cpu_ext.Beside(SOURCE, _declare)
+# library(): the one library (cpu_ext.library) with the fused step's functions declared; raises where it cannot run here
+library = cpu_ext.Beside(_declare)
 
 
 def bf16_matmul(w: torch.Tensor, x: torch.Tensor, isa: int | None = None) -> torch.Tensor:

@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -81,7 +80,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --- a batch in one call: each row with its own scale and zero point, the same bits as row by row ---------------
-ROWS_SOURCE = Path(cpu_ext.__file__).parent / "csrc" / "codec_int8_rows.cpp"
 
 
 def _declare(lib) -> None:
@@ -92,7 +90,7 @@ def _declare(lib) -> None:
     lib.ttsx_snake_isa.restype = I
 
 
-rows_library = cpu_ext.Beside(ROWS_SOURCE, _declare)
+rows_library = cpu_ext.Beside(_declare)
 _rows_state: dict = {}
 
 
@@ -100,6 +98,8 @@ def batched_available() -> bool:
     """Whether one call can convolve a batch with per-row scales here (our epilogue kernel builds and oneDNN's int8
     convolution exists); False for good after a failure."""
     if "ok" not in _rows_state:
+        if cpu_ext.building():
+            return False   # our kernels are being built in the background: asked again once they are loaded
         try:
             lib = rows_library() if available() else None
             _rows_state["isa"] = None if lib is None else int(lib.ttsx_snake_isa())

@@ -18,7 +18,9 @@ than the fastest is timed no more, and the rounds stop once one candidate is ahe
 the only one, and no time moved by more than STABLE in the last round), and the lower quartile over the weights
 is the candidate's time (includes everything the layer does per call: for W8A8 quantising the
 activation and scaling the result). A candidate that raises is left out (logged); if all do, the format's default
-stands. `TTS_KERNEL_TUNE=0` measures nothing and uses the defaults.
+stands. `TTS_KERNEL_TUNE=0` measures nothing and uses the defaults. At a bounded start (`deferred_trials`: a fresh
+machine answers its first request soon) only the 1-row bucket is timed at load; the 4-row bucket takes its shape's
+1-row winner and is timed while idle, for the next start.
 
 Formats (what a layer stores) and their candidates (how it multiplies); candidates of one format compute the same
 numbers up to float summation order:
@@ -58,6 +60,7 @@ from tts_engine import cache_paths
 from tts_engine.cpu import cpu_info
 from tts_engine.cpu import cpu_ext
 from tts_engine.cpu import measured
+from tts_engine.cpu import deferred_trials
 
 log = logging.getLogger("tts_engine")
 
@@ -373,6 +376,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     with torch.inference_mode(), (onednn_off() if rows <= 2 and f.act_dtype == torch.bfloat16
                                   else contextlib.nullcontext()):
         for r in range(ROUNDS * (2 if busy else 1)):
+            deferred_trials.check()   # (measured while idle: a request stops it)
             for i in range(copies):
                 for j, name in enumerate(names):   # candidates interleaved, each on a weight not read lately
                     k = (i + j * copies // len(names)) % copies
@@ -412,6 +416,7 @@ class KernelTable:
         self.key = key or machine_key()
         self.path = path or table_path(self.key)
         self.entries: dict[str, dict] = {}
+        self.guessed: dict[str, tuple] = {}   # entry key -> (fmt, N, K) whose 1-row winner stands in (`ensure`)
         self.measured_now = 0
         self._lock = threading.Lock()
         self._read()
@@ -445,13 +450,19 @@ class KernelTable:
 
     def ensure(self, fmt: str, shapes, buckets=ROW_BUCKETS) -> int:
         """Measure every (N, K) of `shapes` x `buckets` of `fmt` not in the table yet (one scratch buffer for all),
-        then save once. Returns how many were measured. Nothing is measured when tuning is off."""
+        then save once. Returns how many were measured. Nothing is measured when tuning is off. At a bounded start
+        (`deferred_trials.bounded`) the buckets above 1 row (batches of 3+ streams) are not timed now: each takes
+        its shape's 1-row winner (`guessed`, one log line) and is measured while idle, for the next start."""
         if not tuning_enabled():
             measured.note(TABLE_NAME, "each format's default", measured.forced_by(TUNE_ENV), f"{TUNE_ENV}=0")
             return 0
         with self._lock:
             todo = [(N, K, b) for N, K in dict.fromkeys(shapes) for b in buckets
                     if self.entry_key(fmt, N, K, b) not in self.entries]
+            if deferred_trials.bounded() and any(b > 1 for *_, b in todo):
+                later = [t for t in todo if t[2] > 1]
+                todo = [t for t in todo if t[2] == 1]
+                self._defer(fmt, later, guess_after=todo)
             if not todo:
                 if self.entries and not self.measured_now:
                     measured.note(TABLE_NAME, "the fastest per shape", measured.REMEMBERED,
@@ -460,6 +471,7 @@ class KernelTable:
             t0 = time.perf_counter()
             buf = scratch_buffer()
             for N, K, b in todo:
+                deferred_trials.mark_busy(frame=False)   # (no deferred trial runs beside these timings)
                 times = time_candidates(fmt, N, K, b, buf)
                 if not times:
                     log.warning("no %s kernel ran at %dx%d (%d rows); using %s", fmt, N, K, b, FORMATS[fmt].default)
@@ -475,9 +487,35 @@ class KernelTable:
                      time.perf_counter() - t0, self.path)
             return len(todo)
 
+    def _defer(self, fmt: str, later: list, guess_after: list) -> None:
+        """(Under the lock) the (N, K, bucket)s of `later` take their shape's 1-row winner until measured while idle
+        (`deferred_trials`); the 1-row entries of `guess_after` are measured first, by the caller."""
+        for N, K, b in later:
+            self.guessed[self.entry_key(fmt, N, K, b)] = (fmt, N, K)
+        log.info("tts_engine: %d %s kernel shapes of batches of 3+ streams take their 1-stream winner until measured "
+                 "while idle (%s=all measures them at start)", len(later), fmt, deferred_trials.ENV)
+
+        def measure():
+            buf = scratch_buffer()
+            return {(N, K, b): time_candidates(fmt, N, K, b, buf) for N, K, b in later}
+
+        def commit(got):
+            with self._lock:
+                for (N, K, b), times in got.items():
+                    self.entries[self.entry_key(fmt, N, K, b)] = {
+                        "winner": min(times, key=times.get) if times else None,
+                        "us": {n: round(t * 1e6, 2) for n, t in times.items()}, "load": round(load_average(), 2)}
+                self.save()
+
+        deferred_trials.defer(f"kernel table ({fmt}, {len(later)} shapes of 3+ rows)", measure, commit)
+
     def choice(self, fmt: str, N: int, K: int, rows: int = 1) -> str:
-        """The fastest candidate measured for this shape and rows; the format's default when unmeasured."""
-        e = self.lookup(fmt, N, K, rows)
+        """The fastest candidate measured for this shape and rows (a bucket deferred at a bounded start: the 1-row
+        winner of its shape); the format's default when unmeasured."""
+        key = self.entry_key(fmt, N, K, row_bucket(rows))
+        e = self.entries.get(key)
+        if e is None and key in self.guessed:
+            e = self.lookup(*self.guessed[key], 1)
         w = e.get("winner") if e else None
         return w if w in FORMATS[fmt].candidates else FORMATS[fmt].default
 
@@ -502,3 +540,6 @@ def kernel_table() -> KernelTable:
 
 def reset_kernel_table() -> None:
     _TABLE[0] = None
+
+
+cpu_ext.use_machine(key=machine_key, rotate_bytes=rotate_bytes, tuning=tuning_enabled, tune_env=TUNE_ENV)

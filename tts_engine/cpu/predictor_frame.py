@@ -79,8 +79,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fused_step.declare_profile(lib)
 
 
-# library(): the frame's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
-library = cpu_ext.Beside(SOURCE, _declare)
+# library(): the one library (cpu_ext.library) with the frame's functions declared; raises where it cannot run here
+library = cpu_ext.Beside(_declare)
 
 
 # predictor_frame.cpp FStage: the frame's stages (the last a count)

@@ -72,8 +72,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ttst_choose.restype = I
 
 
-# library(): the step's library (built on first use beside cpu_ext's kernels); raises where it cannot run here
-library = cpu_ext.Beside(SOURCE, _declare)
+# library(): the one library (cpu_ext.library) with the step's functions declared; raises where it cannot run here
+library = cpu_ext.Beside(_declare)
 
 
 def tag() -> str:

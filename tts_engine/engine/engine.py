@@ -190,6 +190,8 @@ class TTSEngine:
         self.worker.overlap_codec(overlap_codec, codec_threads)
         backend = self.runner.backend   # (the CPU backend chose the thread governor at attach)
         self.worker.govern_threads(getattr(backend, "governor", None), getattr(backend, "matmul_threads", None))
+        # our C++ library still building in the background: its fast paths at a later frame boundary
+        self.worker.between_frames = getattr(backend, "between_frames", None)
 
     def _govern_threads(self, on: bool) -> None:
         """Turn the CPU backend's thread governor on or off (benchmarks' A/B)."""

@@ -37,6 +37,7 @@ from collections import defaultdict
 import torch
 
 from tts_engine.errors import TTSError
+from tts_engine.cpu import deferred_trials
 from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
 from tts_engine.engine.codec_thread import CodecThread, decode_group
 from tts_engine.engine.model_runner import ModelRunner
@@ -68,6 +69,9 @@ class EngineWorker:
         self._split_frames: bool | None = None   # None: `split_frames` decides by the device
         self.frame = 0              # frames run so far (the shared clock that chunks are cut on)
         self.align_chunks = True    # later chunks cut on frames shared with other streams (the module's doc)
+        # poll(no_row_held) -> done, called in this engine's thread at each frame boundary until it says done
+        # (cpu_build.attach_later: the CPU fast paths, once our library's background build has loaded it)
+        self.between_frames = None
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -115,6 +119,7 @@ class EngineWorker:
     def _loop(self) -> None:
         while not self.stopping.is_set():
             if self.scheduler.idle():
+                self._between_frames()
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -123,6 +128,7 @@ class EngineWorker:
     def step(self) -> None:
         """One frame boundary for every sequence: the body of the worker thread's loop, and what a caller that
         drives the engine itself runs (`run_until_output`, `settle`)."""
+        self._between_frames()
         try:
             with torch.inference_mode():
                 self._step()
@@ -130,6 +136,10 @@ class EngineWorker:
             log.error("engine step failed:\n%s", traceback.format_exc())
             for seq in list(self.scheduler.running):
                 self._fail(seq, RuntimeError("internal engine error"))
+
+    def _between_frames(self) -> None:
+        if self.between_frames is not None and self.between_frames(not self.scheduler.running):
+            self.between_frames = None
 
     # --- driven by the caller, in the caller's thread (no worker thread) -------------------------------------
     def drive_in_caller(self) -> None:
@@ -199,6 +209,7 @@ class EngineWorker:
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if not active:
             return
+        deferred_trials.mark_busy()   # (trials deferred from the start wait for a quiet moment)
         n_active = len(active)
         busy = self.codec is not None and self.codec.busy
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@
 // which is what the row-by-row path gives (`y + add` after oneDNN's bf16/fp32 output). A flagged row (|F| >= 2^24
 // anywhere: its int32 sum did not survive fp32) is left to the caller, which decodes it row by row.
 // Layouts: F, y and add are time-major, [rows][L][C] (channels-last [rows, C, 1, L]).
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "cpu_ext.cpp"
 
 #pragma GCC push_options

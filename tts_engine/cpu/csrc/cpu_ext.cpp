@@ -1,5 +1,5 @@
-// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (tts_engine/model/cpu_ext.py
-// builds this file with g++ on first use and calls it through ctypes; torch is loaded first, so the OpenMP runtime
+// Fused W8A8 matmul for 1-4 (or more) activation rows on x86-64 CPUs with AVX-512 VNNI (part of the one library,
+// ttsx.cpp; tts_engine/cpu/cpu_ext.py calls it through ctypes; torch is loaded first, so the OpenMP runtime
 // and libtorch_cpu resolve to the process's own and at::parallel_for runs on torch's thread pool).
 //
 // One call per linear layer: y[m, n] = (sum_k xq[m, k] * q[n, k]) * amax[m] * scale127[n]
@@ -11,6 +11,7 @@
 //   128, i.e. q = 0). One 64-byte vector holds 4 consecutive k of 16 rows: vpdpbusd (u8 x s8 -> s32, 4 products per
 //   lane) multiplies it by 4 activation bytes broadcast to every lane, so a block is read as one sequential stream.
 //   sum_k (q + 128) * xq = sum_k q * xq + 128 * sum_k xq: the offset costs one subtraction per activation row.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,5 +1,5 @@
-// A fused decode step of a whole Qwen3 decoder stack on a CPU (tts_engine/model/fused_step.py builds this file with
-// g++ on first use, as cpu_ext.py builds cpu_ext.cpp, and calls it through ctypes).
+// A fused decode step of a whole Qwen3 decoder stack on a CPU (part of the one library, ttsx.cpp;
+// tts_engine/cpu/fused_step.py calls it through ctypes).
 //
 // One call runs every layer of a stack (the talker's 28, the code predictor's 5) and the final norm for M entries,
 // entry e being one new position pos[e] of cache row row[e] (rows decode one position each; the code predictor's
@@ -20,6 +20,7 @@
 // (entry, head) pairs the same way; the rest runs in the caller (run_stack). TEAM_CLAIM / TEAM_BARRIER: the whole
 // stack in one parallel region (run_team, below). All give the same numbers bit for bit.
 // Profile (ttsf_profile_set): per-stage times summed over calls (Stage); off, each stage costs one branch.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "cpu_ext.cpp"
 
 #include <memory>

@@ -1,5 +1,5 @@
-// The code predictor's whole frame in one call (tts_engine/model/predictor_frame.py builds this file with g++ on first
-// use, as fused_step.py builds fused_step.cpp, and calls it through ctypes).
+// The code predictor's whole frame in one call (part of the one library, ttsx.cpp; tts_engine/cpu/predictor_frame.py
+// calls it through ctypes).
 //
 // For B rows (talker hidden h [B, Dt], codebook-0 id c0 [B]) one call runs the 15 passes that
 // ModelRunner._predict_residuals runs from Python:
@@ -14,6 +14,7 @@
 // h, acc, facc and the activation rows x: xq, amax, xsum, gsum, xb, xf, grown here for the heads and the projection),
 // linear() (with its profile stage), run_stack<C>(), rms_norm_row(), bf16_to_f32(), R4, and cpu_ext.cpp's
 // f32_to_bf16, round_up, BLK, G4.
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "fused_step.cpp"
 
 namespace pframe {

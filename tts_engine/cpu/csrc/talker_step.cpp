@@ -1,5 +1,5 @@
-// The talker's whole per-frame step in one call (tts_engine/model/talker_step.py builds this file with g++ on first use,
-// as predictor_frame.py builds predictor_frame.cpp, and calls it through ctypes).
+// The talker's whole per-frame step in one call (part of the one library, ttsx.cpp; tts_engine/cpu/talker_step.py calls
+// it through ctypes).
 //
 // For B rows r[b] of the model runner (ModelRunner._advance from Python, computation for computation):
 //   x = sum of the 16 code embeddings of codes[b] (the frame table, fp32 sum in code order, rounded to the activation
@@ -19,6 +19,7 @@
 // What it uses of predictor_frame.cpp (keep in step when that file changes): pframe::RowParams, Facts, Work,
 // choose_row(), round_to(), load_act(), grow(); and of fused_step.cpp: Plan, Cache, Lin, Scratch, linear(), run_stack(),
 // rms_norm_row().
+#pragma once   // one translation unit includes every source once (ttsx.cpp)
 #include "predictor_frame.cpp"
 
 namespace tstep {
