@@ -567,7 +567,7 @@ def _choose_share() -> None:
         how = measured.forced_by(SHARE_ENV)
         try:
             if mode == "auto":
-                tune_env = _machine.get("tune_env", "TTS_KERNEL_TUNE")
+                tune_env = _machine.get("tune_env", "kernel tuning")
                 mode, why, how = "split", f"not measured ({tune_env}=0)", measured.forced_by(tune_env)
                 if torch.get_num_threads() < 2:
                     why, how = "one thread", measured.DEFAULT
