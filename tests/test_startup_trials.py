@@ -86,7 +86,8 @@ def test_every_wrapper_uses_the_one_library_built_once_per_process():
         assert wrapper() is lib
     name = cpu_ext.library_file()
     assert name.startswith("ttsx-") and cpu_ext.built() == cpu_ext.build_dirs()[0] / name
-    assert len(cpu_ext.builds) <= 1 and all(b.name == name for b in cpu_ext.builds)
+    # (other tests may build other sources or levels into their own folders: this library, at most once)
+    assert sum(b.name == name for b in cpu_ext.builds) <= 1, cpu_ext.builds
     for fn in ("ttsx_w8a8", "ttsf_stack_step", "ttsp_frame", "ttst_step", "ttsc_int8_epilogue"):
         assert hasattr(lib, fn), fn
     assert sorted(p.name for p in cpu_ext.LIBRARY.parent.glob("*.cpp")) == sorted(

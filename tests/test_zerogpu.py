@@ -315,3 +315,36 @@ def test_a_clone_is_its_own_gpu_call_and_returns_a_cpu_voice(tmp_path):
     finally:
         zerogpu._ENGINES.pop("base", None)
         eng.close()
+
+
+def test_each_worker_process_takes_the_gpu_paths_once_per_role(driven_engine, monkeypatch):
+    """A worker's first call asks the engine for its GPU paths (`TTSEngine.warm_gpu`), later calls in the same process
+    do not; another process (a fresh worker) asks again. Off a real GPU `warm_gpu` changes nothing."""
+    import os
+
+    from ui import zerogpu
+
+    before = driven_engine.paths()
+    asked = []
+    real = driven_engine.warm_gpu
+    monkeypatch.setattr(driven_engine, "warm_gpu", lambda: (asked.append(os.getpid()), real())[1])
+    monkeypatch.setattr(zerogpu, "_WARM", {})
+    kw = dict(voice="ryan", seed=2, max_new_tokens=4, first_chunk_frames=1)
+    for _ in range(2):
+        list(zerogpu.GPUCall("custom_voice", ["Hello."]).stream("Hello.", **kw))
+    assert asked == [os.getpid()]
+    monkeypatch.setitem(zerogpu._WARM, "custom_voice", -1)            # as if another worker had taken them
+    list(zerogpu.GPUCall("custom_voice", ["Hello."]).stream("Hello.", **kw))
+    assert asked == [os.getpid(), os.getpid()]
+    assert driven_engine.runner.graphs is None and driven_engine.paths()["frame"] == before["frame"]
+
+
+def test_zerogpu_loads_engines_without_fast_paths():
+    """The main process has only the package's stand-in device: no backend attach and no graphs at load."""
+    from ui.config import AppConfig
+    from ui import zerogpu
+
+    cfg = AppConfig()
+    zerogpu.configure(cfg)
+    kw = cfg.engine_kw()
+    assert kw["fast_paths"] is False and kw["use_cuda_graphs"] is False and kw["max_batch"] == 2

@@ -6,7 +6,9 @@
   made; the engine is driven by the caller (`TTSEngine.drive_in_caller`: the worker thread's own frame step, in
   the calling thread, no thread started). `GPUCall` is the main process's end: `Speaker` reads it like an engine.
 - The models are loaded at start-up, in the main process, on "cuda" (the package packs those tensors at launch and
-  restores them in each worker); CUDA graphs off (eager frames), two cache rows (one request and its next group).
+  restores them in each worker); at load no fast paths and no CUDA graphs (the main process has no real GPU); each
+  worker process takes them on its first call (`TTSEngine.warm_gpu`: the fused Triton frame, CUDA graphs captured
+  on first use of each bucket) and keeps them while it lives; two cache rows (one request and its next group).
 - Each call asks for GPU time (`duration`) computed from the request: the frames its text may take (capped by the
   maximum frames) times the measured time per frame, with a margin, plus the worker's start (`gpu_seconds`).
 - After launch the main process touches no model tensor: the CustomVoice speaker embeddings (blending) and the
@@ -111,6 +113,21 @@ def gpu_seconds(texts: list[str], max_new_tokens: int, per_frame_s: float | None
 # --- what runs in the ZeroGPU worker (forked: it sees the engines loaded at start-up) -------------------------
 
 _ENGINES: dict = {}        # role -> TTSEngine (driven by its caller), filled by `prepare` before launch
+_WARM: dict = {}           # role -> pid of the worker process whose engine took its GPU paths (`TTSEngine.warm_gpu`)
+
+
+def _warm(role: str, engine) -> None:
+    """Once per worker process and role: the engine's GPU paths (the fused Triton frame, CUDA graphs captured on
+    first use of each bucket), which exist only where the real GPU is, kept while the worker lives."""
+    if _WARM.get(role) == os.getpid():
+        return
+    _WARM[role] = os.getpid()
+    try:
+        paths = engine.warm_gpu()
+        log.info("ZeroGPU worker %d: %s frames: %s", os.getpid(), role,
+                 "; ".join(f"{k}: {v['path']}" for k, v in paths.items() if k in ("frame", "gpu frame")))
+    except Exception as e:   # never a failed call for it: the eager frame serves
+        log.warning("ZeroGPU worker %d: GPU paths not taken, eager frames: %s: %s", os.getpid(), type(e).__name__, e)
 
 
 def _generate_duration(role, texts, voices, options) -> int:
@@ -126,6 +143,7 @@ def gpu_generate(role: str, texts: list[str], voices: list, options: dict):
     from tts_engine import TTSError
 
     engine = _ENGINES[role]
+    _warm(role, engine)
     t0 = time.perf_counter()
     frames, opened = 0, []
 
@@ -367,10 +385,11 @@ class MainProcessEngine:
 # --- start-up and serving ------------------------------------------------------------------------------------
 
 def configure(cfg) -> None:
-    """The engine settings ZeroGPU needs (AppConfig, before the models are made): eager frames (no CUDA graphs,
-    no torch.compile), two cache rows (one request at a time per call, and its next sentence group)."""
+    """The engine settings ZeroGPU needs (AppConfig, before the models are made): no fast paths and no CUDA graphs at
+    load (the main process holds only the package's stand-in device; each worker takes them on its first call,
+    `_warm`), no torch.compile, two cache rows (one request at a time per call, and its next sentence group)."""
     cfg.eager = True
-    cfg.engine_options = {**cfg.engine_options, "max_batch": 2,
+    cfg.engine_options = {**cfg.engine_options, "fast_paths": False, "max_batch": 2,
                           "max_seq_len": min(4096, cfg.limits.max_new_tokens + 1024)}
     cfg.concurrency = cfg.concurrency or 4   # visitors served at once (each with its own GPU call)
 

@@ -238,6 +238,26 @@ class TTSEngine:
             "path": "cuda graphs", "how": "default",
             "why": f"{len(graphs.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s"}
 
+    def warm_gpu(self, graphs: bool = True) -> dict[str, dict[str, str]]:
+        """Take the GPU's fast paths in the process that serves, where they could not be taken at load: on ZeroGPU the
+        engine is loaded in the main process on the `spaces` package's stand-in device and the real GPU exists only
+        in the worker process of each `@spaces.GPU` call. On a real CUDA device this attaches the GPU backend
+        (`tts_engine.gpu`'s fused frame, where it compiles and agrees with eager) if no backend is attached yet and,
+        with `graphs`, serves frames through CUDA graphs captured on first use of each (batch, length) bucket and
+        kept while this process lives (a worker is reused by the next call). Elsewhere it changes nothing. Call it
+        between requests, in the thread that drives the engine. -> `paths()`."""
+        real_cuda = self.model.device.type == "cuda" and torch.backends.cuda.is_built() and torch.cuda.is_available()
+        if real_cuda:
+            if self.runner.backend is None:
+                from tts_engine.engine.backends import attach_backend
+
+                attach_backend(self.runner)
+            if graphs and self.runner.graphs is None:
+                from tts_engine.engine.cuda_graphs import GraphedFrames
+
+                self.start_graphs(GraphedFrames(self.runner), capture_now=False)
+        return self.paths()
+
     def paths(self) -> dict[str, dict[str, str]]:
         """What serves each part of a frame right now, and why: {part: {"path": what runs, "how": "measured now" |
         "remembered" | "default" | "forced by TTS_..." | "fell back" | "measuring", "why": one line}}.
