@@ -16,6 +16,8 @@ BENCHMARKS = {
               "same codes"),
     "census": ("bench.census", "kernel launches per frame of the GPU's path (counted on a CPU, or a CUDA replay "
                "profiled)"),
+    "gpu_frame": ("bench.gpu_frame", "the fused GPU frame against the eager frame: codes, ms per frame with and "
+                  "without CUDA graphs, launches (--interpret: a dry run on a CPU)"),
     "step": ("bench.step", "the per-frame step of two checkouts' model runners, interleaved (A/B)"),
     "talker_step": ("bench.talker_step", "the talker's step at one row: C++ step vs Python path, split into parts, "
                     "against the plain read"),

@@ -294,12 +294,12 @@ def test_a_frame_that_raises_is_served_eagerly_and_the_fused_frame_dropped(runne
 
 @torch.inference_mode()
 def test_launches_per_frame(runner):
-    """The fused frame's launch count (`python -m tts_engine.gpu.check` reports it on a GPU): per decoder layer 5
+    """The fused frame's launch count (`python -m bench gpu_frame` reports it on a GPU): per decoder layer 5
     Triton kernels (add+RMSNorm x2, q/k norm+RoPE+KV write, attention, SiLU*up) and 4 GEMMs; per predictor step one
     more norm, one head GEMM and one sampler; the talker step adds the frame embedding, its first norm, the codec head
     and its sampler; a few aten ops per frame prepare the predictor's input. The eager frame (fp32, CPU) is counted
     beside it."""
-    from tts_engine.gpu.check import count_launches
+    from bench.gpu_frame import count_launches
 
     prepare(runner, [0], greedy=True, seed=1)
     eager = count_launches(runner, 1)

@@ -347,6 +347,10 @@ class ModelRunner:
     # bench/ uses these, never the private methods above (tests/test_bench_public_api.py checks it); each calls the
     # internals in one line, so a change inside the runner changes only that line.
 
+    def set_params(self, row: int, params: SamplingParams) -> None:
+        """Give `row` these sampling settings (as `prefill` does), for a tool that fills a row's state itself."""
+        self._write_params(row, params)
+
     def step_scope(self, b: int):
         """The context a frame step of `b` rows runs in: the backend's (CPU: oneDNN off for 1-2 bf16 rows,
         `cpu.backend.aten_bf16_gemv`), else none; for a tool that runs a step's parts itself. (`rows_view`, above,

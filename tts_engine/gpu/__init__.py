@@ -9,7 +9,7 @@
   shapes and installs the fused frame, or leaves eager serving with one log line. Not yet called by the engine:
   `TTSEngine` would call it right after building its ModelRunner, before `start_graphs`.
 - `aot`: `python -m tts_engine.gpu.aot`: every kernel variant of the frame compiled for a GPU target without a GPU.
-- `check`: `python -m tts_engine.gpu.check`: the prepared run on a GPU (codes, ms per frame, graphs, launch counts).
+- `check`: `python -m bench gpu_frame`: the prepared run on a GPU (codes, ms per frame, graphs, launch counts).
 
 The counterpart of the CPU kernels in `tts_engine/model/` (cpu_ext, fused_step, predictor_frame, talker_step).
 """

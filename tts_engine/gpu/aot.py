@@ -56,10 +56,10 @@ def record_frame_launches(arch: str, dtype_name: str) -> list:
     """The launches of every op of the fused frame at `arch`'s shapes (CPU tensors, recorded, not run)."""
     import torch
 
-    from ..config import ModelConfig
-    from ..model.sampling import C0Processor, RowParams, SamplingParams
-    from ..tiny import tiny_config
-    from . import ops
+    from tts_engine.config import ModelConfig
+    from tts_engine.model.sampling import C0Processor, RowParams, SamplingParams
+    from tts_engine.tiny import tiny_config
+    from tts_engine.gpu import ops
 
     ids = {"text_vocab_size": 1000, "im_start_token_id": 1, "im_end_token_id": 2, "tts_pad_token_id": 3,
            "tts_bos_token_id": 4, "tts_eos_token_id": 5}

@@ -25,8 +25,8 @@ import os
 
 import torch
 
-from . import ops
-from .frame import FusedFrame
+from tts_engine.gpu import ops
+from tts_engine.gpu.frame import FusedFrame
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_GPU_FRAME"   # "auto" (default): on CUDA; "0" / "off": never
@@ -196,7 +196,7 @@ def check_kernels(runner, frame: FusedFrame) -> dict:
     pad = rnd(D)
     fe_args = (codes, frame.table, frame.offsets, trailing, tlen, pad, step, rows)
     same("frame_embed", ops.frame_embed(*fe_args, impl="eager"), ops.frame_embed(*fe_args, impl="triton"))
-    from ..model.sampling import RowParams, SamplingParams
+    from tts_engine.model.sampling import RowParams, SamplingParams
 
     rp = RowParams.stack([SamplingParams(do_sample=False, subtalker_dosample=False),
                           SamplingParams(seed=5, top_p=0.8, subtalker_top_p=0.8),
@@ -228,7 +228,7 @@ _STATE = ("pos", "step", "seen", "hidden", "c0", "max_new", "trailing_len")
 def frame_trial(runner, frame: FusedFrame) -> str:
     """One frame of row 0 from a random state, eager then fused (greedy, then seeded sampling with top-k / top-p),
     compared as the module docstring says; every tensor it touches is restored. Raises on a disagreement."""
-    from ..model.sampling import RowParams, SamplingParams
+    from tts_engine.model.sampling import RowParams, SamplingParams
 
     run = runner
     dev, dt = run.device, run.dtype

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from tts_engine.gpu import ops
 
 
 def _plain(m, what: str) -> nn.Linear:

@@ -17,11 +17,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..model.layers import apply_rope, rms_norm, rope_cos_sin, signed_sin
-from ..model.sampling import choose_residual
+from tts_engine.model.layers import apply_rope, rms_norm, rope_cos_sin, signed_sin
+from tts_engine.model.sampling import choose_residual
 
 try:
-    from . import kernels as K
+    from tts_engine.gpu import kernels as K
     IMPORT_ERROR = None
 except Exception as e:   # no triton (or a broken one): every op runs its reference
     K = None

@@ -1,4 +1,4 @@
-"""The fused GPU frame on a GPU, in one prepared call: `python -m tts_engine.gpu.check [--arch 0.6b] [--dtype bf16]`.
+"""The fused GPU frame on a GPU, in one prepared call: `python -m bench gpu_frame [--arch 0.6b] [--dtype bf16]`.
 
 On CUDA: a talker of the chosen architecture with random weights (the config of `tts_engine.tiny`, seed 0), a
 ModelRunner in the chosen dtype, `backend.attach` (its kernel checks and frame trial: the status is printed), then for
@@ -24,7 +24,7 @@ import time
 
 
 def _parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m tts_engine.gpu.check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench gpu_frame", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     ap.add_argument("--batches", default="1,4")
@@ -40,10 +40,10 @@ def _parse(argv):
 def build_runner(arch: str, dtype, device, rows: int, max_len: int):
     import torch
 
-    from ..config import ModelConfig
-    from ..engine.model_runner import ModelRunner
-    from ..model.talker import Talker
-    from ..tiny import tiny_config
+    from tts_engine.config import ModelConfig
+    from tts_engine.engine.model_runner import ModelRunner
+    from tts_engine.model.talker import Talker
+    from tts_engine.tiny import tiny_config
 
     ids = {"text_vocab_size": 1000, "im_start_token_id": 1, "im_end_token_id": 2, "tts_pad_token_id": 3,
            "tts_bos_token_id": 4, "tts_eos_token_id": 5}
@@ -63,11 +63,11 @@ STATE = ("pos", "step", "seen", "hidden", "c0", "max_new", "trailing_len")
 def prepare(run, B: int, prompt: int):
     import torch
 
-    from ..model.sampling import SamplingParams
+    from tts_engine.model.sampling import SamplingParams
 
     g = torch.Generator(device="cpu").manual_seed(B)
     for i in range(B):
-        run._write_params(i, SamplingParams(do_sample=False, subtalker_dosample=False))
+        run.set_params(i, SamplingParams(do_sample=False, subtalker_dosample=False))
         L = prompt + 3 * i
         for c in (run.cache.k, run.cache.v):
             c[:, i, :, :L] = torch.randn(c[:, i, :, :L].shape, generator=g).to(c.device, c.dtype)
@@ -115,7 +115,7 @@ def count_launches(run, B: int) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from . import ops
+    from tts_engine.gpu import ops
 
     skip = {"empty", "empty_strided", "empty_like", "view", "_unsafe_view", "as_strided", "alias", "detach",
             "lift_fresh", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice",
@@ -145,7 +145,7 @@ def graph_ms(run, B: int, n: int):
     """Capture `run.frame` for (B, its length bucket), replay n times -> (codes of the first replay, ms per replay)."""
     import torch
 
-    from ..engine.cuda_graphs import GraphedFrames
+    from tts_engine.engine.cuda_graphs import GraphedFrames
 
     gf = GraphedFrames(run)
     read_len = max(run.host_len[i] for i in range(B)) + 1
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"   # before tts_engine.gpu.kernels is imported
     import torch
 
-    from . import backend
+    from tts_engine.gpu import backend
 
     out: dict = {"arch": args.arch, "dtype": args.dtype}
     cuda = torch.cuda.is_available()
