@@ -24,16 +24,17 @@ step() {   # step NAME SECONDS COMMAND...: one time-boxed step, its output in $O
 }
 
 if [ "${DRY:-0}" = 1 ]; then
-  ARCH=tiny; BIG=tiny; FRAMES=8; BATCHES=1,4; CONC=1,4; INTERP=--interpret; DEV=(--device cpu)
+  ARCH=tiny; BIG=tiny; FRAMES=8; GF_FRAMES=2; BATCHES=1,4; CONC=1,4; INTERP=--interpret; DEV=(--device cpu)
 else
-  ARCH=0.6b; BIG=1.7b; FRAMES=250; BATCHES=1,4,64; CONC=1,4,16,64,128; INTERP=; DEV=()
+  ARCH=0.6b; BIG=1.7b; FRAMES=250; GF_FRAMES=32; BATCHES=1,4,64; CONC=1,4,16,64,128; INTERP=; DEV=()
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$log"
 fi
 $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" \
   | tee -a "$log"
 
 # 1. the fused frame against the eager frame: codes, ms per frame eager / fused / both as CUDA graphs, launches
-step gpu_frame 150 $PY -m bench gpu_frame --arch "$ARCH" --batches "$BATCHES" --graphs $INTERP --json "$OUT/gpu_frame.json"
+step gpu_frame 150 $PY -m bench gpu_frame --arch "$ARCH" --batches "$BATCHES" --frames "$GF_FRAMES" --graphs $INTERP \
+  --json "$OUT/gpu_frame.json"
 # 2. the kernel census: the CPU count of the GPU's frame beside the CUDA kernels of one captured replay
 step census 90 $PY -m bench census --arch "$ARCH" --batches "$BATCHES" --path both --gpu --json "$OUT/census.json"
 # 3. the engine's own check: CUDA graphs against eager buckets, greedy codes at batch 1 and 4
