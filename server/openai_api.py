@@ -23,6 +23,7 @@ import itertools
 import logging
 import re
 import threading
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -45,6 +46,8 @@ log = logging.getLogger("tts_server")
 DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)
 TASKS = {"customvoice": "custom_voice", "custom_voice": "custom_voice", "voicedesign": "voice_design",
          "voice_design": "voice_design", "base": "base"}
+ROLE_TASK = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}   # `task_type` names
+STARTED = int(time.time())   # `created` of /v1/models' entries
 
 
 def error_response(status: int, message: str, param=None, code=None, type_="invalid_request_error",
@@ -283,6 +286,36 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         finally:
             if not released:
                 slots.release(client)
+
+    @app.get("/health")
+    def health():
+        """As vLLM-Omni's server: 200 while the server serves. The body says which engines are loaded and how full
+        each one's queue is (load balancers read the status; people and dashboards the body)."""
+        out = {"status": "ok", "engines": {}}
+        if not isinstance(registry, EngineRegistry):      # a remote backend serves: this server only forwards
+            out["backend"] = "remote"
+            return out
+        for role, ckpt in registry.checkpoints.items():
+            if not ckpt:
+                continue
+            entry = {"model": ckpt, "loaded": registry.loaded(role)}
+            if entry["loaded"]:
+                engine = registry.get(role)
+                state = engine.load_state() if hasattr(engine, "load_state") else {}
+                entry.update(state, precision=engine.precision)
+                if state:
+                    entry["queue_full"] = state["waiting"] >= state["max_waiting"]
+            out["engines"][role] = entry
+        return out
+
+    @app.get("/v1/models")
+    def models():
+        """The models this server speaks with, as OpenAI's (and vLLM-Omni's) `GET /v1/models` lists them: one entry
+        per configured checkpoint, its id being what the `model` field of a speech request names."""
+        data = [{"id": ckpt, "object": "model", "created": STARTED, "owned_by": "qwen3-tts-live", "root": ckpt,
+                 "task_type": ROLE_TASK.get(role, role)}
+                for role, ckpt in getattr(registry, "checkpoints", {}).items() if ckpt]
+        return {"object": "list", "data": data}
 
     @app.get("/v1/audio/voices")
     def voices():

@@ -127,3 +127,34 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     while eng.scheduler.running and time.time() < deadline:
         time.sleep(0.02)
     assert not eng.scheduler.running and len(eng.scheduler.free_rows) == eng.max_batch
+
+
+def test_models_list_as_openai_clients_read_it(server):
+    """`GET /v1/models` (OpenAI's `client.models.list()`): one entry per configured checkpoint, its id the `model` a
+    speech request names."""
+    client, registry, _ = server
+    got = {m.id: m for m in client.models.list()}
+    assert set(got) == {c for c in registry.checkpoints.values() if c}
+    for role, ckpt in registry.checkpoints.items():
+        if ckpt:
+            assert got[ckpt].object == "model" and got[ckpt].owned_by == "qwen3-tts-live"
+    ckpt = registry.checkpoints["custom_voice"]
+    r = client.audio.speech.create(model=ckpt, voice="ryan", input="Named by its id.", response_format="pcm")
+    assert len(r.content) > 0
+
+
+def test_health_says_what_is_loaded_and_how_full_each_queue_is(server):
+    import json
+    import urllib.request
+
+    _, registry, port = server
+    registry.get("custom_voice")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        assert r.status == 200
+        body = json.loads(r.read())
+    assert body["status"] == "ok"
+    cv = body["engines"]["custom_voice"]
+    assert cv["loaded"] is True and cv["model"] == registry.checkpoints["custom_voice"]
+    assert cv["running"] == 0 and cv["waiting"] == 0 and cv["max_waiting"] >= 1 and cv["rows"] >= 1
+    assert cv["queue_full"] is False and cv["precision"]
+    assert set(body["engines"]) == {r for r, c in registry.checkpoints.items() if c}

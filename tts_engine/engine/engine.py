@@ -352,6 +352,11 @@ class TTSEngine:
         "" when the caller named the mode."""
         return self.model.quantize_why
 
+    def load_state(self) -> dict[str, int]:
+        """How full the engine is right now: {"running": requests holding a cache row, "waiting": queued requests,
+        "max_waiting": the queue's bound (beyond it `stream` raises EngineBusyError), "rows": cache rows}."""
+        return self.scheduler.counts()
+
     def speaker_id(self, speaker: str) -> int:
         """The codec-embedding row of a CustomVoice preset speaker (case-insensitive name); TTSError naming the
         speakers there are for an unknown one. Reads the config only: a cheap check of a name."""

@@ -119,6 +119,12 @@ class Scheduler:
         with self.lock:
             return not self.waiting and not self.running
 
+    def counts(self) -> dict[str, int]:
+        """{"running", "waiting", "max_waiting", "rows"}: how full this scheduler is right now."""
+        with self.lock:
+            return {"running": len(self.running), "waiting": len(self.waiting), "max_waiting": self.max_waiting,
+                    "rows": len(self.running) + len(self.free_rows)}
+
     def drain_waiting(self) -> list[Sequence]:
         with self.lock:
             out = list(self.waiting)
