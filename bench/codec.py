@@ -88,7 +88,7 @@ def main(argv=None) -> int:
              f"{a.rounds} interleaved rounds, median (best). {_load()} at the start."]
     if not a.skip_codec:
         decs = {}
-        for dt in (torch.float32, torch.bfloat16):        # every dtype x convolution path (codec/dtype_choice.py)
+        for dt in (torch.float32, torch.bfloat16):        # every dtype x convolution path (tts_engine/cpu/codec_dtype.py)
             for conv in a.conv_modes.split(","):
                 d = copy.deepcopy(dec).to(dt)
                 d.refresh_codebooks()

@@ -122,8 +122,8 @@ os.environ.setdefault("TTS_KERNEL_TUNE", "0")
 # Nor the codec decoder's dtype: a bf16 model keeps a bf16 decoder (tests/test_codec_dtype.py measures the choice in a
 # temporary cache folder). Timing a tiny decoder picks either dtype by noise.
 os.environ.setdefault("TTS_CODEC_DTYPE", "model")
-# Nor the fused decode step (model/fused_step.py) and with it the code predictor's frame in one call
-# (model/predictor_frame.py) and the talker's step in one call (model/talker_step.py): their trials (at engine load;
+# Nor the fused decode step (cpu/fused_step.py) and with it the code predictor's frame in one call
+# (cpu/predictor_frame.py) and the talker's step in one call (cpu/talker_step.py): their trials (at engine load;
 # no request sees them) would remember choices for the tiny stacks in the user's cache folder.
 # tests/test_fused_step.py, tests/test_predictor_frame.py and tests/test_talker_step.py set them per test (trial, on,
 # off) and check that the trials never change a request.

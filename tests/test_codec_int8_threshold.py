@@ -1,4 +1,4 @@
-"""From how many positions per row the codec decoder's int8 convs are used (`codec/int8_threshold.py`): chosen by
+"""From how many positions per row the codec decoder's int8 convs are used (`tts_engine/cpu/codec_int8_threshold.py`): chosen by
 timing the decoder with each candidate on the CPU at hand, remembered per machine, applied to every int8 conv
 (`Int8Conv.min_positions`), off with TTS_KERNEL_TUNE=0 (`int8_conv.MIN_POSITIONS` stays)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The per-frame OpenMP thread choice (`engine/threads.py`): the governor follows measured frame times (and
+"""The per-frame OpenMP thread choice (`tts_engine/cpu/threads.py`): the governor follows measured frame times (and
 explores the options it does not use, backing off while they keep losing), the "matmul" option runs only the linear
 layers with several threads, and an engine with the governor on gives the same codes as one without it."""
 from __future__ import annotations

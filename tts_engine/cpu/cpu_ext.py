@@ -700,7 +700,7 @@ def w4a8(x: torch.Tensor, packed4: torch.Tensor, N: int, path: int | None = None
     return y
 
 
-# === codec decoder: fused SnakeBeta (helper "codec", session 6; the end section of cpu_ext.cpp) ===================
+# === codec decoder: fused SnakeBeta (the end section of cpu_ext.cpp) ==============================================
 def snake(x: torch.Tensor, a: torch.Tensor, ib: torch.Tensor) -> torch.Tensor | None:
     """x + ib[c] * sin(x * a[c])^2 in one pass (tts_engine/codec/decoder.py SnakeBeta); x [B, C, L] fp32 or bf16,
     channel-major (contiguous) or time-major (channels-last strides); a, ib fp32 [C] (a = exp(alpha),

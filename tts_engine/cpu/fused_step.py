@@ -71,7 +71,7 @@ def team_setting() -> int:
     region, the threads claiming chunks of each matmul's output and of the attention's heads, a thread the OS takes
     away holding back no more than its chunk; "barrier": one parallel region, a fixed split and a barrier after each
     stage. All give the same numbers bit for bit. Split stays the default until the team modes are measured faster
-    on a quiet machine and not slower on a busy one (session 7: an engine A/B at load 8-10 had claim slower)."""
+    on a quiet machine and not slower on a busy one (an engine A/B under load had claim slower)."""
     v = os.environ.get(TEAM_ENV, "split").strip().lower()
     if v in ("0", "off", "no", "false"):
         v = "split"

@@ -119,8 +119,8 @@ MIN_POSITIONS = 128
 
 # Which way a call of several rows runs: "rows" (default) one oneDNN call per row, "auto" measures both per conv as the
 # decoder runs (`PathClock`), "batched" always one call for the batch (where it can run here). The default is "rows":
-# in the lead's quiet A/B of session 10 (Zen 4, four streams of 24 and 48 frames) "auto" came out 10-13 % behind the
-# previous main while "rows" matched it, though the codec alone spent 3-15 % less CPU batched (docs/benchmarks.md).
+# in a quiet A/B (Zen 4, four streams of 24 and 48 frames) "auto" came out 10-13 % behind "rows" in the engine, though
+# the codec alone spent 3-15 % less CPU batched (docs/bench-history.md).
 BATCH_ENV = "TTS_CODEC_INT8_BATCH"
 
 

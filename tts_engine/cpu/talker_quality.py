@@ -151,7 +151,7 @@ def teacher_forced_stepwise(talker, tts_pad: torch.Tensor, prompts: list[Prompt]
                             rows_per_call: int = 8) -> dict:
     """`teacher_forced`'s outputs, each position computed as the engine decodes it: the prompt in one pass, then
     one talker position per call, and the code predictor's first pass (2 positions) and 14 one-position passes for
-    `rows_per_call` frames at a time, so the calls that the fused CPU decode step serves (model/fused_step.py) take
+    `rows_per_call` frames at a time, so the calls that the fused CPU decode step serves (cpu/fused_step.py) take
     it. Same inputs and codes as `teacher_forced`."""
     w = talker.model.norm.weight
     dev, dtype = w.device, w.dtype

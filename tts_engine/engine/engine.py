@@ -96,13 +96,11 @@ class TTSStream:
 
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)
-# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True, "streams" or "auto"): on
-# since the packed codec (session 6): two quiet interleaved A/B runs (load 1.1-1.8, w8a8) measured on +29-30 % x real
-# time at one stream and +30-40 % audio s per wall s at four against off (docs/benchmarks.md, "Codec: packed oneDNN
-# convolutions..."); under heavy load (no free core) it measured slower. "auto" (measured per batch size as the engine
-# runs, engine/codec_choice.py; session 7) is not the default: under load 8-12 two interleaved A/Bs of 4 rounds gave
-# four-stream medians auto 0.49 / 0.27, on 0.43 / 0.37, "streams" 0.43 / 0.34 audio s per wall s (one stream: auto
-# 0.215 / 0.197, on 0.213 / 0.149 x real time), inside the noise; it needs a quiet machine's A/B
+# overlap_codec's default on a CPU with 2+ threads in 16-bit and quantised modes (False, True, "streams" or "auto"): on,
+# because on a quiet machine the codec thread measured +29-30 % x real time at one stream and +30-40 % audio s per wall
+# s at four streams against off (w8a8; docs/bench-history.md, "Codec: packed oneDNN convolutions..."). "auto"
+# (measured per batch size as the engine runs, cpu/codec_choice.py) is not the default: its A/Bs so far were taken
+# under load and came out inside the noise.
 OVERLAP_CODEC_CPU_DEFAULT = True
 
 
@@ -135,7 +133,7 @@ class TTSEngine:
         thread (`codec_threads` intra-op threads) while the next frames are generated (default: on a CPU
         `OVERLAP_CODEC_CPU_DEFAULT` in 16-bit and quantised modes where torch has 2+ threads, off in fp32, on a GPU
         or with one thread; "streams": only while two or more requests run; "auto": the codec thread or the
-        worker, whichever is measured cheaper for the batch size at hand, engine/codec_choice.py; docs/benchmarks.md
+        worker, whichever is measured cheaper for the batch size at hand, cpu/codec_choice.py; docs/bench-history.md
         has the A/B).
         compile_predictor: one-stream
         code-predictor passes through a compiled graph on a CPU (tts_engine/cpu/compiled_predictor.py; default:

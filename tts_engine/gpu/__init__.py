@@ -1,4 +1,4 @@
-"""Fused GPU kernels (Triton) for the per-frame step, and the fused frame built from them (issue 27).
+"""Fused GPU kernels (Triton) for the per-frame step, and the fused frame built from them.
 
 - `kernels`: the Triton kernels (imported only where triton is importable).
 - `ops`: one dispatcher per kernel: the Triton kernel on CUDA tensors (or on CPU tensors under Triton's interpreter,

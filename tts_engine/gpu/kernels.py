@@ -1,4 +1,4 @@
-"""Triton kernels of the fused GPU frame (issue 27). Raw kernels only: `ops` holds the launch wrappers, the eager
+"""Triton kernels of the fused GPU frame. Raw kernels only: `ops` holds the launch wrappers, the eager
 references and the dispatch between them.
 
 Numerics follow the eager code in `model/layers.py` and `model/sampling.py`:

@@ -1,5 +1,5 @@
 // The codec's int8 convolutions on a whole batch in one oneDNN call, each row with its own activation scale and
-// zero point (tts_engine/codec/int8_conv.py, "batched"): the rows are quantised one by one (ttsx_quant_u8, the same
+// zero point (tts_engine/cpu/int8_conv.py, "batched"): the rows are quantised one by one (ttsx_quant_u8, the same
 // bits as the row-by-row path), oneDNN sums the products of all rows in int32 with ONE zero point Z and gives them
 // as fp32 (scales 1, no bias), and this epilogue finishes each row as oneDNN's own epilogue does for a row alone:
 //   acc = F + (Z - zp_row) * sum_w[c]           (int32, exact; F is exact while |F| < 2^24, else the row is flagged)

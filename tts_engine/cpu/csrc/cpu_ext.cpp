@@ -1036,7 +1036,7 @@ int64_t ttsx_read_claim(const uint8_t* p, int64_t n) {
 }  // extern "C"
 
 // ==================================================================================================================
-// Codec decoder: fused SnakeBeta (helper "codec", session 6; tts_engine/codec/decoder.py SnakeBeta, fast path).
+// Codec decoder: fused SnakeBeta (tts_engine/codec/decoder.py SnakeBeta, fast path).
 //   y = x + ib[c] * sin(x * a[c])^2  with a = exp(alpha), ib = 1 / (exp(beta) + 1e-9) precomputed in fp32.
 // One pass instead of aten's five (mul, sin, pow, mul, add), computed in fp32, rounded once to x's dtype (fp32, or
 // bf16 to nearest even). sin^2 has period pi, so u = x * a is reduced to r = u - pi * round(u / pi) in
@@ -1290,7 +1290,7 @@ void quant256(const void* x, int is_bf16, int64_t i0, int64_t i1, float inv, flo
 }  // namespace
 
 // Dynamic per-tensor asymmetric uint8 quantisation of n dense values (bf16 or fp32) for the codec's int8
-// convolutions (tts_engine/codec/int8_conv.py): lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) / 255 (1 when
+// convolutions (tts_engine/cpu/int8_conv.py): lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) / 255 (1 when
 // hi == lo), zp = round(-lo / scale); q = clamp(round(x / scale) + zp, 0, 255). Two passes (min/max, then
 // quantise), split over threads with at::parallel_for. out[0] = scale, out[1] = zp (as float). isa: 2 the AVX-512
 // loops, 1 the AVX2 ones, 0 the scalar ones (the same bits on every path).
