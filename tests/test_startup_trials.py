@@ -452,7 +452,7 @@ def test_a_trial_disturbed_every_time_is_left_for_the_next_start(quiet_trials):
 
 
 def test_a_fresh_start_defers_the_codec_conv_choice_to_idle_time(quiet_trials, tmp_path, monkeypatch):
-    """No remembered codec choice (a fresh cache folder): the bf16 decoder serves on aten's convolutions at once,
+    """No remembered codec choice (a fresh cache folder): the bf16 decoder serves on its usual lossless path at once,
     nothing timed; the measurement runs later while idle and is remembered, so the next start reads it."""
     from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
     from tts_engine.cpu import codec_dtype
@@ -470,13 +470,14 @@ def test_a_fresh_start_defers_the_codec_conv_choice_to_idle_time(quiet_trials, t
     dec = CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"]))
     dec = dec.to(torch.bfloat16).eval()
     got = codec_dtype.choose(dec)
-    assert got is dec and dec.conv_mode == "aten" and timed == [] and not codec_dtype.cache_file().exists()
-    assert measured.made()["codec"]["path"] == "bf16 aten"
+    default = "packed" if codec_dtype.packed_conv.available() else "aten"   # the lossless path that usually wins
+    assert got is dec and dec.conv_mode == default and timed == [] and not codec_dtype.cache_file().exists()
+    assert measured.made()["codec"]["path"] == f"bf16 {default}"
     assert quiet_trials.pending() == ["codec conv choice"]
     assert quiet_trials.wait(120) and timed
     entry = json.loads(codec_dtype.cache_file().read_text())[codec_dtype.machine_key(dec)]
     assert entry["v"] == codec_dtype.ENTRY_VERSION and entry["ms_per_frame"]
-    assert dec.conv_mode == "aten"                                     # the serving decoder was not touched
+    assert dec.conv_mode == default                                    # the serving decoder was not touched
     timed.clear()
     codec_dtype.choose(CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"]))
                        .to(torch.bfloat16).eval())

@@ -186,13 +186,15 @@ def _note(dtype: str, conv: str, how: str, why: str) -> None:
 
 
 def _defer(dec, key: str, dtypes: list, convs: list):
-    """`dec` on aten's convolutions in the model's dtype (lossless, nothing measured) now; the measurement of `choose`
-    (int8 threshold, every candidate's timing, int8 quality) on a copy later, while no engine serves
-    (`deferred_trials`), remembered for the next start."""
-    dec.set_conv_mode("aten")
-    _note("bf16", "aten", measured.DEFAULT, "not measured here yet (measured when idle, used from the next start)")
-    log.info("codec decoder: bf16 on aten's convolutions until measured on this CPU (when idle, in the background; "
-             "%s=all measures at start)", deferred_trials.ENV)
+    """`dec` in the model's dtype on the lossless convolution path that usually wins (oneDNN's with the weights packed
+    once, where it runs here; else aten's), nothing measured now; the measurement of `choose` (int8 threshold, every
+    candidate's timing, int8 quality) on a copy later, while no engine serves (`deferred_trials`), remembered for the
+    next start."""
+    conv = "packed" if "packed" in convs else "aten"
+    dec.set_conv_mode(conv)
+    _note("bf16", conv, measured.DEFAULT, "not measured here yet (measured when idle, used from the next start)")
+    log.info("codec decoder: bf16 on %s convolutions until measured on this CPU (when idle, in the background; "
+             "%s=all measures at start)", conv, deferred_trials.ENV)
 
     def measure():
         d = copy.deepcopy(dec)
