@@ -29,9 +29,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
-from bench.common import ROOT, free_port
+from bench.common import ROOT, free_port, pct
 
 BYTES_PER_S = 24000 * 2            # pcm: int16 mono at 24 kHz
 UNDERRUN_MIN_S = 0.010             # a wait shorter than this is not heard as a gap
@@ -126,9 +124,6 @@ def run(base: str, clients: int, arrival: str, frames: int, voice: str | None, m
     first = [r["first_s"] for r in ok]
     xrt = [r["audio_s"] / r["wall_s"] for r in ok if r["wall_s"]]
     gaps = [g for r in ok for g in r["gaps"]]
-
-    def pct(xs, q):
-        return float(np.percentile(xs, q)) if xs else float("nan")
 
     return {"clients": clients, "arrival": arrival, "frames": frames, "ok": len(ok),
             "refused_or_failed": [{"i": r["i"], "status": r["status"], "error": (r["error"] or "")[:200]}
