@@ -61,7 +61,7 @@ def make_runner(folder, rows: int = 6, max_len: int = 64, dtype=torch.float32):
                        eos_id=cfg.codec_eos_token_id)
 
 
-STATE = ("pos", "step", "seen", "hidden", "c0", "max_new", "trailing_len")
+from bench.gpu_frame import STATE  # noqa: E402
 
 
 def prepare(run, rows: list[int], greedy: bool = True, seed: int = 0):
@@ -85,17 +85,7 @@ def prepare(run, rows: list[int], greedy: bool = True, seed: int = 0):
         run._set_trailing(i, torch.randn(int(torch.randint(0, 4, (1,), generator=g)), D, generator=g))
 
 
-def snapshot(run):
-    return {"k": run.cache.k.clone(), "v": run.cache.v.clone(), "host_len": list(run.host_len),
-            **{k: getattr(run, k).clone() for k in STATE}}
-
-
-def restore(run, s):
-    run.cache.k.copy_(s["k"])
-    run.cache.v.copy_(s["v"])
-    run.host_len[:] = s["host_len"]
-    for k in STATE:
-        getattr(run, k).copy_(s[k])
+from bench.gpu_frame import restore, snapshot  # noqa: E402  (the prepared GPU run's own state copies)
 
 
 def frames(run, rows: list[int], n: int):
