@@ -3,7 +3,7 @@
 `CpuBackend(...).attach(runner)` runs once, when the runner has allocated its state (`engine/backends.py` calls
 it for a runner on a CPU). In this order, each step falling back to the plain PyTorch path with one log line:
 
-  1. our C++ library(ies), built now if the cache folder lacks them (`build_libraries`: the one call of the build);
+  1. our one C++ library, loaded (built at install), else built now or in the background (`build_libraries`);
   2. 16-bit and quantised models: q/k/v and gate/up as one matmul each (`Talker.fuse_projections`; fp32 keeps the
      checkpoint's layout, for bit-for-bit parity with the official implementation);
   3. each decoder stack's decode step in one C++ call (`fused_step`), its trial run now;
@@ -59,17 +59,6 @@ def onednn_as_outside():
         return
     with onednn_on():
         yield
-
-
-def fused_step_may_serve(talker, dtype: torch.dtype) -> bool:
-    """Whether a fused step (the libraries that include cpu_ext.cpp) may serve this talker: bf16, W8A8, W4A8 — not
-    fp32 and not the weight-only int8 / int4 layouts."""
-    kinds = {type(m).__name__ for m in talker.model.layers.modules()}
-    if kinds & {"W8A8Linear", "W4A8Linear"}:
-        return True
-    if kinds & {"Int8Linear", "Int4Linear"}:
-        return False
-    return dtype != torch.float32
 
 
 def build_libraries() -> str:
