@@ -18,6 +18,8 @@ BENCHMARKS = {
                "profiled)"),
     "gpu_frame": ("bench.gpu_frame", "the fused GPU frame against the eager frame: codes, ms per frame with and "
                   "without CUDA graphs, launches (--interpret: a dry run on a CPU)"),
+    "zerogpu": ("bench.zerogpu", "one click in ZeroGPU mode as a GPU worker serves it: eager, the worker's first "
+                "click (warm_gpu), a second click; first audio after the grant, x real time"),
     "step": ("bench.step", "the per-frame step of two checkouts' model runners, interleaved (A/B)"),
     "talker_step": ("bench.talker_step", "the talker's step at one row: C++ step vs Python path, split into parts, "
                     "against the plain read"),

@@ -1,0 +1,95 @@
+"""`python -m bench zerogpu`: one click in ZeroGPU mode, as a GPU worker serves it.
+
+On ZeroGPU the engine is loaded in the main process with no fast paths and no CUDA graphs (`ui/zerogpu.configure`:
+`fast_paths=False`, two cache rows, caller-driven), and each `@spaces.GPU` worker takes the GPU's paths on its first
+call (`TTSEngine.warm_gpu`: the fused Triton frame, CUDA graphs captured on first use of each bucket). This benchmark
+loads the engine the same way in one process (standing in for the worker: the `spaces` package and its fork are not
+needed to time the GPU work) and times, from the moment the call would be granted the GPU:
+
+- an eager click (the engine as loaded, before `warm_gpu`: what every click cost before the worker took its paths);
+- the worker's first click (`warm_gpu` + bucket captures + the request);
+- a second click in the same worker (paths kept).
+
+Each: first audio after the grant, wall time, x real time (audio seconds / wall seconds). The random-weight checkpoint
+ignores end-of-speech, so every click is exactly --frames frames. On a CPU it runs (a dry run; `warm_gpu` changes
+nothing there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.common import TEXT, command, device_name, random_checkpoint, write_out
+from tts_engine.cpu.measured import describe
+from tts_engine.engine.engine import TTSEngine
+
+
+def click(engine: TTSEngine, frames: int, warm: bool) -> dict:
+    """One click: from the grant, (`warm_gpu` when `warm`, then) one streamed request of `frames` frames."""
+    t0 = time.perf_counter()
+    if warm:
+        engine.warm_gpu()
+    t_warm = time.perf_counter() - t0
+    s = engine.stream(TEXT, voice=engine.speakers[0], seed=0, max_new_tokens=frames + 1,
+                      sampling={"ignore_eos": True}, first_chunk_frames=2)
+    first, samples = None, 0
+    for chunk in s:
+        if first is None:
+            first = time.perf_counter() - t0
+        samples += len(chunk)
+    wall = time.perf_counter() - t0
+    audio = samples / engine.sample_rate
+    return {"first_audio_ms": 1000 * first, "wall_s": wall, "audio_s": audio, "xrt": audio / wall,
+            "warm_gpu_ms": 1000 * t_warm if warm else None, "frame": describe(engine.paths()["frame"]),
+            "gpu frame": describe(engine.paths()["gpu frame"]) if "gpu frame" in engine.paths() else "-"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench zerogpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default=None, choices=["tiny", "small", "0.6b", "1.7b"],
+                    help="random-weight architecture (default 0.6b on a GPU, tiny on a CPU)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--frames", type=int, default=100, help="frames per click (80 ms each)")
+    ap.add_argument("--eager-frames", type=int, default=16, help="frames of the eager click (0: skip it)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="append the table to this file")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    arch = a.arch or ("0.6b" if device.type == "cuda" else "tiny")
+    t0 = time.perf_counter()
+    engine = TTSEngine.from_pretrained(str(random_checkpoint(arch)), device=device, fast_paths=False, max_batch=2,
+                                       max_seq_len=a.frames + 1024, use_cuda_graphs=False)
+    load_s = time.perf_counter() - t0
+    engine.drive_in_caller()
+    rows = []
+    if a.eager_frames:
+        rows.append(("eager (as loaded)", click(engine, a.eager_frames, warm=False)))
+    rows.append(("worker's first click", click(engine, a.frames, warm=True)))
+    rows.append(("second click", click(engine, a.frames, warm=True)))
+    engine.close()
+    dev = device_name(device)
+    lines = [f"ZeroGPU mode, one click, {dev}: random-weight {arch}, {engine.precision}, loaded as on ZeroGPU "
+             f"(no fast paths, no graphs, 2 rows, caller-driven) in {load_s:.1f} s; times from the grant.",
+             "", f"Command: `{command('zerogpu', argv)}`", "",
+             "| click | frames | warm_gpu (ms) | first audio (ms) | wall (s) | x real time | frame | gpu frame |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        w = "-" if r["warm_gpu_ms"] is None else f"{r['warm_gpu_ms']:.0f}"
+        lines.append(f"| {name} | {round(r['audio_s'] * 12.5)} | {w} | {r['first_audio_ms']:.0f} | {r['wall_s']:.2f} "
+                     f"| {r['xrt']:.2f} | {r['frame']} | {r['gpu frame']} |")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        write_out(text, a.out, append=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": dev, "arch": arch, "load_s": load_s, "clicks": dict(rows)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
