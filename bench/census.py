@@ -69,6 +69,8 @@ def narrow_config(arch: str) -> dict:
 
 
 def build_runner(arch: str, rows: int, device: str = "cpu", dtype=torch.float32):
+    """A ModelRunner over the narrow architecture, with no backend attached (the plain frame; `_fused` adds the
+    GPU's fused frame)."""
     from tts_engine.config import ModelConfig
     from tts_engine.engine.model_runner import ModelRunner
     from tts_engine.model.talker import Talker
@@ -78,7 +80,8 @@ def build_runner(arch: str, rows: int, device: str = "cpu", dtype=torch.float32)
     talker = Talker(cfg.talker).to(device=device, dtype=dtype).eval()
     talker.build_frame_table()
     tts_pad = torch.zeros(cfg.talker.hidden_size, device=device, dtype=dtype)
-    return ModelRunner(talker, tts_pad, rows=rows, max_len=READ_LEN + 64, eos_id=cfg.talker.codec_eos_token_id)
+    return ModelRunner(talker, tts_pad, rows=rows, max_len=READ_LEN + 64, eos_id=cfg.talker.codec_eos_token_id,
+                       fast_paths=False)
 
 
 def gpu_launches() -> int:
@@ -99,16 +102,17 @@ def _fused(runner, on: bool):
         return
     from tts_engine.gpu import backend
 
-    entries = backend.attach(runner, force=True)
+    entries = backend.attach(runner, force=runner.device.type != "cuda")
     try:
         yield entries
     finally:
         backend.detach(runner)
 
 
-def count_cpu(arch: str, batch: int, fused: bool = False) -> dict:
-    """{"launches": N, "aten": N, "triton": N, "top": [(op, n), ...]} of one frame at `batch` rows."""
-    runner = build_runner(arch, rows=batch)
+def count_cpu(arch: str, batch: int, fused: bool = False, device: str = "cpu") -> dict:
+    """{"launches": N, "aten": N, "triton": N, "top": [(op, n), ...]} of one frame at `batch` rows, counted by the
+    dispatch counter (on `device`: "cuda" where a GPU is there, so the fused frame's kernels are the compiled ones)."""
+    runner = build_runner(arch, rows=batch, device=device)
     with torch.inference_mode(), _fused(runner, fused):
         runner.frame(batch, READ_LEN, general=True)   # warm-up: lazily built tables are not per-frame work
         try:
@@ -124,19 +128,20 @@ def count_cpu(arch: str, batch: int, fused: bool = False) -> dict:
     return {"launches": aten + triton, "aten": aten, "triton": triton, "top": counter.ops.most_common(12)}
 
 
-def count_gpu(arch: str, batch: int) -> dict:
-    """CUDA kernels of one replay of the captured frame (torch.profiler)."""
+def count_gpu(arch: str, batch: int, fused: bool = False) -> dict:
+    """CUDA kernels of one replay of the captured frame (torch.profiler), eager or fused."""
     from torch.profiler import ProfilerActivity, profile
 
     from tts_engine.engine.cuda_graphs import GraphedFrames
 
     runner = build_runner(arch, rows=batch, device="cuda", dtype=torch.bfloat16)
-    g = GraphedFrames(runner, batch_buckets=(batch,), len_step=READ_LEN)
-    graph, _, _ = g.capture(batch, READ_LEN)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+    with torch.inference_mode(), _fused(runner, fused):
+        g = GraphedFrames(runner, batch_buckets=(batch,), len_step=READ_LEN)
+        graph, _, _ = g.capture(batch, READ_LEN)
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     names = collections.Counter(e.name[:60] for e in kernels)
     return {"kernels": len(kernels), "top": names.most_common(12)}
@@ -148,10 +153,12 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,64")
     p.add_argument("--path", default="eager", choices=["eager", "fused", "both"],
                    help="the eager frame, the fused GPU frame (tts_engine.gpu, Triton interpreter on a CPU), or both")
-    p.add_argument("--gpu", action="store_true", help="also profile one captured replay on the GPU")
+    p.add_argument("--gpu", action="store_true", help="also profile one captured replay on the GPU (the dispatch "
+                   "count then runs on the GPU too)")
     p.add_argument("--json", help="write {path: {batch: counts}} here")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
+    on_gpu = a.gpu and torch.cuda.is_available()
     paths = ["eager", "fused"] if a.path == "both" else [a.path]
     out: dict = {"arch": a.arch, "read_len": READ_LEN, "counted": "non-view aten ops + Triton kernel calls, CPU"}
     print(f"Kernel census, {a.arch} (layer counts of the real model, narrow widths), one frame, read length "
@@ -161,10 +168,10 @@ def main(argv=None) -> int:
     for path in paths:
         out[path] = {}
         for b in batches:
-            c = count_cpu(a.arch, b, fused=path == "fused")
+            c = count_cpu(a.arch, b, fused=path == "fused", device="cuda" if on_gpu else "cpu")
             row = f"| {path} | {b} | {c['launches']} | {c['aten']} | {c['triton']} |"
-            if a.gpu and torch.cuda.is_available() and path == "eager":
-                gpu = count_gpu(a.arch, b)
+            if on_gpu:
+                gpu = count_gpu(a.arch, b, fused=path == "fused")
                 c["cuda_kernels"] = gpu["kernels"]
                 c["cuda_top"] = gpu["top"]
                 row += f" {gpu['kernels']} |"

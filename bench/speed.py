@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     ckpt = Path(a.model) if a.model else random_checkpoint(arch, a.kind)
     t0 = time.perf_counter()
     engine = TTSEngine.from_pretrained(str(ckpt), device=device, dtype=a.dtype, max_batch=max(conc),
+                                       max_waiting=max(64, max(conc)),
                                        max_seq_len=frames + 128, text_embedding_on_cpu=a.text_embedding_on_cpu,
                                        quantize=a.quantize, use_cuda_graphs=False if a.eager else None)
     load_s = time.perf_counter() - t0

@@ -214,7 +214,9 @@ def test_decode_attention(dtype, B, T, H, Hkv, hd, lens, splits):
     got = ops.decode_attention(q, kc, vc, rows, qpos, read_len, splits=splits)
     assert got.shape == (B, T, H * hd) and got.dtype == dtype
     if dtype == torch.float32:
-        close(got, want, dtype)
+        # against the float64 attention: on a GPU PyTorch's own fp32 attention (the eager path) may round through
+        # TF32 (1e-3 apart from float64, seen on an H200), while the kernel computes in fp32 throughout
+        close(got, exact.float(), dtype)
         return
     # bf16: PyTorch's attention rounds the probabilities to bf16 before the value product (as flash attention does);
     # the kernel keeps them in fp32 and rounds once: it must be within one bf16 rounding of the float64 attention of
