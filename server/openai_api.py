@@ -21,6 +21,7 @@ import base64
 import binascii
 import itertools
 import logging
+import random
 import re
 import threading
 import time
@@ -38,8 +39,9 @@ from server.body_limit import BodySizeLimit
 from serving.limits import Limits
 from serving.reference import prepare_reference, transcribe_reference
 from serving.registry import EngineRegistry
-from server.speech_request import APIError, SpeechRequest, check_request, model_role
+from server.speech_request import APIError, SpeechRequest, check_request, model_role, prepare_input
 from serving.speed import StreamStretcher, change_speed
+from serving.take_guard import SpokenTakes, TakeGuard
 from serving import voice_store
 
 log = logging.getLogger("tts_server")
@@ -108,6 +110,10 @@ SPEECH_HEADERS = {
                     "schema": {"type": "string"}},
     "X-Notice": {"description": "what the server changed about the request (a trimmed reference clip, a "
                                 "transcript written by Whisper), `; `-separated", "schema": {"type": "string"}},
+    "X-Take-Check": {"description": "the take guard's check of each part between pause tags, `; `-separated: "
+                                    "`pass` or `fail=runaway|too-short|transcript`, seed, seconds, bound_frames, cer, "
+                                    "takes (docs/text-and-takes.md); a stream says `streamed: ...` (not redone)",
+                     "schema": {"type": "string"}},
 }
 
 
@@ -119,6 +125,8 @@ def _headers(stream, notices: list[str], engine=None) -> dict:
         h["X-TTS-Paths"] = paths
     if notices:
         h["X-Notice"] = _ascii("; ".join(notices))
+    if hasattr(stream, "header"):
+        h["X-Take-Check"] = _ascii(stream.header())
     return h
 
 
@@ -140,6 +148,7 @@ def decode_ref_audio(s: str, limits: Limits) -> bytes:
 def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
     """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
     slots = ClientSlots(limits.max_per_client)
+    take_guard = TakeGuard.from_env()     # every take checked (serving/take_guard.py); requests adjust it
     if isinstance(registry, EngineRegistry):    # uploaded voices: POST / DELETE /v1/audio/voices
         voices_api.install(app, registry, limits)
     # base64 grows uploads by 4/3; leave room for the rest of the JSON body
@@ -236,10 +245,15 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             notices: list[str] = []
             voice = make_voice(role, engine, req, notices)
             extra = {"first_chunk_frames": req.initial_codec_chunk_frames} if req.initial_codec_chunk_frames else {}
-            stream = engine.stream(req.input, voice=voice, language=req.language or "auto",
-                                   instruct=req.instructions if engine.supports_instruct else None,
-                                   seed=req.seed, max_new_tokens=req.max_new_tokens or limits.max_new_tokens,
-                                   **extra)
+
+            def submit(text, seed, max_new):     # one take of one segment of the prepared input
+                return engine.stream(text, voice=voice, language=req.language or "auto",
+                                     instruct=req.instructions if engine.supports_instruct else None,
+                                     seed=seed, max_new_tokens=max_new, **extra)
+            stream = SpokenTakes(prepare_input(req), submit,
+                                 take_guard.with_options(retries=req.take_retries, best_of=req.best_of),
+                                 random.randrange(2**31) if req.seed is None else req.seed,
+                                 req.max_new_tokens or limits.max_new_tokens, req.language, streaming=req.stream)
             try:
                 first = next(stream)          # errors at the start still get a proper status code
             except StopIteration:

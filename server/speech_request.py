@@ -11,7 +11,9 @@ from typing import Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from server import audio_formats
+from serving import text_prep
 from serving.limits import Limits
+from serving.take_guard import MAX_BEST_OF, MAX_RETRIES
 from serving.speed import SPEED_MAX, SPEED_MIN
 
 SEED_MAX = 2**63 - 1
@@ -46,6 +48,11 @@ class SpeechRequest(BaseModel):
     max_new_tokens: int | None = None
     seed: int | None = None
     initial_codec_chunk_frames: int | None = None
+    # what the model reads and how takes are checked (serving/text_prep.py, serving/take_guard.py)
+    lexicon: dict[str, str] | None = None        # word or phrase -> respelling, over the server's dictionary
+    read_numbers: bool | None = None             # numbers, dates, times, currencies, abbreviations as words (True)
+    take_retries: int | None = None              # a failed take is redone this many times (server default: 2)
+    best_of: int | None = None                   # render N takes, keep the one with the lowest error
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
@@ -96,7 +103,22 @@ def check_request(req: SpeechRequest, limits: Limits) -> str:
             and not req.x_vector_only_mode:
         raise _bad("ref_text must be the non-empty transcript of ref_audio; leave it out (or set "
                    "x_vector_only_mode) to clone from the voice's timbre only", "ref_text")
+    if req.take_retries is not None and not 0 <= req.take_retries <= MAX_RETRIES:
+        raise _bad(f"take_retries must be between 0 and {MAX_RETRIES}, got {req.take_retries}", "take_retries")
+    if req.best_of is not None and not 1 <= req.best_of <= MAX_BEST_OF:
+        raise _bad(f"best_of must be between 1 and {MAX_BEST_OF}, got {req.best_of}", "best_of")
     return fmt
+
+
+def prepare_input(req: SpeechRequest) -> text_prep.Prepared:
+    """`input` as the model reads it: pause tags ([pause 0.5s], SSML <break time="500ms"/>), the server's and the
+    request's pronunciation dictionaries, numbers read out (unless `read_numbers` is false)."""
+    try:
+        lexicon = text_prep.Lexicon.merged(text_prep.server_lexicon(),
+                                           text_prep.parse_lexicon(req.lexicon, "lexicon"))
+        return text_prep.prepare(req.input, req.language, lexicon, req.read_numbers is not False, ssml=True)
+    except text_prep.TextPrepError as e:
+        raise _bad(str(e), e.param) from None
 
 
 GENERIC_MODELS = {"tts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "qwen3-tts"}

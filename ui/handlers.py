@@ -18,10 +18,12 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
+from serving import text_prep
 from serving.limits import Limits
 from serving.reference import prepare_reference
 from serving.registry import check_name
 from serving.speed import SPEED_MAX, SPEED_MIN, change_speed
+from serving.take_guard import MAX_BEST_OF, MAX_RETRIES, TakeGuard
 from tts_engine import EngineBusyError, TTSError
 from tts_engine.voices import blend as blendlib
 
@@ -161,6 +163,11 @@ class Handlers:
         self.models, self.voices, self.files, self.active = models, voices, files, active
         self.speaker, self.limits, self.c = speaker, limits, c
         self.live = live or LiveStreams()    # the page's own player: one PCM stream per click (live_player.py)
+        # every take checked (serving/take_guard.py); a session's /text_settings derive from it. Replace it to change
+        # the default or give it a transcriber: `app.take_guard = TakeGuard(transcriber=...)`
+        self.take_guard = TakeGuard.from_env()
+        self.text_takes: dict[str, tuple] = {}   # session -> (lexicon, read_out, TakeGuard) from /text_settings
+        self.design_takes: dict[str, tuple] = {}  # session -> the last Voice design take (for /keep_design)
 
     def status(self, stage: str, role: str | None = None, **kw) -> str:
         return status_line(stage, random_weights=self.models.is_random(role), lossy=self.models.lossy_label(role), **kw)
@@ -175,16 +182,20 @@ class Handlers:
         return out
 
     def _speak(self, role, engine, text, voice, language, instruct, seed, sampling, max_new, request,
-               note: str = "", extra_final: dict | None = None, sink=None, live_token: str = "", speed: float = 1.0):
+               note: str = "", extra_final: dict | None = None, sink=None, live_token: str = "", speed: float = 1.0,
+               on_done=None):
         """Stream one job through the shared generation loop (speak.Speaker.speak). The audio also goes, as it is
         generated, to `sink` (speak.Sink) or else to the page player's stream of `live_token` (made by the page for
         this click; empty: no live stream)."""
+        lexicon, read_out, take_guard = self.text_options(request)
         job = SpeechJob(text=text, voice=voice, language=language, instruct=instruct, seed=seed,
-                        sampling=sampling, max_new_tokens=max_new, speed=check_speed(speed))
+                        sampling=sampling, max_new_tokens=max_new, speed=check_speed(speed), lexicon=lexicon,
+                        read_out=read_out, guard=take_guard)
         if sink is None:
             sink = self.live.open(live_token, session_key(request), expected_seconds(text) / job.speed,
                                   chunks_s=first_chunks_s() if job.speed == 1.0 else None)
-        yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink)
+        yield from self.speaker.speak(role, engine, job, request, note=note, extra_final=extra_final, sink=sink,
+                                      on_done=on_done)
 
     def preset(self, text: str, voice: str, language: str = "auto", instruct: str = "", session: dict | None = None,
                seed: float | None = None, randomize: bool = True, temperature: float = 0.9, top_k: int = 50,
@@ -495,8 +506,109 @@ class Handlers:
         sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
         yield self.speaker.start("voice_design", seed)
         engine = self.models.engine("voice_design")
+        lexicon, read_out, _g = self.text_options(request)
+        spoken = text_prep.prepare(text, language, lexicon, read_out).spoken
+        key = session_key(request)
+
+        def keep_take(lines):     # the take /keep_design clones (the pauses between lines are not in it)
+            audio = np.concatenate([a for _line, a in lines]) if lines else np.zeros(0, np.int16)
+            self.design_takes.pop(key, None)
+            self.design_takes[key] = (audio, spoken, desc, seed, language, check_speed(speed))
+            while len(self.design_takes) > 1000:
+                self.design_takes.pop(next(iter(self.design_takes)))
+            return {}
         yield from self._speak("voice_design", engine, text, None, language, desc, seed, sampling, max_new, request,
-                               live_token=live_token, speed=speed)
+                               live_token=live_token, speed=speed, on_done=keep_take)
+
+    # --- text and takes (serving/text_prep.py, serving/take_guard.py; docs/text-and-takes.md) --------------------
+    def text_options(self, request=None) -> tuple:
+        """(dictionary, read numbers out, take guard) of this session: /text_settings' choices, else the defaults."""
+        got = self.text_takes.get(session_key(request))
+        return got if got is not None else (text_prep.server_lexicon(), True, self.take_guard)
+
+    def text_settings(self, lexicon=None, read_out: bool = True, take_mode: str = "redo", takes: float = 2,
+                      request: gr.Request = None):
+        """Set how this session's text is read and its takes checked (every tab, until changed).
+
+        Parameters:
+            lexicon: the pronunciation dictionary: rows [word or phrase, say it as], a {word: respelling} object, or lines `word = respelling`; a word with a capital letter matches only that spelling, an all-lowercase one any case
+            read_out: read numbers, dates, times, currencies and common abbreviations as words (languages num2words supports)
+            take_mode: "off" (no checks), "redo" (a failed take is redone with another seed) or "best" (render N takes, keep the best)
+            takes: "redo": how many times a failed take is redone (0-5); "best": N (1-5)
+        Returns:
+            the settings in one line
+        """
+        mode = (take_mode or "redo").strip().lower()
+        if mode not in ("off", "redo", "best"):
+            raise TTSError("the take mode must be off, redo or best")
+        try:
+            n = int(float(takes if takes not in (None, "") else 2))
+        except (TypeError, ValueError):
+            raise TTSError("the number of takes must be a whole number") from None
+        lx = text_prep.Lexicon.merged(text_prep.server_lexicon(),
+                                      text_prep.parse_lexicon(lexicon, "pronunciation dictionary"))
+        guard = self.take_guard.with_options(retries=n if mode == "redo" else 0,
+                                             best_of=max(1, n) if mode == "best" else 1, enabled=mode != "off")
+        key = session_key(request)
+        self.text_takes.pop(key, None)
+        self.text_takes[key] = (lx, bool(read_out), guard)
+        while len(self.text_takes) > 1000:
+            self.text_takes.pop(next(iter(self.text_takes)))
+        how = {"off": "takes not checked", "redo": f"failed takes redone up to {n}×",
+               "best": f"best of {max(1, n)} takes"}[mode]
+        return (f"{len(lx)} dictionary entries · numbers {'read out' if read_out else 'left as written'} · {how}")
+
+    def preview(self, text: str = "", language: str = "auto", request: gr.Request = None):
+        """The text as the model will read it: pause tags, this session's dictionary, numbers read out.
+
+        Parameters:
+            text: the text
+            language: "auto" or a language name
+        Returns:
+            the text the model reads
+        """
+        if not (text or "").strip():
+            return ""
+        lexicon, read_out, _g = self.text_options(request)
+        try:
+            return text_prep.prepare(text, language, lexicon, read_out).preview
+        except TTSError as e:
+            return f"⚠️ {e}"
+
+    def keep_design(self, voice_name: str = "My designed voice", file_format: str = "safetensors",
+                    session: dict | None = None, request: gr.Request = None):
+        """Keep the last Voice design take of this session as a reusable voice: cloned from its own audio with the
+        Base model (design, then clone), kept in this session as “my:<name>” and offered as a voice file, so the
+        same voice speaks every later text.
+
+        Parameters:
+            voice_name: name to keep the voice under
+            file_format: "safetensors" or "json"
+        Returns:
+            the voice file, status line
+        """
+        name = check_name(voice_name or "My designed voice")
+        take = self.design_takes.get(session_key(request))
+        if take is None or not len(take[0]):
+            raise TTSError("design a voice first (▶ Design and speak), then keep it")
+        if not self.models.has("base"):
+            raise TTSError("keeping a designed voice needs the Base model (it clones the take)")
+        audio, spoken, desc, seed, language, speed = take
+        engine = self.models.engine("base")
+        (wav, sr), notes = prepare_reference((audio.astype(np.float32) / 32767.0, SR), self.limits)
+        # in-context with the words the model read, when the whole take is the clip (and not stretched)
+        xvec = bool(notes) or speed != 1.0
+        voice = engine.clone_voice((wav, sr), ref_text=None if xvec else spoken, x_vector_only=xvec, name=name)
+        voice.meta.update({"checkpoint": self.models.roles["base"].checkpoint, "designed_from": desc,
+                           "design_seed": seed})
+        session = remember(session, name, voice)
+        path = self.files.save_voice(voice, name, file_format)
+        mode = "x-vector only: " + (notes[0] if notes else "the take was played at another speed") if xvec \
+            else "in-context"
+        return {self.c.keep_file: path, self.c.session: session,
+                self.c.status: (f"**Kept “{name}”** · designed from “{desc}” (seed {seed}), cloned with the Base "
+                                f"model ({mode}) · usable as “my:{name}” in every tab"),
+                **self._dropdowns(session)}
 
     def stop(self, request: gr.Request = None):
         """Stop this session's generation and free its place in the engine.

@@ -108,7 +108,27 @@ def _player_column(app, c, max_frames, default_frames):
                               label="Max length per sentence group (frames of 80 ms)")
         gr.Markdown("Long text is split at sentence boundaries and streamed in order, with the same voice and "
                     "seed for every part.")
+    _text_takes_box(c)
     history.build(app, c)
+
+
+def _text_takes_box(c):
+    """Pause tags, the session's pronunciation dictionary, numbers read out, the take guard (docs/text-and-takes.md)."""
+    with gr.Accordion("Text and takes: pauses, pronunciation, take checks", open=False):
+        gr.Markdown("Write `[pause 0.5s]` or `[pause 500ms]` in any text for exactly that silence. The dictionary "
+                    "respells whole words or phrases for this session (a word with a capital letter matches only "
+                    "that spelling).")
+        c.lexicon = gr.Dataframe(headers=["word or phrase", "say it as"], col_count=(2, "fixed"), row_count=(3, "dynamic"),
+                                 datatype=["str", "str"], type="array", interactive=True, label="Pronunciation dictionary",
+                                 elem_id="lexicon")
+        c.read_out = gr.Checkbox(True, label="Read numbers, dates, times, currencies and abbreviations as words")
+        with gr.Row():
+            c.take_mode = gr.Radio([("Off", "off"), ("Redo failed takes", "redo"), ("Best of N", "best")],
+                                   value="redo", label="Take check", scale=3)
+            c.takes = gr.Slider(0, 5, value=2, step=1, label="Redos / N", scale=2)
+        c.text_settings_note = gr.Markdown("", elem_id="text-settings")
+        c.preview = gr.Textbox("", label="What the model will read (last edited text)", lines=2, interactive=False,
+                               elem_id="text-preview")
 
 
 def _footer(models) -> str:
@@ -273,6 +293,12 @@ def _design_tab(c, langs, examples):
         c.d_text = gr.Textbox(label="Text", lines=3, value="Welcome. Let me tell you a story.")
         c.design_btn = gr.Button("▶ Design and speak", variant="primary", elem_id="design-generate",
                                  elem_classes=[lp.GENERATE_CLASS])
+        with gr.Row():   # design, then clone: the last take kept as a voice (Base model)
+            c.keep_name = gr.Textbox("My designed voice", label="Keep this voice as", max_lines=1, scale=3)
+            c.keep_format = gr.Radio(["safetensors", "json"], value="safetensors", label="Format", scale=2)
+            c.keep_btn = gr.Button("Keep the voice", elem_id="design-keep", scale=1)
+        c.keep_file = gr.File(label="Your designed voice (reusable in every tab as my:<name>)", interactive=False,
+                              height=120)
         ex = [[e["text"], e["description"]] for e in examples.get("design", [])]
         if ex:
             gr.Examples(ex, [c.d_text, c.d_desc], label="Examples")
@@ -316,6 +342,7 @@ def _wire(app, c):
     events.append(dialogue_tab.wire(app, c, live, common, gen_out))
     if app.models.has("voice_design"):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
+    _wire_text_takes(app, c, on)
     c.events = events
     c.stop_btn.click(app.stop, None, [c.status], cancels=events, api_name="stop", queue=False)
 
@@ -332,6 +359,26 @@ def _wire(app, c):
                                api_name=f"ui_slot_file_{i + 1}", **ui)
     c.p_voice.change(lambda v, s: gr.update(visible=app.voices.supports_instruct(v, s)), [c.p_voice, c.session],
                      [c.p_instruct], api_name="ui_instruct", **ui)
+
+
+def _wire_text_takes(app, c, on):
+    """The session's text and take settings (/text_settings), the preview of what the model reads, keep a design."""
+    ins = [c.lexicon, c.read_out, c.take_mode, c.takes]
+    for j, comp in enumerate(ins):
+        comp.change(guard(app.text_settings), ins, [c.text_settings_note], queue=False, show_progress="hidden",
+                    api_name="text_settings" if j == 0 else f"ui_text_settings_{j}",
+                    api_description=api_doc(app.text_settings), api_visibility="public" if j == 0 else "undocumented")
+    texts = [(c.p_text, c.p_lang), (getattr(c, "c_text", None), getattr(c, "c_lang", None)), (c.b_text, c.b_lang),
+             (getattr(c, "d_text", None), getattr(c, "d_lang", None))]
+    for j, (t, lang) in enumerate(x for x in texts if x[0] is not None):
+        t.change(guard(app.preview), [t, lang], [c.preview], api_name="preview" if j == 0 else f"ui_preview_{j}",
+                 api_description=api_doc(app.preview), queue=False, show_progress="hidden",
+                 api_visibility="public" if j == 0 else "undocumented")
+    if hasattr(c, "keep_btn") and app.models.has("base"):
+        on(c.keep_btn, app.keep_design, [c.keep_name, c.keep_format, c.session],
+           [c.keep_file, c.session, c.status, c.p_voice, *c.slot_voice], "keep_design")
+    elif hasattr(c, "keep_btn"):
+        c.keep_btn.visible = False
 
 
 def slot_visibility(c, n_voices) -> dict:

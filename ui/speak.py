@@ -21,7 +21,9 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from serving import text_prep
 from serving.speed import StreamStretcher
+from serving.take_guard import Redo, TakeGuard
 from tts_engine import EngineBusyError, chunk_schedule
 
 from ui.config import ROLE_LABEL, SENTENCE_PAUSE_S, SR
@@ -107,10 +109,15 @@ class SpeechJob:
     sampling: dict
     max_new_tokens: int
     speed: float = 1.0       # played this many times as fast, same pitch (one gapless stretch of the whole answer)
+    # what the model reads (serving/text_prep.py): the pronunciation dictionary, numbers etc. read out
+    lexicon: text_prep.Lexicon | None = None
+    read_out: bool = True
+    guard: TakeGuard | None = None   # every part's takes checked and redone (serving/take_guard.py); None: off
 
-    def stream(self, engine, text: str):
+    def stream(self, engine, text: str, seed: int | None = None, max_new_tokens: int | None = None):
         return engine.stream(text, voice=self.voice, language=self.language or "auto", instruct=self.instruct,
-                             seed=self.seed, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                             seed=self.seed if seed is None else seed, sampling=self.sampling,
+                             max_new_tokens=max_new_tokens or self.max_new_tokens,
                              first_chunk_frames=FIRST_CHUNK_FRAMES)
 
 
@@ -123,15 +130,28 @@ class Part:
     job: SpeechJob
     pause_s: float = 0.0
     line: int = 0
+    after_s: float = 0.0     # silence after it (a pause tag at the end of the text)
 
     def submit(self):
-        return self.job.stream(self.engine, self.text)
+        """The engine request of this part; with a take guard, its guarded takes (serving/take_guard.py)."""
+        g = self.job.guard
+        if g is None:
+            return self.job.stream(self.engine, self.text)
+        return g.stream(lambda seed, bound: self.job.stream(self.engine, self.text, seed, bound), self.text,
+                        self.job.seed, self.job.max_new_tokens, self.job.language)
 
 
 def sentence_parts(engine, job: SpeechJob, line: int = 0, pause_s: float = 0.0) -> list[Part]:
-    """`job.text` as sentence groups, `SENTENCE_PAUSE_S` apart (the first after `pause_s`)."""
-    return [Part(piece, engine, job, pause_s if k == 0 else SENTENCE_PAUSE_S, line)
-            for k, piece in enumerate(chunk_text(job.text))]
+    """`job.text` as the model reads it (pause tags, dictionary, numbers: serving/text_prep.py) in sentence groups,
+    `SENTENCE_PAUSE_S` apart or as a pause tag says (the first after `pause_s`, plus a leading tag's)."""
+    prep = text_prep.prepare(job.text, job.language, job.lexicon, job.read_out)
+    parts, gap = [], pause_s + prep.lead_s
+    for seg in prep.segments:
+        for k, piece in enumerate(chunk_text(seg.spoken)):
+            parts.append(Part(piece, engine, job, gap if k == 0 else SENTENCE_PAUSE_S, line))
+        gap = SENTENCE_PAUSE_S if seg.pause_s is None else seg.pause_s
+    parts[-1].after_s = prep.segments[-1].pause_s or 0.0
+    return parts
 
 
 class Speaker:
@@ -162,10 +182,10 @@ class Speaker:
             yield {self.c.status: self.status("Starting", seed=job.seed, role=role)}
 
     def speak(self, role: str, engine, job: SpeechJob, request=None, *, note: str = "",
-              extra_final: dict | None = None, sink: Sink | None = None) -> Iterator[dict]:
+              extra_final: dict | None = None, sink: Sink | None = None, on_done=None) -> Iterator[dict]:
         """Stream `job` (sentence group by sentence group) and end with the lossless WAV and the status."""
         yield from self.speak_parts(role, sentence_parts(engine, job), request, note=note, extra_final=extra_final,
-                                    sink=sink)
+                                    sink=sink, on_done=on_done)
 
     def speak_parts(self, role: str, pieces: list[Part], request=None, *, note: str = "",
                     extra_final: dict | None = None, sink: Sink | None = None,
@@ -213,18 +233,26 @@ class Speaker:
                     stopped = True
                     break
                 t_run = time.perf_counter()
-                if k > 0 and pieces[k].pause_s > 0:
+                if pieces[k].pause_s > 0:
                     pause = np.zeros(int(round(SR * pieces[k].pause_s)), np.float32)
                     gap = to_int16(stretch.push(pause) if stretch else pause)
                     update = emit(gap) if len(gap) else {}
                     if update:
                         yield update
                 spans.append((pieces[k].line, n, n))
+                take_at = (len(parts), n)         # where this part's take starts in the WAV (a redo replaces it)
                 made, first = 0, None             # this part's samples so far; (when, samples) of its first chunk
                 for chunk in stream:
                     if halted():                  # Stop came while this chunk was queued: no "Streaming" status
                         stopped = True            # may follow the stop's own (it would stay on the page)
                         break
+                    if isinstance(chunk, Redo):   # the take guard redoes this part: the WAV drops the failed take
+                        del parts[take_at[0]:]
+                        n = take_at[1]
+                        spans[-1] = (spans[-1][0], n, n)
+                        yield {c.status: self.status(f"Redoing part {k + 1}", seed=chunk.next_seed, role=role,
+                                                     note=f"take {chunk.failed.describe()}")}
+                        continue
                     made += len(chunk)
                     first = first or (time.perf_counter(), len(chunk))
                     if (ahead is None and k + 1 < len(pieces) and not busy and not halted()
@@ -258,6 +286,11 @@ class Speaker:
                     break
                 if ahead is None and k + 1 < len(pieces):
                     ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
+            if pieces[-1].after_s > 0 and not stopped:     # a pause tag at the very end
+                pause = np.zeros(int(round(SR * pieces[-1].after_s)), np.float32)
+                update = emit(to_int16(stretch.push(pause) if stretch else pause))
+                if update:
+                    yield update
             if stretch is not None and not stopped:
                 tail = to_int16(stretch.finish())     # what the stretcher still holds
                 update = emit(tail) if len(tail) else {}
@@ -269,6 +302,9 @@ class Speaker:
                 self.active.discard(session, s)
             if sink is not None:
                 sink.close()
+        checked = [(i, getattr(s, "summary", lambda: "")()) for i, s in enumerate(submitted)]
+        note = " · ".join(x for x in [note] + [f"part {i + 1} {t}" if len(pieces) > 1 else t
+                                                 for i, t in checked if t] if x)
         if stopped:
             note = " · ".join(x for x in (note, "stopped by the listener") if x)
         if n == 0:

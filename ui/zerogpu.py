@@ -30,6 +30,7 @@ try:
 except ImportError:   # not on a Space: the app runs as usual
     spaces = None
 
+import dataclasses
 import logging
 import math
 import os
@@ -39,8 +40,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from ui.speak import Speaker
-from ui.text import chunk_text
+from ui.speak import Speaker, sentence_parts
 
 log = logging.getLogger("qwen3_tts_live.zerogpu")
 
@@ -461,7 +461,9 @@ class ZeroGPUSpeaker(Speaker):
         return out
 
     def speak(self, role, engine, job, request=None, **kw):
-        yield from super().speak(role, GPUCall(role, chunk_text(job.text)), job, request, **kw)
+        job = dataclasses.replace(job, guard=None)   # one GPU call renders the click's parts: no takes redone
+        texts = [p.text for p in sentence_parts(None, job)]     # as the model reads them (serving/text_prep.py)
+        yield from super().speak(role, GPUCall(role, texts), job, request, **kw)
 
     def render_all(self, engine, jobs, request=None):
         call = GPUCall(engine.role, [j.text for j in jobs], [j.voice for j in jobs])
