@@ -100,9 +100,14 @@ class TakeCheck:
         return s + (10.0 if self.problem else 0.0)
 
     def describe(self) -> str:
-        what = {"runaway": f"runaway, cut at {self.seconds:.1f} s (bound {self.bound / FRAME_HZ:.1f} s)",
-                "too short": f"too short: {self.seconds:.1f} s for ~{self.expected_s:.1f} s of text",
-                "transcript": f"transcript off (CER {self.cer:.2f})"}.get(self.problem, "ok")
+        if self.problem == "runaway":
+            what = f"runaway, cut at {self.seconds:.1f} s (bound {self.bound / FRAME_HZ:.1f} s)"
+        elif self.problem == "too short":
+            what = f"too short: {self.seconds:.1f} s for ~{self.expected_s:.1f} s of text"
+        elif self.problem == "transcript":
+            what = f"transcript off (CER {self.cer:.2f})"
+        else:
+            what = "ok"
         if self.ok and self.cer is not None:
             what += f" (CER {self.cer:.2f})"
         if self.capped:

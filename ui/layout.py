@@ -118,7 +118,7 @@ def _text_takes_box(c):
         gr.Markdown("Write `[pause 0.5s]` or `[pause 500ms]` in any text for exactly that silence. The dictionary "
                     "respells whole words or phrases for this session (a word with a capital letter matches only "
                     "that spelling).")
-        c.lexicon = gr.Dataframe(headers=["word or phrase", "say it as"], col_count=(2, "fixed"), row_count=(3, "dynamic"),
+        c.lexicon = gr.Dataframe(headers=["word or phrase", "say it as"], column_count=2, column_limits=(2, 2), row_count=3,
                                  datatype=["str", "str"], type="array", interactive=True, label="Pronunciation dictionary",
                                  elem_id="lexicon")
         c.read_out = gr.Checkbox(True, label="Read numbers, dates, times, currencies and abbreviations as words")
