@@ -134,7 +134,8 @@ def _key_words(key: str) -> tuple[tuple[str, ...], str]:
 
 class Lexicon:
     """Whole words or phrases -> respellings, case-aware (see the module's docstring). Applied in one pass over the
-    text's words: at each word the longest key that starts there wins; a respelling is not looked up again."""
+    text's words: at each word the longest key that starts there wins; a respelling is not looked up again.
+    `merged` stacks dictionaries without rebuilding them (a request's few entries over the server's thousands)."""
 
     def __init__(self, entries: Mapping[str, str] | Iterable[tuple[str, str]] = (), source: str = "dictionary"):
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
@@ -142,9 +143,8 @@ class Lexicon:
             raise TextPrepError(f"the {source} has {len(items)} entries; the limit is {LEXICON_MAX_ENTRIES}",
                                 "lexicon")
         self.entries: dict[str, str] = {}
-        self._exact: dict[tuple[str, ...], list[tuple[str, str]]] = {}     # words -> [(tail, respelling)]
-        self._folded: dict[tuple[str, ...], list[tuple[str, str]]] = {}
-        self.max_words = 0
+        exact: dict[tuple[str, ...], list[tuple[str, str]]] = {}     # words -> [(punctuation tail, respelling)]
+        folded: dict[tuple[str, ...], list[tuple[str, str]]] = {}    # the same for all-lowercase keys, casefolded
         for k, v in items:
             k, v = ("" if k is None else str(k)).strip(), ("" if v is None else str(v)).strip()
             if not k and not v:
@@ -160,13 +160,16 @@ class Lexicon:
                 raise TextPrepError(f"{source}: {k!r} has no word to match", "lexicon")
             self.entries[k] = v
             if any(ch.isupper() for ch in k):
-                self._exact.setdefault(words, []).append((tail, v))
+                exact.setdefault(words, []).append((tail, v))
             else:
-                self._folded.setdefault(tuple(w.casefold() for w in words), []).append((tail, v))
-            self.max_words = max(self.max_words, len(words))
-        for d in (self._exact, self._folded):       # the longest punctuation tail is tried first
+                folded.setdefault(tuple(w.casefold() for w in words), []).append((tail, v))
+        for d in (exact, folded):       # the longest punctuation tail is tried first
             for opts in d.values():
                 opts.sort(key=lambda o: -len(o[0]))
+        # (exact, folded, first words of its phrases: exact, folded), most important first
+        self._tables = [(exact, folded, {w[0] for w in exact if len(w) > 1}, {w[0] for w in folded if len(w) > 1})] \
+            if self.entries else []
+        self.max_words = max((len(w) for d in (exact, folded) for w in d), default=0)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -177,34 +180,44 @@ class Lexicon:
     @classmethod
     def merged(cls, *lexicons: "Lexicon | None") -> "Lexicon":
         """One dictionary from several, the later ones winning on the same key."""
-        entries: dict[str, str] = {}
-        for lx in lexicons:
-            if lx:
-                entries.update(lx.entries)
-        return cls(entries) if len(entries) <= LEXICON_MAX_ENTRIES else cls(list(entries.items())[-LEXICON_MAX_ENTRIES:])
+        used = [lx for lx in lexicons if lx]
+        if len(used) == 1:
+            return used[0]
+        out = cls()
+        for lx in used:
+            out.entries.update(lx.entries)
+        out._tables = [t for lx in reversed(used) for t in lx._tables]
+        out.max_words = max((lx.max_words for lx in used), default=0)
+        return out
+
+    def _lookup(self, key, fkey, text: str, end: int):
+        for exact, folded, _fe, _ff in self._tables:
+            for opts in (exact.get(key), folded.get(fkey)):
+                for tail, resp in opts or ():
+                    if text.startswith(tail, end) and not (tail and text[end + len(tail):end + len(tail) + 1].isalnum()):
+                        return tail, resp
+        return None
 
     def apply(self, text: str) -> str:
-        if not self.entries or not text:
+        if not self._tables or not text:
             return text
         words = list(_WORD.finditer(text))
+        strs = [m.group(0) for m in words]
+        low = [w.casefold() for w in strs]
         out, pos, i, n = [], 0, 0, len(words)
         while i < n:
             hit = None
-            for k in range(min(self.max_words, n - i), 0, -1):
-                span = words[i:i + k]
+            longest = 1
+            if self.max_words > 1 and any(strs[i] in fe or low[i] in ff for _e, _f, fe, ff in self._tables):
+                longest = min(self.max_words, n - i)
+            for k in range(longest, 0, -1):
                 # a phrase's words are apart by whitespace only
-                if any(text[a.end():b.start()].strip() for a, b in zip(span, span[1:])):
+                if k > 1 and any(text[words[j].end():words[j + 1].start()].strip() for j in range(i, i + k - 1)):
                     continue
-                key = tuple(m.group(0) for m in span)
-                end = span[-1].end()
-                for opts in (self._exact.get(key), self._folded.get(tuple(w.casefold() for w in key))):
-                    for tail, resp in opts or ():
-                        if text.startswith(tail, end) and not (tail and text[end + len(tail):end + len(tail) + 1].isalnum()):
-                            hit = (span[0].start(), end + len(tail), resp, k)
-                            break
-                    if hit:
-                        break
-                if hit:
+                end = words[i + k - 1].end()
+                found = self._lookup(tuple(strs[i:i + k]), tuple(low[i:i + k]), text, end)
+                if found:
+                    hit = (words[i].start(), end + len(found[0]), found[1], k)
                     break
             if hit:
                 a, b, resp, k = hit
