@@ -22,6 +22,7 @@ from ui.config import ROOT, SENTENCE_PAUSE_S, SR, AppConfig
 from ui.handlers import guard
 from ui.text import chunk_text, split_sentences, to_int16
 from serving.limits import Limits
+from serving.text_prep import spoken_form
 from tts_engine import TTSError
 from tts_engine.tiny import make_tiny
 from tts_engine.voices import blend as B
@@ -152,7 +153,7 @@ def test_long_text_is_split_and_streamed_in_order_with_one_voice_and_seed(app, m
     monkeypatch.setattr(eng, "stream", rec)
     text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(12))
     outs = drain(app.preset(text, "aiden", "english", "", {}, seed=3, randomize=False, max_new_tokens=4))
-    pieces = chunk_text(text)
+    pieces = chunk_text(spoken_form(text, "english"))      # as the model reads them: numbers read out
     assert len(pieces) > 1 and [c["text"] for c in rec.calls] == pieces
     assert {c["seed"] for c in rec.calls} == {3} and {c["voice"] for c in rec.calls} == {"aiden"}
     assert f"part {len(pieces)}/{len(pieces)}" in outs[-1][app.c.status]
@@ -281,7 +282,7 @@ def test_a_full_queue_delays_the_next_group_instead_of_failing(app, monkeypatch)
         return orig(text, **kw)
     monkeypatch.setattr(eng, "stream", stream)
     text = " ".join(f"This is sentence number {i}, spoken in order." for i in range(8))
-    pieces = chunk_text(text)
+    pieces = chunk_text(spoken_form(text, "auto"))          # as the model reads them: numbers read out
     # (groups long enough that the second is tried while the first streams: after SUBMIT_NEXT_AFTER_S of it)
     outs = drain(app.preset(text, "ryan", "auto", "", {}, seed=2, randomize=False, max_new_tokens=20))
     assert calls[:3] == [pieces[0], pieces[1], pieces[1]] and calls[2:] == pieces[1:]

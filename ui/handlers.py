@@ -414,7 +414,9 @@ class Handlers:
         """
         c = self.c
         seed = check_seed(seed, randomize)
-        text = chunk_text(check_text(text, self.limits))[0]
+        lexicon, read_out, _g = self.text_options(request)     # the first sentence group, as the model reads it
+        text = chunk_text(text_prep.prepare(check_text(text, self.limits), language, lexicon, read_out)
+                          .segments[0].spoken)[0]
         sampling, max_new = check_sampling(temperature, top_k, top_p, repetition_penalty, max_new_tokens, self.limits)
         try:
             n = int(float(n_voices))
@@ -545,6 +547,11 @@ class Handlers:
             n = int(float(takes if takes not in (None, "") else 2))
         except (TypeError, ValueError):
             raise TTSError("the number of takes must be a whole number") from None
+        skipped = 0
+        if isinstance(lexicon, (list, tuple)):     # the page's table: a row still being typed is left out
+            rows = [[str(x or "").strip() for x in (list(r) + ["", ""])[:2]] for r in lexicon]
+            lexicon = [r for r in rows if all(r)]
+            skipped = sum(1 for r in rows if any(r) and not all(r))
         lx = text_prep.Lexicon.merged(text_prep.server_lexicon(),
                                       text_prep.parse_lexicon(lexicon, "pronunciation dictionary"))
         guard = self.take_guard.with_options(retries=n if mode == "redo" else 0,
@@ -556,7 +563,8 @@ class Handlers:
             self.text_takes.pop(next(iter(self.text_takes)))
         how = {"off": "takes not checked", "redo": f"failed takes redone up to {n}×",
                "best": f"best of {max(1, n)} takes"}[mode]
-        return (f"{len(lx)} dictionary entries · numbers {'read out' if read_out else 'left as written'} · {how}")
+        return (f"{len(lx)} dictionary entries · numbers {'read out' if read_out else 'left as written'} · {how}"
+                + (f" · {skipped} incomplete row(s) left out" if skipped else ""))
 
     def preview(self, text: str = "", language: str = "auto", request: gr.Request = None):
         """The text as the model will read it: pause tags, this session's dictionary, numbers read out.
