@@ -154,6 +154,18 @@ def test_dictionary_and_numbers_change_the_token_ids_not_the_text_shown(app, mon
         _drain(app.preset("Hi [pause 99s] there", "ryan", "english", "", {}, request=_req("tok")))
 
 
+def test_dialogue_lines_use_the_session_dictionary_and_pause_tags(app, monkeypatch):
+    tok = app.engine("custom_voice").model.tokenizer
+    seen, real = [], tok.assistant_ids
+    monkeypatch.setattr(tok, "assistant_ids", lambda text: seen.append(text) or real(text))
+    app.text_settings([["Qwen", "Kwen"]], True, "off", 0, request=_req("dlg"))
+    outs = _drain(app.dialogue("Ann: Qwen is 2 days old. [pause 0.5s] Really.\nBob: Hi.", voice_1="ryan",
+                               voice_2="aiden", pause=0.2, language="english", seed=1, randomize=False,
+                               request=_req("dlg")))
+    assert seen == ["Kwen is two days old.", "Really.", "Hi."]
+    assert outs[-1][app.c.final] is not None
+
+
 # --- pauses in the sound: the page's stream and WAV ------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["off", "redo"])

@@ -82,8 +82,10 @@ class DialogueHandler:
             if inst and not self.models.roles[role].supports_instruct:
                 inst = None
                 ignored.add(line.speaker)
+            lexicon, read_out, take_guard = self.text_options(request)    # the session's (docs/text-and-takes.md)
             job = SpeechJob(text=line.text, voice=voice, language=language, instruct=inst, seed=seed,
-                            sampling=sampling, max_new_tokens=max_new, speed=speed)
+                            sampling=sampling, max_new_tokens=max_new, speed=speed, lexicon=lexicon,
+                            read_out=read_out, guard=take_guard)
             parts += sentence_parts(self.models.engine(role), job, line=i, pause_s=pause_s if i else 0.0)
         first_role = cast[lines[0].speaker.lower()][0]
         notes = [f"{len(lines)} lines", " · ".join(f"{n} = {cast[n.lower()][2]} ({ROLE_LABEL[cast[n.lower()][0]]})"
