@@ -24,13 +24,19 @@ def app(tmp_path_factory):
           "base": str(make_tiny(d / "base", kind="base", size="0b6", seed=0))}
     a = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache", live_audio=True,
                          limits=Limits(max_text_chars=800, max_new_tokens=30, max_queue=16)))
-    a.build()
+    a.demo = a.build()
     yield a
     a.close()
 
 
 def _req(name="s"):
     return SimpleNamespace(session_hash=name)
+
+
+def test_the_page_offers_keep_text_settings_and_preview(app):
+    names = {getattr(fn, "api_name", None) for fn in app.demo.fns.values()}
+    assert {"keep_design", "text_settings", "preview", "design"} <= names
+    assert app.c.keep_btn is not None and app.c.lexicon is not None and app.c.preview is not None
 
 
 def test_keep_needs_a_design_take_first(app):

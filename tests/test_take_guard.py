@@ -59,6 +59,19 @@ def test_bound_and_checks():
     assert len({TakeGuard.next_seed(7, k) for k in range(4)}) == 4
 
 
+def test_the_servers_whisper_checks_takes_when_asked(asr_env, monkeypatch):
+    monkeypatch.setenv(tg.ASR_ENV, "1")
+    guard = TakeGuard.from_env()
+    assert guard.transcriber is asr_env.shared()
+    rng = np.random.default_rng(0)
+    c = guard.check((rng.standard_normal(30 * 1920) * 0.1).astype(np.float32), "Hello there, how are you?", 1, 500,
+                    30, language="english")
+    # a random tiny Whisper writes anything but the text: the transcript check runs and fails the take
+    assert c.cer is not None and c.transcript is not None and (c.problem == "transcript") == (c.cer > tg.MAX_CER)
+    monkeypatch.delenv(tg.ASR_ENV)
+    assert TakeGuard.from_env().transcriber is None
+
+
 # --- on an engine -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
