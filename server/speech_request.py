@@ -113,6 +113,10 @@ def check_request(req: SpeechRequest, limits: Limits) -> str:
 def prepare_input(req: SpeechRequest) -> text_prep.Prepared:
     """`input` as the model reads it: pause tags ([pause 0.5s], SSML <break time="500ms"/>), the server's and the
     request's pronunciation dictionaries, numbers read out (unless `read_numbers` is false)."""
+    if req.lexicon is not None and len(req.lexicon) > text_prep.REQUEST_LEXICON_MAX:
+        raise _bad(f"lexicon has {len(req.lexicon)} entries; a request's own is at most "
+                   f"{text_prep.REQUEST_LEXICON_MAX} (put a larger one in the server's file, TTS_LEXICON_FILE)",
+                   "lexicon")
     try:
         lexicon = text_prep.Lexicon.merged(text_prep.server_lexicon(),
                                            text_prep.parse_lexicon(req.lexicon, "lexicon"))

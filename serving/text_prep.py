@@ -38,6 +38,7 @@ log = logging.getLogger("tts_server")
 PAUSE_MAX_S = 10.0          # the longest pause a tag may ask for
 LEXICON_MAX_ENTRIES = 20000  # per dictionary (a request's, a session's, the server's file)
 LEXICON_MAX_CHARS = 200      # per key and per respelling
+REQUEST_LEXICON_MAX = 1000   # entries of one API request's own dictionary (the server's file holds the big one)
 LEXICON_ENV = "TTS_LEXICON_FILE"
 
 
@@ -394,6 +395,9 @@ _RX_CUR_PRE = re.compile(r"(?<!\w)([$€£¥₩₽])\s?(" + _NUM + r")(?![\d])")
 _RX_CUR_POST = re.compile(r"(?<![\w.,])(" + _NUM + r")\s?(€|£|\$|¥|" + "|".join(sorted(_CURRENCY_CODES)) + r")(?!\w)")
 _RX_PCT = re.compile(r"(?<![\w.,])(-?" + _NUM + r")\s?%")
 _RX_ORD_EN = re.compile(r"(?<![\w.,])(\d+)(st|nd|rd|th)\b", re.I)
+# "in 1999", "since 2024": a year after the words that usually introduce one (other 4-digit numbers are amounts)
+_RX_YEAR_EN = re.compile(r"\b((?:in|since|from|until|till|by|of|year|circa|around|before|after|during|early|late|"
+                         r"mid|summer|winter|spring|autumn|fall)\s+)(1[1-9]\d\d|20\d\d)(?![\w.,]\d)\b", re.I)
 _RX_NUM = re.compile(r"(?<![\w.,])(-(?=\d))?(" + _NUM + r")(?![\w])")
 
 
@@ -464,6 +468,7 @@ def read_numbers(text: str, lang: str) -> str:
     text = _RX_PCT.sub(pct, text)
     if lang == "en":
         text = _RX_ORD_EN.sub(lambda m: _n2w(int(m.group(1)), lang, "ordinal"), text)
+        text = _RX_YEAR_EN.sub(lambda m: m.group(1) + _n2w(int(m.group(2)), lang, "year"), text)
     return _RX_NUM.sub(num, text)
 
 

@@ -94,6 +94,8 @@ def test_numbers_dates_times_currencies_read_out_per_language():
     assert tp.spoken_form("I have 3 cats, MP3 files and COVID-19.", "auto") == \
         "I have three cats, MP3 files and COVID-nineteen."
     assert tp.spoken_form("I have 3 cats.", "english", read_out=False) == "I have 3 cats."
+    assert tp.spoken_form("In 1999 we had 1999 apples.", "english") == \
+        "In nineteen ninety-nine we had one thousand, nine hundred and ninety-nine apples."
     # the dictionary comes first: its respellings win over the number reading
     assert tp.spoken_form("Call 911 now", "english", tp.Lexicon({"911": "nine one one"})) == "Call nine one one now"
 
@@ -243,6 +245,9 @@ def test_api_lexicon_field_and_bad_entries(api):
     assert np.array_equal(a, b), "the respelling is what the model read"
     r = httpx.post(f"{api}/v1/audio/speech", json={**body, "lexicon": {"Qwen": ""}}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lexicon"
+    big = {f"w{i}": "x" for i in range(tp.REQUEST_LEXICON_MAX + 1)}
+    r = httpx.post(f"{api}/v1/audio/speech", json={**body, "lexicon": big}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lexicon" and "TTS_LEXICON_FILE" in r.text
     n1 = _pcm(httpx.post(f"{api}/v1/audio/speech", json={**body, "input": "3"}, timeout=120))
     n2 = _pcm(httpx.post(f"{api}/v1/audio/speech", json={**body, "input": "three"}, timeout=120))
     n3 = _pcm(httpx.post(f"{api}/v1/audio/speech", json={**body, "input": "3", "read_numbers": False}, timeout=120))
