@@ -166,6 +166,11 @@ def test_dialogue_lines_use_the_session_dictionary_and_pause_tags(app, monkeypat
                                request=_req("dlg")))
     assert seen == ["Kwen is two days old.", "Really.", "Hi."]
     assert outs[-1][app.c.final] is not None
+    # a tag that ends a line adds its silence to the pause before the next line: 0.2 s + 1 s of zeros, exactly
+    outs = _drain(app.dialogue("Ann: One. [pause 1s]\nBob: Two.", voice_1="ryan", voice_2="aiden", pause=0.2,
+                               language="english", seed=1, randomize=False, request=_req("dlg")))
+    live = [d[app.c.live][1] for d in outs if app.c.live in d]
+    assert [len(x) for x in live if len(x) and not x.any()] == [28800]
 
 
 # --- pauses in the sound: the page's stream and WAV ------------------------------------------------------------

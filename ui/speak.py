@@ -233,8 +233,9 @@ class Speaker:
                     stopped = True
                     break
                 t_run = time.perf_counter()
-                if pieces[k].pause_s > 0:
-                    pause = np.zeros(int(round(SR * pieces[k].pause_s)), np.float32)
+                gap_s = pieces[k].pause_s + (pieces[k - 1].after_s if k > 0 else 0.0)   # (a line's end tag)
+                if gap_s > 0:
+                    pause = np.zeros(int(round(SR * gap_s)), np.float32)
                     gap = to_int16(stretch.push(pause) if stretch else pause)
                     update = emit(gap) if len(gap) else {}
                     if update:
