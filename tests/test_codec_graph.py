@@ -16,6 +16,14 @@ from tts_engine.tiny import tiny_speech_tokenizer_config
 CHUNKS = (2, 4, 8, 4, 2, 4)   # a stream's chunk sizes: shapes repeat, so captured graphs are reused
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch, tmp_path):
+    """Each test its own cache folder: verdicts remembered by one test are not another's."""
+    from tts_engine import cache_paths
+
+    monkeypatch.setenv(cache_paths.ENV, str(tmp_path))
+
+
 def _dec():
     torch.manual_seed(0)
     return CodecDecoder(CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config()["decoder_config"])).eval()
@@ -86,3 +94,23 @@ def test_the_variable_turns_it_off_and_a_cpu_decoder_is_left_alone(monkeypatch):
     codes = torch.randint(0, dec.cfg.codebook_size, (1, 16, sum(CHUNKS)), generator=torch.Generator().manual_seed(4))
     _stream(dec, codes)
     assert graphs.shapes == {}                                                 # off: never captured
+
+
+def test_a_later_process_takes_the_remembered_verdict_without_a_trial(monkeypatch):
+    monkeypatch.delenv(codec_graph.ENV, raising=False)
+    dec = _dec()
+    codes = torch.randint(0, dec.cfg.codebook_size, (1, 16, sum(CHUNKS)), generator=torch.Generator().manual_seed(5))
+    want, _ = _stream(dec, codes)
+    first = codec_graph.CodecGraphs(dec, capture=False)
+    dec.fast_step = first
+    _stream(dec, codes)
+    kept = {k for k, g in first.shapes.items() if g is not None}
+    trials = []
+    real_trial = codec_graph.MeasuredChoice.trial
+    monkeypatch.setattr(codec_graph.MeasuredChoice, "trial", lambda *a, **k: trials.append(1) or real_trial(*a, **k))
+    later = codec_graph.CodecGraphs(dec, capture=False)   # a restart, or a ZeroGPU worker: same machine and code
+    dec.fast_step = later
+    got, _ = _stream(dec, codes)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert trials == [] and {k for k, g in later.shapes.items() if g is not None} == kept
+    assert later.record()["how"] == "remembered"

@@ -10,7 +10,9 @@ How a shape is served: on its first call it is captured into a static graph (inp
 so the caller's state objects stay their own) and the graph and the eager step are run on the same input through the
 one measured-choice mechanism (`cpu.measured.MeasuredChoice`): the graph serves that shape when it gives the eager
 step's audio and state (within the dtype's rounding) and is faster; otherwise, or when the capture raises, the eager
-step serves that shape, with one log line. At most MAX_SHAPES shapes are captured (then eager). Graphs share one
+step serves that shape, with one log line. The verdict is remembered per machine (GPU, versions, dtype, the codec's
+config, these sources, the shape): a later process (a restart, a ZeroGPU worker) captures without the trial. At
+most MAX_SHAPES shapes are captured (then eager). Graphs share one
 memory pool (they never run at once: a lock orders their use across the worker and codec threads).
 
 `TTS_CODEC_GRAPHS`: unset/auto (default) as above; 0/off: never (eager); 1/on: captured without the timing (still
@@ -19,13 +21,17 @@ start over.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
+from pathlib import Path
 
 import torch
 
-from tts_engine.cpu.measured import DEFAULT, FELL_BACK, MeasuredChoice, forced_by, note, setting
+from tts_engine.cpu.measured import (DEFAULT, FELL_BACK, MEASURED, REMEMBERED, MeasuredChoice, forced_by, note,
+                                     setting)
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_GRAPHS"
@@ -63,7 +69,7 @@ def _disagree(a, b) -> str | None:
 class _Graph:
     """One captured step of `decoder` for B rows x n frames: static codes and state in, static audio and state out."""
 
-    def __init__(self, decoder, state, n: int, pool, capture: bool = True):
+    def __init__(self, decoder, state, n: int, pool, capture: bool = True, warmups: int = 2):
         B = state.batch_size
         dev = state.pos.device
         self.decoder = decoder
@@ -75,7 +81,7 @@ class _Graph:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():   # warm-up: library handles, workspaces
-            for _ in range(2):
+            for _ in range(warmups):
                 decoder.decode_step_eager(self.codes, self.state_in.clone())
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
@@ -115,6 +121,7 @@ class CodecGraphs:
         self.mode = setting(ENV)
         self.shapes: dict[tuple[int, int], _Graph | None] = {}   # (B, n) -> graph, or None: eager for that shape
         self.whys: dict[tuple[int, int], str] = {}
+        self.hows: dict[tuple[int, int], str] = {}
         self.pool = None
         self.pid = os.getpid()
         self.lock = threading.RLock()
@@ -125,7 +132,7 @@ class CodecGraphs:
             return dec.decode_step_eager(codes, state)
         with self.lock:
             if self.pid != os.getpid():   # forked: the parent's graphs (if any) are not this process's
-                self.shapes, self.whys, self.pool, self.pid = {}, {}, None, os.getpid()
+                self.shapes, self.whys, self.hows, self.pool, self.pid = {}, {}, {}, None, os.getpid()
             key = (state.batch_size, codes.shape[-1])
             if key not in self.shapes:
                 return self._first(key, codes, state)
@@ -148,12 +155,20 @@ class CodecGraphs:
             self.shapes[key] = None
             self._why(key, DEFAULT, f"more than {MAX_SHAPES} shapes captured")
             return dec.decode_step_eager(codes, state)
-        choice = MeasuredChoice(f"codec graph {B}x{n}", (EAGER, GRAPH), env=ENV,
-                                label=f"codec CUDA graph ({B} rows x {n} frames)")
+        choice = MeasuredChoice(f"codec graph {B}x{n}", (EAGER, GRAPH), env=ENV, key=self._key(codes, B, n),
+                                folder="codec_graphs", label=f"codec CUDA graph ({B} rows x {n} frames)")
+        if self.mode == "auto" and choice.recall():
+            g = None
+            if choice.chosen == GRAPH:
+                try:
+                    g = _Graph(dec, state, n, self._pool(), self.capture, warmups=1)
+                except Exception as e:   # noqa: BLE001
+                    choice.fall_back(f"capture raised {type(e).__name__}: {e}")
+            self.shapes[key] = g
+            self._why(key, choice.record.how, choice.record.why)
+            return g.run(codes, state) if g is not None else dec.decode_step_eager(codes, state)
         try:
-            if self.pool is None and self.capture:
-                self.pool = torch.cuda.graph_pool_handle()
-            g = _Graph(dec, state, n, self.pool, self.capture)
+            g = _Graph(dec, state, n, self._pool(), self.capture)
         except Exception as e:   # noqa: BLE001 - a shape that cannot be captured is served eagerly
             choice.fall_back(f"capture raised {type(e).__name__}: {e}")
             g = None
@@ -184,8 +199,24 @@ class CodecGraphs:
         self._why(key, choice.record.how, choice.record.why)
         return g.run(codes, state) if chosen == GRAPH else dec.decode_step_eager(codes, state)
 
+    def _pool(self):
+        if self.pool is None and self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+    def _key(self, codes, B: int, n: int) -> dict:
+        """What a remembered verdict holds for: this GPU, the versions, the dtype, the codec, this code, the shape."""
+        here = Path(__file__).resolve()
+        src = here.read_bytes() + (here.parent.parent / "codec" / "decoder.py").read_bytes()
+        gpu = torch.cuda.get_device_name(codes.device) if codes.is_cuda else "cpu"
+        return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "dtype": str(self.decoder.pre_conv.conv.weight.dtype), "rows": B, "frames": n,
+                "codec": hashlib.sha1(json.dumps(vars(self.decoder.cfg), sort_keys=True, default=str).encode())
+                .hexdigest()[:12], "code": hashlib.sha1(src).hexdigest()[:12]}
+
     def _why(self, key, how: str, why: str) -> None:
         self.whys[key] = f"{key[0]}x{key[1]}: {why}" if why else f"{key[0]}x{key[1]}"
+        self.hows[key] = how
         rec = self.record()
         note("codec graphs", rec["path"], rec["how"], rec["why"])
 
@@ -199,7 +230,9 @@ class CodecGraphs:
         why = f"graphs for {', '.join(f'{b}x{n}' for b, n in graphed) or 'no shape yet'}"
         if eager:
             why += "; eager for " + "; ".join(self.whys[k] for k in eager)
-        how = forced_by(ENV) if self.mode == "on" else "measured now" if self.shapes else DEFAULT
+        hows = {self.hows.get(k) for k in self.shapes}
+        how = forced_by(ENV) if self.mode == "on" else REMEMBERED if hows == {REMEMBERED} else \
+            MEASURED if self.shapes else DEFAULT
         return {"path": path, "how": how, "why": why}
 
 
