@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -310,7 +311,7 @@ def worker_batch(ctx, anchor):
 
                 base = ctx.mem_reset()
                 lib.clear()
-                walls, out, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), b * n / wf)
+                walls, out, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), n / wf)
                 if not walls:
                     ctx.add(anchor.skipped_row(size, "batch", b, note))
                     continue
@@ -368,7 +369,7 @@ def worker_triton_batch(ctx, anchor):
 
                 base = ctx.mem_reset()
                 lib.clear()
-                walls, res, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), b * n / wf)
+                walls, res, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), n / wf)
                 if not walls:
                     ctx.add(anchor.skipped_row(size, "batch", b, note))
                     continue
@@ -599,6 +600,14 @@ def write(results, a):
     return md
 
 
+class Terminated(Exception):
+    pass
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     if a.worker:
@@ -626,44 +635,57 @@ def main(argv=None) -> int:
             "eos": "codec_head bias -1e4 at codec_eos_token_id (2150): exactly N frames per request",
             "rtf_definition": "audio seconds (N * 0.08 s) / median wall seconds, per stream"}
     results = {"meta": meta, "rows": [], "env": {}, "workers": []}
-    for model in a.models.split(","):
-        for engine in engines:
-            left = deadline - time.time()
-            if left < 25:
-                results["rows"].append({"engine": engine, "model": model, "mode": "worker",
-                                        "skipped": f"time budget before the worker started ({left:.0f}s left)"})
-                write(results, a)
-                continue
-            part = os.path.join(tempfile.gettempdir(), f"peers_gpu_{os.getpid()}_{engine}_{model}.json")
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            env.update(PYTHONPATH=engine_path(engine, site), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-            if not a.device.startswith("cuda"):
-                env["TRITON_INTERPRET"] = "1"      # the Triton kernels on CPU tensors (dry run)
-            print(f"\n### {engine} {model} (PYTHONPATH={env['PYTHONPATH']}) budget left {left:.0f}s", flush=True)
-            t0 = time.time()
-            try:
-                rc = subprocess.run(worker_cmd(a, engine, model, part, deadline), env=env, cwd=tempfile.gettempdir(),
-                                    timeout=max(30.0, left + KILL_GRACE_S)).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            wrec = {"engine": engine, "model": model, "rc": rc, "wall_s": round(time.time() - t0, 1)}
-            try:
-                d = json.loads(Path(part).read_text())
-                for r in d.get("rows", []):
-                    r.setdefault("engine", engine)
-                results["rows"].extend(d.get("rows", []))
-                results["env"][f"{engine} {model}"] = d.get("env", {})
-                os.remove(part)
-            except (OSError, ValueError) as e:
-                wrec["part_error"] = str(e)
-            if rc != 0:
-                results["rows"].append({"engine": engine, "model": model, "mode": "worker",
-                                        "error": f"worker exited rc={rc}; see the log above"})
-            results["workers"].append(wrec)
-            meta["total_wall_s"] = round(time.time() - t_start, 1)
-            meta["device_name"] = next((e.get("gpu") for e in results["env"].values() if e.get("gpu")), a.device)
+    plan = [(model, engine) for model in a.models.split(",") for engine in engines]
+    stopped = False
+    signal.signal(signal.SIGTERM, on_sigterm)     # `timeout` (bench/gpu_session.sh) ends the driver this way
+    for i, (model, engine) in enumerate(plan):
+        left = deadline - time.time()
+        if left < 25:
+            results["rows"].append({"engine": engine, "model": model, "mode": "worker",
+                                    "skipped": f"time budget before the worker started ({left:.0f}s left)"})
             write(results, a)
+            continue
+        part = os.path.join(tempfile.gettempdir(), f"peers_gpu_{os.getpid()}_{engine}_{model}.json")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(PYTHONPATH=engine_path(engine, site), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        if not a.device.startswith("cuda"):
+            env["TRITON_INTERPRET"] = "1"      # the Triton kernels on CPU tensors (dry run)
+        print(f"\n### {engine} {model} (PYTHONPATH={env['PYTHONPATH']}) budget left {left:.0f}s", flush=True)
+        t0 = time.time()
+        # a fair share of what is left, so that one slow engine cannot starve the ones after it (what an
+        # engine leaves unused goes to the next)
+        share = min(deadline, t0 + max(left / (len(plan) - i), 60.0))
+        proc = subprocess.Popen(worker_cmd(a, engine, model, part, share), env=env, cwd=tempfile.gettempdir())
+        try:
+            rc = proc.wait(timeout=max(30.0, share - t0 + KILL_GRACE_S))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except Terminated:
+            rc, stopped = "terminated (the driver got SIGTERM)", True
+        finally:
+            if proc.poll() is None:      # never leave a worker holding the GPU behind
+                proc.kill()
+                proc.wait()
+        wrec = {"engine": engine, "model": model, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+        try:
+            d = json.loads(Path(part).read_text())
+            for r in d.get("rows", []):
+                r.setdefault("engine", engine)
+            results["rows"].extend(d.get("rows", []))
+            results["env"][f"{engine} {model}"] = d.get("env", {})
+            os.remove(part)
+        except (OSError, ValueError) as e:
+            wrec["part_error"] = str(e)
+        if rc != 0:
+            results["rows"].append({"engine": engine, "model": model, "mode": "worker",
+                                    "error": f"worker exited rc={rc}; see the log above"})
+        results["workers"].append(wrec)
+        meta["total_wall_s"] = round(time.time() - t_start, 1)
+        meta["device_name"] = next((e.get("gpu") for e in results["env"].values() if e.get("gpu")), a.device)
+        write(results, a)
+        if stopped:
+            break
     md = write(results, a)
     print("\n" + markdown(results))
     print(f"wrote {a.out} and {md}")
@@ -675,7 +697,7 @@ def main(argv=None) -> int:
         print(f"dry run: {'ok' if ok else 'FAILED'} ({len(results['rows'])} rows; {len(bad)} failed, skipped or "
               f"short; engines without a measured row: {missing or 'none'})")
         return 0 if ok else 1
-    return 0
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":
