@@ -544,6 +544,7 @@ def parse(argv=None):
         a.batch_max_seq_len = min(a.batch_max_seq_len, 128)
         if a.out == "peers_gpu.json":
             a.out = os.path.join(tempfile.gettempdir(), "peers_gpu_dry.json")
+    a.anchor = os.path.abspath(a.anchor)      # the workers run in the temporary folder
     a.patch_range = None if a.patch_range == "all" else tuple(int(x) for x in a.patch_range.split(","))
     a.decode = a.decode and not a.dry_run
     return a
