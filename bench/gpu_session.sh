@@ -78,6 +78,16 @@ if [ -d .whl/faster ] && [ -d .whl/official ] && [ -f .whl/anchor_bench.py ]; th
 else
   echo "=== peers: skipped (no .whl/faster, .whl/official and .whl/anchor_bench.py carried)" | tee -a "$log"
 fi
+# 10. qwen3-tts-triton (one stream, generate_batch) and faster-qwen3-tts-batch at 1-64 streams, same random weights
+#     (bench/peers_gpu.py installs .whl/ itself; bench/gpu_wheels.sh fills it; skipped where it did not travel)
+if [ -d .whl/triton ] && [ -d .whl/batch ] && [ -d .whl/faster4 ] && [ -f .whl/anchor_bench.py ]; then
+  PG_S=210   # the driver's own budget: it ends its workers itself, inside the step's time box
+  if [ "$BUDGET_S" -gt 0 ] && [ $((BUDGET_S - SECONDS - 40)) -lt "$PG_S" ]; then PG_S=$((BUDGET_S - SECONDS - 40)); fi
+  if [ "${DRY:-0}" = 1 ]; then PG=(--dry-run --engines batch); else PG=(--models 0.6B --batches 1,4,16,64 --frames 128); fi
+  step peers_gpu 260 $PY -m bench peers_gpu "${PG[@]}" --budget-s "$PG_S" --out "$RES/peers_gpu.json"
+else
+  echo "=== peers_gpu: skipped (no .whl/triton, .whl/batch, .whl/faster4 and .whl/anchor_bench.py carried)" | tee -a "$log"
+fi
 nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv,noheader 2>/dev/null | tee -a "$log"
 echo "=== done $(date -u +%T) after $SECONDS s" | tee -a "$log"
 cp "$log" "$RES/" && tar czf "$OUT/results.tar.gz" -C "$OUT" results
