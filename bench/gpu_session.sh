@@ -70,7 +70,12 @@ step speed_one_big 90 $PY -m bench speed --arch "$BIG" --concurrency 1 --frames 
 [ "${DRY:-0}" = 1 ] || TTS_GPU_TEST_DEVICE=cuda step kernels 60 $PY -m pytest -q -x -p no:cacheprovider \
   tests/test_gpu_kernels.py
 # 9. peers on the same GPU, where their wheels travelled with the tree
-if [ -d .whl/faster ] && [ -d .whl/official ] && [ -f .whl/anchor_bench.py ]; then
+wanted() { [ "$STEPS" = all ] || [[ ",$STEPS," == *",$1,"* ]]; }
+if [ "${DRY:-0}" = 1 ]; then
+  echo "=== peers: skipped in a dry run (anchor_bench.py needs CUDA; peers_gpu below has a dry run)" | tee -a "$log"
+elif ! wanted peers; then
+  :
+elif [ -d .whl/faster ] && [ -d .whl/official ] && [ -f .whl/anchor_bench.py ]; then
   P="$PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target"
   $P /tmp/site-official .whl/official/*.whl .whl/common/*.whl && $P /tmp/site-faster .whl/faster/*.whl .whl/common/*.whl
   step peers 240 $PY .whl/anchor_bench.py --site-official /tmp/site-official \
