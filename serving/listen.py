@@ -772,7 +772,7 @@ def csv_text(test: ListenTest) -> str:
         elif d.kind == "abx":
             ok = a.answer == plan.answer_key
             correct += ok
-            row += [plan.answer_key, int(ok), correct, f"{abx_p_value(correct, k):.6g}"]
+            row += [plan.answer_key, int(ok), correct, repr(abx_p_value(correct, k))]
         else:
             by = {test.stimuli[plan.stimulus[lab]].name: v for lab, v in a.answer.items()}
             row += [by.get(n, "") for n in names]

@@ -427,8 +427,9 @@ def build(app, c, langs) -> None:
         with gr.Row():
             c.ls_kind = gr.Radio([("A/B preference", "ab"), ("ABX", "abx"), ("MUSHRA-style rating", "mushra")],
                                  value="abx", label="Kind of test", elem_id="ls-kind")
-            c.ls_trials = gr.Slider(ls.MIN_TRIALS, ls.MAX_TRIALS, value=5, step=1, label="Trials",
-                                    elem_id="ls-trials")
+            # (a Number without bounds: the handler's own check answers 0 or 21 with its message)
+            c.ls_trials = gr.Number(5, precision=0, label=f"Trials ({ls.MIN_TRIALS}-{ls.MAX_TRIALS}, one sentence "
+                                                          "each)", elem_id="ls-trials")
         with gr.Row():
             c.ls_factor = gr.Dropdown(FACTOR_CHOICES, value="voice", label="What varies", elem_id="ls-factor")
             c.ls_values = gr.Textbox(EXAMPLE_VALUES["voice"], label="Values, one per stimulus (comma-separated, 2-6)",
