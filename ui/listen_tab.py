@@ -87,7 +87,9 @@ class AppSource(ls.Source):
             if role == "voice_design":
                 continue
             own = (role, str(info.folder), True)
-            out[role] = out[info.checkpoint] = own
+            out[role] = own
+            if info.checkpoint not in out:     # (`--tiny` names every role's checkpoint "tiny": the role names it)
+                out[info.checkpoint] = own
             m = OFFICIAL.match(info.checkpoint)
             if m and not info.random:
                 other = "1.7B" if m.group(2) == "0.6B" else "0.6B"
@@ -323,6 +325,33 @@ def configs_from_form(factor: str, values: str, voice: str, language: str, refer
     return json.dumps(out, ensure_ascii=False)
 
 
+def factor_hint(app, factor: str) -> str:
+    """What the values of `factor` may be on this server."""
+    src = AppSource(app)
+    if factor == "model":
+        models = [m for m in src.models() if m not in ("custom_voice", "base")]
+        return "Models offered here: " + ", ".join(f"`{m}`" for m in models) + " (another model of the voice's kind " \
+               "loads for the test and is let go once the test is rendered)."
+    if factor == "precision":
+        gpu = _device(app).startswith("cuda")
+        modes = "fp32, bf16, fp16" if gpu else "fp32, bf16, int8, int4, w8a8, w4a8"
+        return (f"Precisions this device runs: {modes}. The app's own engines run "
+                f"{app.models.expected_precision() or 'remotely'}; any other loads as an extra engine for the test.")
+    if factor == "voice":
+        return "Voices: CustomVoice speakers (e.g. `ryan`), `preset:<id>` (Base preset clips), `uploaded:<name>`."
+    if factor == "blend":
+        return "Blend: the share (0-100 %) of the second voice mixed into the voice above (one checkpoint's voices)."
+    ranges = {"seed": "whole numbers 0 to 2147483647", "speed": f"{ls.SPEED_MIN}-{ls.SPEED_MAX} (pitch kept)",
+              "temperature": "0.05-2.0"}
+    return f"{factor.title()}: {ranges[factor]}."
+
+
+def example_values(app, factor: str) -> str:
+    if factor != "model":
+        return EXAMPLE_VALUES.get(factor, "")
+    return ", ".join(m for m in AppSource(app).models() if m not in ("custom_voice", "base"))
+
+
 def trial_html(test: ls.ListenTest, trial: int, files: dict[str, str]) -> str:
     """One trial: its sentence, a button per (hidden) label with its audio, the loop, and the answer controls."""
     d = test.definition
@@ -350,7 +379,7 @@ def trial_html(test: ls.ListenTest, trial: int, files: dict[str, str]) -> str:
                        f'<output id="ls-score-{lab}-v">50</output></div>' for lab in plan.rated)
     return (f'<style>{CSS}</style><div id="ls-trial" data-test="{test.id}" data-trial="{trial}" data-kind="{d.kind}">'
             f'<div class="ls-head">Trial <b>{trial}</b> of {d.trials} · “{html.escape(d.texts[trial - 1])}”</div>'
-            f'<div class="ls-buttons">{"".join(buttons)}<button id="ls-pause" class="ls-ctl">⏸ Pause</button></div>'
+            f'<div class="ls-buttons">{"".join(buttons)}<button id="ls-pause" class="ls-ctl">❚❚ Pause</button></div>'
             f'{"".join(audios)}'
             '<div class="ls-loop"><label><input type="checkbox" id="ls-loop-on"> Loop</label> from '
             '<input type="number" id="ls-loop-a" min="0" step="0.1" value="0"> to '
@@ -375,31 +404,35 @@ def plot_svg(r: dict) -> str:
         axis = "score"
     if not rows:
         return ""
-    bar, gap, left, top, h = 46, 34, 40, 16, 200
-    width = left + len(rows) * (bar + gap) + 10
+    slot, bar, left, top, h = 150, 56, 40, 22, 200
+    width = left + len(rows) * slot + 10
 
     def y(v: float) -> float:
         return top + h - max(0.0, min(100.0, v)) / 100 * h
 
-    parts = [f'<svg id="ls-plot-svg" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + h + 60}" '
-             f'role="img" aria-label="results"><text x="2" y="11" font-size="11">{axis}</text>']
+    parts = [f'<svg id="ls-plot-svg" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + h + 30}" '
+             f'role="img" aria-label="results" font-family="sans-serif"><text x="2" y="11" font-size="11">{axis}'
+             '</text>']
     for v in (0, 25, 50, 75, 100):
         parts.append(f'<line x1="{left - 4}" x2="{width}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e7eb"/>'
                      f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">{v}</text>')
-    if kind == "abx":
+    if kind == "abx":   # guessing
         parts.append(f'<line x1="{left}" x2="{width}" y1="{y(50):.1f}" y2="{y(50):.1f}" stroke="#ef4444" '
-                     'stroke-dasharray="4 3"/>')
+                     'stroke-dasharray="4 3"><title>chance (guessing)</title></line>')
     for k, (name, v, lo, hi) in enumerate(rows):
-        x = left + gap / 2 + k * (bar + gap)
+        cx = left + slot / 2 + k * slot
+        x = cx - bar / 2
         parts.append(f'<rect class="ls-bar" x="{x:.1f}" y="{y(v):.1f}" width="{bar}" height="{top + h - y(v):.1f}" '
                      f'fill="#6366f1"><title>{html.escape(name)}: {v:.1f}</title></rect>')
+        parts.append(f'<text x="{cx:.1f}" y="{top + h - 5}" font-size="11" fill="white" text-anchor="middle">'
+                     f'{v:.0f}</text>')
         if not (math.isnan(lo) or math.isnan(hi)):
-            cx = x + bar / 2
             parts.append(f'<path class="ls-interval" d="M{cx} {y(hi):.1f}V{y(lo):.1f}M{cx - 8} {y(hi):.1f}'
-                         f'h16M{cx - 8} {y(lo):.1f}h16" stroke="#111827" stroke-width="1.5" fill="none"/>')
-        label = html.escape(name if len(name) <= 22 else name[:21] + "…")
-        parts.append(f'<text x="{x + bar / 2:.1f}" y="{top + h + 14}" font-size="10" text-anchor="end" '
-                     f'transform="rotate(-25 {x + bar / 2:.1f} {top + h + 14})">{label}</text>')
+                         f'h16M{cx - 8} {y(lo):.1f}h16" stroke="#111827" stroke-width="1.5" fill="none">'
+                         f'<title>95 % interval {lo:.1f} – {hi:.1f}</title></path>')
+        label = html.escape(name if len(name) <= 24 else name[:23] + "…")
+        parts.append(f'<text x="{cx:.1f}" y="{top + h + 16}" font-size="10" text-anchor="middle">{label}'
+                     f'<title>{html.escape(name)}</title></text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -412,6 +445,9 @@ CSS = """
 .ls-stim.playing {background: #6366f1; color: white;} .ls-loop {margin: 8px 0; font-size: 0.9em;}
 .ls-loop input[type=number] {width: 5em;} .ls-rate {display: flex; align-items: center; gap: 8px;}
 .ls-rate input {flex: 1;} .ls-choice {margin-left: 12px;}
+#ls-trial input[type=radio], #ls-trial input[type=checkbox] {appearance: auto; -webkit-appearance: auto;
+  width: 1em; height: 1em; margin-right: 4px; vertical-align: middle;}
+#ls-trial input[type=range] {appearance: auto; -webkit-appearance: auto;}
 """
 
 
@@ -440,6 +476,7 @@ def build(app, c, langs) -> None:
             c.ls_blend_with = gr.Dropdown(choices, value=None, label="Second voice of a blend", visible=False,
                                           allow_custom_value=True, elem_id="ls-blend-with")
             c.ls_lang = gr.Dropdown(langs, value="auto", label="Language")
+        c.ls_hint = gr.Markdown(factor_hint(app, "voice"), elem_id="ls-hint")
         c.ls_reference = gr.Checkbox(False, label="The first value is the reference (MUSHRA: adds the hidden "
                                                   "reference and a 3.5 kHz low-pass anchor)")
         c.ls_text = gr.Textbox("", label="Sentences (one per trial, in turn; empty: built-in sentences)", lines=2,
@@ -467,9 +504,9 @@ def build(app, c, langs) -> None:
         c.ls_summary = gr.Markdown("", elem_id="ls-summary")
         c.ls_plot = gr.HTML("", elem_id="ls-plot")
         with gr.Row():
-            c.ls_csv = gr.File(label="Every answer (CSV)", interactive=False, elem_id="ls-csv")
+            c.ls_csv = gr.File(label="Every answer (CSV)", interactive=False, elem_id="ls-csv", height=120)
             c.ls_json = gr.File(label="The whole test (JSON: run it again with “Run a test someone exported”)",
-                                interactive=False, elem_id="ls-json")
+                                interactive=False, elem_id="ls-json", height=120)
 
 
 # `js=` of Submit: the answer is read from the trial's controls in the page
@@ -500,7 +537,7 @@ def load_js() -> str:
 def wire(app, c, on) -> None:
     """The API events (`on` from layout._wire: guarded, documented) and the page-only ones."""
     h = app.listen
-    ui = dict(show_progress="hidden", api_visibility="private")
+    ui = dict(show_progress="minimal", api_visibility="private")
     show_out = [c.ls_trial, c.ls_view, c.ls_submit, c.ls_progress, c.ls_summary, c.ls_csv, c.ls_json, c.ls_plot]
 
     def show(test_id):
@@ -525,8 +562,9 @@ def wire(app, c, on) -> None:
     for j, comp in enumerate(form):
         comp.change(configs_from_form, form, [c.ls_configs], api_name=f"ui_listen_configs_{j}", queue=False,
                     show_progress="hidden", api_visibility="undocumented")
-    c.ls_factor.change(lambda f: (gr.update(value=EXAMPLE_VALUES.get(f, "")), gr.update(visible=f == "blend")),
-                       [c.ls_factor], [c.ls_values, c.ls_blend_with], api_name="ui_listen_factor", queue=False,
+    c.ls_factor.change(lambda f: (gr.update(value=example_values(app, f)), gr.update(visible=f == "blend"),
+                                  factor_hint(app, f)),
+                       [c.ls_factor], [c.ls_values, c.ls_blend_with, c.ls_hint], api_name="ui_listen_factor", queue=False,
                        show_progress="hidden", api_visibility="undocumented")
     c.ls_kind.change(lambda k: gr.update(value=k == "mushra"), [c.ls_kind], [c.ls_reference],
                      api_name="ui_listen_kind", queue=False, show_progress="hidden", api_visibility="undocumented")
