@@ -323,21 +323,30 @@ class Definition:
     configs: list[dict]
     shuffle_seed: int
     language: str = "auto"
+    takes: list[dict] = field(default_factory=list)   # a test of a session's takes: what each was (no configs)
 
     @property
     def trials(self) -> int:
         return len(self.texts)
 
     @property
+    def sources(self) -> int:
+        """How many configurations (or takes) are compared."""
+        return len(self.takes) if self.takes else len(self.configs)
+
+    @property
     def reference(self) -> int | None:
-        """The index of the reference configuration (MUSHRA with a reference), else None."""
+        """The index of the reference configuration or take (MUSHRA with a reference), else None."""
         if self.kind != "mushra":
             return None
-        return next((i for i, c in enumerate(self.configs) if c.get("reference")), None)
+        return next((i for i, c in enumerate(self.takes or self.configs) if c.get("reference")), None)
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": 1, "kind": self.kind, "language": self.language, "texts": self.texts,
-                "configs": self.configs, "shuffle_seed": self.shuffle_seed}
+        d = {"format": FORMAT, "version": 1, "kind": self.kind, "language": self.language, "texts": self.texts,
+             "configs": self.configs, "shuffle_seed": self.shuffle_seed}
+        if self.takes:
+            d["takes"] = self.takes
+        return d
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Definition":
@@ -354,6 +363,9 @@ class Definition:
             d = d["definition"]
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise TTSError("this file is not a listening test exported by this app")
+        if d.get("takes"):
+            raise TTSError("this test compared takes of one browser session: their audio is not in the file, so it "
+                           "cannot be run again (its answers and results are); a test of rendered configurations can")
         texts = d.get("texts")
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise TTSError("the test definition has no list of texts")
@@ -429,7 +441,10 @@ def trial_seed(shuffle_seed: int, trial: int) -> int:
 
 
 def make_stimuli(d: Definition, factor: str) -> list[Stimulus]:
-    stimuli = [Stimulus(describe(c, factor), i) for i, c in enumerate(d.configs)]
+    if d.takes:
+        stimuli = [Stimulus(str(t.get("name") or f"take {i + 1}"), i) for i, t in enumerate(d.takes)]
+    else:
+        stimuli = [Stimulus(describe(c, factor), i) for i, c in enumerate(d.configs)]
     ref = d.reference
     if ref is not None:
         stimuli.append(Stimulus(f"hidden reference ({stimuli[ref].name})", ref, "hidden reference"))
@@ -441,7 +456,7 @@ def make_plan(d: Definition, stimuli: list[Stimulus]) -> list[TrialPlan]:
     """Each trial's labels, which stimulus each is, in an order shuffled by the trial's seed. A/B and ABX with
     more than two configurations go through the pairs in turn (their order shuffled by the test's seed)."""
     letters = "ABCDEFGH"
-    pairs = list(itertools.combinations(range(len(d.configs)), 2))
+    pairs = list(itertools.combinations(range(d.sources), 2))
     random.Random(f"{d.shuffle_seed}:pairs").shuffle(pairs)
     plans = []
     for t in range(1, d.trials + 1):
@@ -488,15 +503,16 @@ class Source:
     """The app's side of a listening test (ui/listen_tab.py implements it): the default configuration, a check of a
     filled configuration that loads nothing (TTSError for an unknown voice or model, a precision the device cannot
     hold), and `open`, which resolves it into a `Target` (loading an extra engine from `pool` for `owner` where
-    the app's own engines do not run that model or precision)."""
+    the app's own engines do not run that model or precision). `ctx`: what the app passes along (the page's
+    session, whose own voices a test may use)."""
 
     def defaults(self) -> dict:
         raise NotImplementedError
 
-    def check(self, cfg: dict) -> None:
+    def check(self, cfg: dict, ctx=None) -> None:
         raise NotImplementedError
 
-    def open(self, cfg: dict, pool: "EnginePool", owner: str) -> Target:
+    def open(self, cfg: dict, pool: "EnginePool", owner: str, ctx=None) -> Target:
         raise NotImplementedError
 
 
@@ -574,6 +590,7 @@ class ListenTest:
     files: dict[int, dict[str, str]] = field(default_factory=dict)     # trial -> label -> WAV path
     gains: dict[int, dict[str, float]] = field(default_factory=dict)   # trial -> stimulus name -> dB
     loudness: dict[int, float] = field(default_factory=dict)           # trial -> the matched LUFS
+    fixed: list[np.ndarray] | None = None   # a test of takes: each take's audio (nothing is rendered)
     error: str = ""
     cancelled: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -660,9 +677,9 @@ def results(test: ListenTest) -> dict:
             out["hidden_reference_below_90"] = below
         return out
     pairs: dict[tuple[int, int], dict] = {}
-    seen = {i: 0 for i in range(len(d.configs))}
-    wins = {i: 0 for i in range(len(d.configs))}
-    ties = {i: 0 for i in range(len(d.configs))}
+    seen = {i: 0 for i in range(d.sources)}
+    wins = {i: 0 for i in range(d.sources)}
+    ties = {i: 0 for i in range(d.sources)}
     for a in answers:
         plan = test.plan[a.trial - 1]
         ia, ib = plan.stimulus["A"], plan.stimulus["B"]
@@ -684,7 +701,7 @@ def results(test: ListenTest) -> dict:
         else:
             p["correct"] += int(a.answer == plan.answer_key)
     rows = []
-    for i in range(len(d.configs)):
+    for i in range(d.sources):
         if not seen[i]:
             continue
         row = {"stimulus": stimuli[i].name, "n": seen[i]}
@@ -715,7 +732,8 @@ def summary_markdown(test: ListenTest) -> str:
     """The results as a few lines for the page and the API."""
     r = results(test)
     d = test.definition
-    head = (f"**{KIND_LABEL[d.kind]}** · {r['answered']}/{d.trials} trials answered · varied: {test.factor} · "
+    what = "compared: takes of a session" if d.takes else f"varied: {test.factor}"
+    head = (f"**{KIND_LABEL[d.kind]}** · {r['answered']}/{d.trials} trials answered · {what} · "
             f"test `{test.id}` · shuffle seed {d.shuffle_seed}")
     lines = [head, ""]
     if not r["answered"]:
@@ -811,16 +829,36 @@ class Listening:
         self._lock = threading.Lock()
 
     # --- starting ---------------------------------------------------------------------------------------
-    def start(self, kind, text, configs, trials) -> ListenTest:
+    def start(self, kind, text, configs, trials, ctx=None) -> ListenTest:
         """A new test of `kind` over `trials` sentences of `text` (empty: the built-in list of the configurations'
-        language) and the configurations `configs`; the shuffle seed is drawn now (and recorded)."""
+        language) and the configurations `configs`; the shuffle seed is drawn now (and recorded). `ctx` goes to
+        the source (the page's session)."""
         kind = check_kind(kind)
         n = check_trials(trials)
         cfgs = parse_configs(configs)
         language = str(cfgs[0].get("language") or "auto")
         texts = trial_texts(text, language, n, self.max_text_chars)
         d = Definition(kind=kind, texts=texts, configs=cfgs, shuffle_seed=random.randrange(2**31), language=language)
-        return self.start_definition(d, fill=True)
+        return self.start_definition(d, fill=True, ctx=ctx)
+
+    def start_takes(self, kind, takes: list[dict], audio: list[np.ndarray], trials) -> ListenTest:
+        """A new test of `kind` over recorded audio (a session's takes): `takes` describes each (its "name" is
+        its name in the results; "reference": true on one makes a MUSHRA test's reference), `audio` is each one's
+        float32 samples at 24 kHz. Every trial plays the same clips in a new order; loudness-matched as usual."""
+        kind = check_kind(kind)
+        n = check_trials(trials)
+        if not MIN_STIMULI <= len(takes) <= MAX_STIMULI or len(audio) != len(takes):
+            raise TTSError(f"a test compares {MIN_STIMULI} to {MAX_STIMULI} takes; {len(takes)} were given")
+        if any(len(a) < SR // 10 for a in audio):
+            raise TTSError("every take must have at least 0.1 s of audio")
+        texts = sorted({str(t.get("text") or "") for t in takes})
+        title = texts[0] if len(texts) == 1 else " / ".join(t[:60] for t in texts)
+        d = Definition(kind=kind, texts=[title] * n, configs=[], shuffle_seed=random.randrange(2**31), takes=takes)
+        stimuli = make_stimuli(d, "take")
+        test = ListenTest(id=secrets.token_hex(6), definition=d, factor="take", stimuli=stimuli,
+                          plan=make_plan(d, stimuli), fixed=[np.asarray(a, np.float32) for a in audio])
+        self._keep(test, [])
+        return test
 
     def load(self, definition: str | bytes) -> ListenTest:
         """A new test exactly as an exported one: same texts, configurations (seeds included) and shuffles."""
@@ -831,14 +869,14 @@ class Listening:
             raise TTSError(f"each text of the definition must have 1 to {MAX_SENTENCE_CHARS} characters")
         return self.start_definition(d, fill=False)
 
-    def start_definition(self, d: Definition, fill: bool) -> ListenTest:
+    def start_definition(self, d: Definition, fill: bool, ctx=None) -> ListenTest:
         if fill:   # the defaults written into each configuration: the definition then names everything it used
             base = {**self.source.defaults(), "seed": random.randrange(2**31)}
             d.configs = [{**base, **c} for c in d.configs]
         factor = varied_factor(d.configs)
         for i, cfg in enumerate(d.configs, 1):
             try:
-                self.source.check(cfg)
+                self.source.check(cfg, ctx)
             except TTSError as e:
                 raise TTSError(f"configuration {i}: {e}") from None
         stimuli = make_stimuli(d, factor)
@@ -848,20 +886,24 @@ class Listening:
         try:
             for i, cfg in enumerate(d.configs, 1):
                 try:
-                    targets.append(self.source.open(cfg, self.pool, test.id))
+                    targets.append(self.source.open(cfg, self.pool, test.id, ctx))
                 except TTSError as e:
                     raise TTSError(f"configuration {i}: {e}") from None
         except BaseException:
             self.pool.release(test.id)
             raise
+        self._keep(test, targets)
+        return test
+
+    def _keep(self, test: ListenTest, targets: list[Target]) -> None:
+        """Keep `test` and start rendering its trials."""
         with self._lock:
             self._prune()
             self.tests[test.id] = test
         threading.Thread(target=self._render_all, args=(test, targets), name=f"listen-{test.id}",
                          daemon=True).start()
-        log.info("listening test %s: %s, %d trials, %d stimuli, varied %s", test.id, d.kind, d.trials,
-                 len(stimuli), factor)
-        return test
+        log.info("listening test %s: %s, %d trials, %d stimuli, varied %s", test.id, test.definition.kind,
+                 test.definition.trials, len(test.stimuli), test.factor)
 
     def _prune(self) -> None:
         now = time.time()
@@ -915,7 +957,7 @@ class Listening:
         for tg in targets:    # opened together: the engine generates them in one batch
             streams.append(tg.engine.stream(text, voice=tg.voice, language=tg.language, instruct=tg.instruct,
                                             seed=tg.seed, sampling=tg.sampling, max_new_tokens=self.max_new_tokens))
-        audio = []
+        audio = list(test.fixed) if test.fixed is not None else []
         for tg, s in zip(targets, streams):
             parts = list(s)
             wav = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)

@@ -237,3 +237,46 @@ def test_the_pool_shares_extra_engines_and_lets_them_go():
     assert not a.closed and pool.count() == 2
     pool.release("t2")
     assert a.closed and b.closed and pool.count() == 0
+
+
+def test_a_test_of_recorded_takes(tmp_path):
+    """Takes (fixed audio) instead of rendered configurations: every trial plays the same clips in a new order,
+    loudness-matched; a MUSHRA reference gets its hidden copy and its anchor; the export cannot be run again."""
+    import soundfile as sf
+
+    n = iter(range(10**6))
+
+    def save_wav(pcm, name):
+        p = tmp_path / f"{next(n)}_{name}.wav"
+        sf.write(p, pcm, SR, subtype="PCM_16")
+        return str(p)
+
+    def save_text(text, name, ext):
+        p = tmp_path / f"{next(n)}_{name}.{ext}"
+        p.write_text(text)
+        return str(p)
+
+    svc = ls.Listening(ls.Source(), save_wav, save_text)
+    takes = [{"name": f"take #{i}", "text": "Hello.", **({"reference": True} if i == 1 else {})} for i in (1, 2, 3)]
+    audio = [_tone(300, 0.8, 1.5, noise=0.05), _tone(300, 0.1, 1.5, noise=0.01, seed=1), _tone(600, 0.3, 1.2)]
+    with pytest.raises(TTSError, match="2 to 6 takes"):
+        svc.start_takes("mushra", takes[:1], audio[:1], 2)
+    test = svc.start_takes("mushra", takes, audio, 3)
+    assert json.loads(test.plan_json()) == [["R", "A", "B", "C", "D"]] * 3
+    assert [s.name for s in test.stimuli] == ["take #1", "take #2", "take #3", "hidden reference (take #1)",
+                                              "anchor (low-pass 3.5 kHz)"]
+    for t in (1, 2, 3):
+        files = svc.files_of(test, t, timeout=60)
+        clips = {lab: sf.read(p, dtype="float32")[0] for lab, p in files.items()}
+        levels = [ls.integrated_loudness(x) for x in clips.values()]
+        assert max(levels) - min(levels) <= 0.5
+        plan = test.plan[t - 1]
+        hidden = next(lab for lab in plan.rated if test.stimuli[plan.stimulus[lab]].role == "hidden reference")
+        assert np.array_equal(clips[hidden], clips["R"])
+        svc.answer(test.id, t, json.dumps({lab: 50 for lab in plan.rated}))
+    summary, _csv, json_path = svc.report(test.id)
+    assert "compared: takes of a session" in summary
+    with pytest.raises(TTSError, match="cannot be run again"):
+        svc.load(open(json_path).read())
+    with pytest.raises(TTSError, match="is finished"):
+        svc.answer(test.id, 1, "{}")

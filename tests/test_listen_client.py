@@ -17,6 +17,7 @@ import soundfile as sf
 
 from live_server import free_port
 from serving import listen as ls
+from tts_engine import TTSError
 
 
 @contextlib.contextmanager
@@ -226,3 +227,35 @@ def test_bad_input_gets_a_clear_message_and_changes_nothing(served):
         p = Path(app.files.dir) / "not_a_test.json"
         p.write_text('{"hello": 1}')
         client.predict(handle_file(str(p)), api_name="/listen_load")
+
+
+def test_takes_of_the_session_and_its_own_voices(served):
+    """The page's two other sources (not scriptable through gradio_client, which has no session): a test of takes
+    (their recorded WAVs) and a rendered test with a voice of the session."""
+    app, client = served
+    h = app.listen
+    pcm = [(np.sin(np.arange(24000) * f / 24000 * 2 * np.pi) * a * 32767).astype(np.int16)
+           for f, a in ((220, 0.5), (330, 0.05))]
+    history = [{"n": k + 1, "kind": "preset", "text": "Hello.", "voice": v, "seed": 5,
+                "path": app.files.save_wav(x, f"take_{k + 1}")} for k, (v, x) in enumerate(zip(("ryan", "vivian"), pcm))]
+    with pytest.raises(TTSError, match="no take #7"):
+        h.listen_takes("abx", "1, 7", 2, False, history)
+    with pytest.raises(TTSError, match="once"):
+        h.listen_takes("abx", "1, 1", 2, False, history)
+    tid, plan = h.listen_takes("abx", "2, 1", 2, False, history)
+    assert json.loads(plan) == [["A", "B", "X"]] * 2
+    test = app.listen.service.get(tid)
+    assert [s.name for s in test.stimuli] == ["take #2 (vivian, seed 5)", "take #1 (ryan, seed 5)"]
+    s = _stimuli(client, tid, 1, ["A", "B", "X"])
+    assert abs(_lufs(s["A"]) - _lufs(s["B"])) <= 0.5                      # 26 dB apart before matching
+
+    from ui.session import remember
+
+    voice = app.voices.presets.voice(app.engine("base"), next(iter(app.voices.presets)).id)
+    session = remember(None, "Me", voice)
+    with pytest.raises(TTSError, match="unknown voice 'my:Me'"):
+        h.listen_start("ab", "Hi there.", json.dumps([{"voice": "my:Me"}, {"voice": "ryan"}]), 1)
+    tid, _plan = h.listen_start("ab", "Hi there.", json.dumps([{"voice": "my:Me"}, {"voice": "ryan"}]), 1,
+                                session=session)
+    files = app.listen.service.files_of(app.listen.service.get(tid), 1, timeout=120)
+    assert sorted(files) == ["A", "B"]

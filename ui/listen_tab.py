@@ -97,11 +97,11 @@ class AppSource(ls.Source):
                 out.setdefault(sib, (role, sib, False))
         return out
 
-    def role_of(self, cfg: dict) -> str:
+    def role_of(self, cfg: dict, session: dict | None = None) -> str:
         key = cfg.get("voice") or ""
-        role = self.app.voices.role_of_key(key, None)
+        role = self.app.voices.role_of_key(key, session)
         if role is None or role not in self.app.models.roles:
-            known = [v for _, v in self.app.voices.choices(None)]
+            known = [v for _, v in self.app.voices.choices(session)]
             raise TTSError(f"unknown voice {key!r}; choose one of: {', '.join(known) or '(none)'}")
         if key.startswith("preset:"):
             self.app.voices.presets.get(key.split(":", 1)[1])
@@ -143,10 +143,10 @@ class AppSource(ls.Source):
                 raise TTSError(f"this device cannot hold another engine in {precision}: it needs about "
                                f"{need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free")
 
-    def check(self, cfg: dict) -> None:
-        role = self.role_of(cfg)
+    def check(self, cfg: dict, ctx=None) -> None:
+        role = self.role_of(cfg, ctx)
         if cfg.get("blend_with"):
-            other = self.role_of({"voice": cfg["blend_with"]})
+            other = self.role_of({"voice": cfg["blend_with"]}, ctx)
             if other != role:
                 raise TTSError(f"{cfg['voice']} ({ROLE_LABEL[role]}) and {cfg['blend_with']} ({ROLE_LABEL[other]}) "
                                "belong to different checkpoints and cannot be blended")
@@ -155,8 +155,8 @@ class AppSource(ls.Source):
             self.check_precision(cfg["precision"], folder)
 
     # --- resolving
-    def _engine(self, cfg: dict, pool: ls.EnginePool, owner: str):
-        role = self.role_of(cfg)
+    def _engine(self, cfg: dict, pool: ls.EnginePool, owner: str, session):
+        role = self.role_of(cfg, session)
         _role, folder, own = self.model_of(cfg, role)
         p = cfg.get("precision")
         dtype, quantize = (None, p) if p in ls.QUANTISED else (p, None)
@@ -169,10 +169,15 @@ class AppSource(ls.Source):
         kw = {k: v for k, v in self.app.cfg.engine_kw().items() if k != "quantize"}
         return role, pool.acquire((folder, _device(self.app), dtype, quantize), owner, kw), False
 
-    def _voice(self, key: str, role: str, engine, own: bool):
+    def _voice(self, key: str, role: str, engine, own: bool, session=None):
         """`key` as `engine.stream` takes it: the app's resolution on its own engines, else made with `engine`."""
         if own:
-            return self.app.voices.resolve(key, None)[1]
+            return self.app.voices.resolve(key, session)[1]
+        if key.startswith("my:") or key in (session or {}):
+            v = self.app.voices.resolve(key, session)[1]
+            if getattr(v, "hidden_size", None) not in (None, engine.hidden_size):
+                raise TTSError(f"voice {key!r} was made for a model of another size; it cannot speak with this one")
+            return v
         if key.startswith(UPLOADED):
             v = voice_store.voice_for(self.app.models.registry, key[len(UPLOADED):], engine)
             if v is None:
@@ -192,11 +197,11 @@ class AppSource(ls.Source):
             return engine.preset_embedding(voice.speaker).numpy()
         return voice.embedding.float().numpy()
 
-    def open(self, cfg: dict, pool: ls.EnginePool, owner: str) -> ls.Target:
-        role, engine, own = self._engine(cfg, pool, owner)
-        voice = self._voice(cfg["voice"], role, engine, own)
+    def open(self, cfg: dict, pool: ls.EnginePool, owner: str, ctx=None) -> ls.Target:
+        role, engine, own = self._engine(cfg, pool, owner, ctx)
+        voice = self._voice(cfg["voice"], role, engine, own, ctx)
         if cfg.get("blend_with"):
-            other = self._voice(cfg["blend_with"], role, engine, own)
+            other = self._voice(cfg["blend_with"], role, engine, own, ctx)
             t = float(cfg.get("blend", 0)) / 100.0
             vec = blendlib.blend([self._embedding(voice, engine), self._embedding(other, engine)], [1 - t, t])
             voice = engine.voice_from_embedding(vec, name=f"{cfg['voice']} + {t:.0%} {cfg['blend_with']}")
@@ -225,7 +230,7 @@ class ListenHandlers:
         p.write_text(text, encoding="utf-8")
         return str(p)
 
-    def listen_start(self, kind: str, text: str, configs: str, trials: float):
+    def listen_start(self, kind: str, text: str, configs: str, trials: float, session: dict | None = None):
         """Start a blind listening test of configurations rendered on the spot: the same text and seed, one factor
         varied between them; every stimulus loudness-matched (ITU-R BS.1770), the order shuffled per trial.
 
@@ -237,7 +242,47 @@ class ListenHandlers:
         Returns:
             the test id, the plan: a JSON list of each trial's stimulus labels in play order
         """
-        test = self.service.start(kind, text, configs, trials)
+        test = self.service.start(kind, text, configs, trials, ctx=session)
+        return test.id, test.plan_json()
+
+    def listen_takes(self, kind: str, takes: str, trials: float, reference: bool = False,
+                     history: list | None = None):
+        """Start a blind test of takes of this session (their recorded audio, loudness-matched; every trial plays
+        the same takes in a new order).
+
+        Parameters:
+            kind: "ab", "abx" or "mushra"
+            takes: the take numbers, e.g. "1, 3" (2-6; the first is the reference of a MUSHRA test with one)
+            trials: number of trials, 1-20
+            reference: MUSHRA: the first take is the reference (adds the hidden reference and the low-pass anchor)
+        Returns:
+            the test id, the plan: a JSON list of each trial's stimulus labels in play order
+        """
+        import soundfile as sf
+
+        try:
+            numbers = [int(x) for x in re.split(r"[,\s]+", str(takes or "").strip()) if x]
+        except ValueError:
+            raise TTSError("list the takes by number, e.g. 1, 3") from None
+        if len(set(numbers)) != len(numbers):
+            raise TTSError("each take can be listed once")
+        by_n = {int(t["n"]): t for t in history or []}
+        missing = [n for n in numbers if n not in by_n]
+        if missing:
+            raise TTSError(f"this session has no take #{missing[0]} (it has "
+                           f"{', '.join(f'#{n}' for n in sorted(by_n)) or 'none yet'})")
+        described, audio = [], []
+        for i, n in enumerate(numbers):
+            t = by_n[n]
+            try:
+                wav, _sr = sf.read(t["path"], dtype="float32")
+            except Exception:
+                raise TTSError(f"the audio of take #{n} is gone (takes' files expire): make it again") from None
+            described.append({"name": f"take #{n} ({t.get('voice', '')}, seed {t.get('seed')})", "take": n,
+                              "kind": t.get("kind"), "text": t.get("text", ""), "voice": t.get("voice", ""),
+                              "seed": t.get("seed"), **({"reference": True} if reference and i == 0 else {})})
+            audio.append(wav if wav.ndim == 1 else wav.mean(axis=1))
+        test = self.service.start_takes(kind, described, audio, trials)
         return test.id, test.plan_json()
 
     def listen_load(self, definition):
@@ -486,6 +531,10 @@ def build(app, c, langs) -> None:
                                                      ""), language="json", elem_id="ls-configs", interactive=True)
         with gr.Row():
             c.ls_start = gr.Button("▶ Start the test", variant="primary", elem_id="ls-start")
+        with gr.Accordion("Or compare takes of this session (their recorded audio)", open=False):
+            with gr.Row():
+                c.ls_takes = gr.Textbox("", label="Takes (numbers, 2-6; e.g. 1, 3)", elem_id="ls-takes", scale=3)
+                c.ls_takes_btn = gr.Button("▶ Start with these takes", elem_id="ls-takes-start", scale=1)
         with gr.Accordion("Run a test someone exported", open=False):
             c.ls_def_file = gr.File(label="Exported test (.json)", file_types=[".json"], elem_id="ls-def-file")
             c.ls_load = gr.Button("Load and start", elem_id="ls-load")
@@ -543,9 +592,11 @@ def wire(app, c, on) -> None:
     def show(test_id):
         return _show(app, c, test_id)
 
-    for ev in (on(c.ls_start, h.listen_start, [c.ls_kind, c.ls_text, c.ls_configs, c.ls_trials], [c.ls_id, c.ls_plan],
-                  "listen_start"),
-               on(c.ls_load, h.listen_load, [c.ls_def_file], [c.ls_id, c.ls_plan], "listen_load")):
+    for ev in (on(c.ls_start, h.listen_start, [c.ls_kind, c.ls_text, c.ls_configs, c.ls_trials, c.session],
+                  [c.ls_id, c.ls_plan], "listen_start"),
+               on(c.ls_load, h.listen_load, [c.ls_def_file], [c.ls_id, c.ls_plan], "listen_load"),
+               on(c.ls_takes_btn, h.listen_takes, [c.ls_kind, c.ls_takes, c.ls_trials, c.ls_reference, c.history],
+                  [c.ls_id, c.ls_plan], "listen_takes", api_visibility="undocumented")):
         ev.success(lambda: ("", None, None, ""), None, [c.ls_summary, c.ls_csv, c.ls_json, c.ls_plot],
                    queue=False, **ui).then(guard(show), [c.ls_id], show_out, **ui)
     on(c.ls_fetch, h.listen_stimulus, [c.ls_id, c.ls_trial, c.ls_label], [c.ls_wav], "listen_stimulus")
