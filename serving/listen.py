@@ -512,6 +512,9 @@ class Source:
     def check(self, cfg: dict, ctx=None) -> None:
         raise NotImplementedError
 
+    def check_factor(self, factor: str) -> None:
+        """TTSError where this app cannot vary `factor` (e.g. a remote server that takes no temperature)."""
+
     def open(self, cfg: dict, pool: "EnginePool", owner: str, ctx=None) -> Target:
         raise NotImplementedError
 
@@ -590,6 +593,7 @@ class ListenTest:
     files: dict[int, dict[str, str]] = field(default_factory=dict)     # trial -> label -> WAV path
     gains: dict[int, dict[str, float]] = field(default_factory=dict)   # trial -> stimulus name -> dB
     loudness: dict[int, float] = field(default_factory=dict)           # trial -> the matched LUFS
+    identical: dict[int, list[str]] = field(default_factory=dict)      # trial -> configurations that came out equal
     fixed: list[np.ndarray] | None = None   # a test of takes: each take's audio (nothing is rendered)
     error: str = ""
     cancelled: bool = False
@@ -738,6 +742,9 @@ def summary_markdown(test: ListenTest) -> str:
     lines = [head, ""]
     if not r["answered"]:
         return head + "\n\nNo answers yet."
+    same = sorted({p for t in test.answers for p in test.identical.get(t, [])})
+    if same:
+        lines += [f"⚠ Sample for sample the same in some trials (nothing to hear there): {'; '.join(same)}.", ""]
     if d.kind == "mushra":
         lines += ["| stimulus | n | mean | 95 % interval |", "|---|---|---|---|"]
         for s in r["stimuli"]:
@@ -811,6 +818,7 @@ def export_dict(test: ListenTest) -> dict:
                          "trials": [{"trial": t, "lufs": round(test.loudness[t], 2),
                                      "gains_db": {k: round(v, 2) for k, v in test.gains[t].items()}}
                                     for t in sorted(test.loudness)]},
+            "identical": [{"trial": t, "same": v} for t, v in sorted(test.identical.items())],
             "results": results(test)}
 
 
@@ -874,6 +882,7 @@ class Listening:
             base = {**self.source.defaults(), "seed": random.randrange(2**31)}
             d.configs = [{**base, **c} for c in d.configs]
         factor = varied_factor(d.configs)
+        self.source.check_factor(factor)
         for i, cfg in enumerate(d.configs, 1):
             try:
                 self.source.check(cfg, ctx)
@@ -964,6 +973,9 @@ class Listening:
             if tg.speed != 1.0:
                 wav = stretch(wav, tg.speed)
             audio.append(wav)
+        same = [f"{test.stimuli[i].name} = {test.stimuli[j].name}"
+                for i, j in itertools.combinations(range(len(audio)), 2)
+                if audio[i].shape == audio[j].shape and np.array_equal(audio[i], audio[j])]
         clips = []
         for s in test.stimuli:
             wav = audio[s.config]
@@ -977,6 +989,8 @@ class Listening:
             test.files[plan.trial] = files
             test.gains[plan.trial] = {s.name: g for s, g in zip(test.stimuli, gains)}
             test.loudness[plan.trial] = lufs
+            if same:
+                test.identical[plan.trial] = same
             test.cond.notify_all()
 
     def stimulus(self, test_id, trial, label, timeout: float = 600) -> str:

@@ -280,3 +280,24 @@ def test_a_test_of_recorded_takes(tmp_path):
         svc.load(open(json_path).read())
     with pytest.raises(TTSError, match="is finished"):
         svc.answer(test.id, 1, "{}")
+
+
+def test_stimuli_that_come_out_identical_are_reported(tmp_path):
+    """Two configurations that render the same samples (e.g. a precision that changes no code) are named in the
+    summary and the export: the listener could not have heard a difference there."""
+    import soundfile as sf
+
+    def save_wav(pcm, name):
+        p = tmp_path / f"{len(list(tmp_path.iterdir()))}_{name}.wav"
+        sf.write(p, pcm, SR, subtype="PCM_16")
+        return str(p)
+
+    svc = ls.Listening(ls.Source(), save_wav, lambda text, name, ext: "")
+    clip = _tone(300, 0.3, 1.0, noise=0.02)
+    test = svc.start_takes("ab", [{"name": "one"}, {"name": "two"}, {"name": "three"}],
+                           [clip, clip.copy(), _tone(500, 0.3, 1.0)], 1)
+    svc.files_of(test, 1, timeout=60)
+    assert test.identical == {1: ["one = two"]}
+    svc.answer(test.id, 1, "A")
+    assert "Sample for sample the same in some trials (nothing to hear there): one = two" in ls.summary_markdown(test)
+    assert ls.export_dict(test)["identical"] == [{"trial": 1, "same": ["one = two"]}]

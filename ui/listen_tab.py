@@ -143,7 +143,18 @@ class AppSource(ls.Source):
                 raise TTSError(f"this device cannot hold another engine in {precision}: it needs about "
                                f"{need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free")
 
+    def check_factor(self, factor: str) -> None:
+        if self.app.zerogpu:
+            raise TTSError("on ZeroGPU a test cannot be rendered (GPU time is granted to one click at a time, not to "
+                           "a test rendered in the background); compare takes of your session instead, or run the "
+                           "app on a CPU or a dedicated GPU")
+        if self.app.cfg.backend and factor in ("model", "precision", "temperature"):
+            raise TTSError(f"the remote speech server generates the audio: its {factor} is its own and cannot be "
+                           "varied from here")
+
     def check(self, cfg: dict, ctx=None) -> None:
+        if self.app.cfg.backend and (cfg.get("model") or cfg.get("precision")):
+            raise TTSError("the remote speech server generates the audio: its models and precision are its own")
         role = self.role_of(cfg, ctx)
         if cfg.get("blend_with"):
             other = self.role_of({"voice": cfg["blend_with"]}, ctx)
@@ -379,7 +390,7 @@ def factor_hint(app, factor: str) -> str:
                "loads for the test and is let go once the test is rendered)."
     if factor == "precision":
         gpu = _device(app).startswith("cuda")
-        modes = "fp32, bf16, fp16" if gpu else "fp32, bf16, int8, int4, w8a8, w4a8"
+        modes = "fp32, bf16, fp16" if gpu else "fp32, bf16, int8, int4, w8a8, w4a8 (where our kernels run)"
         return (f"Precisions this device runs: {modes}. The app's own engines run "
                 f"{app.models.expected_precision() or 'remotely'}; any other loads as an extra engine for the test.")
     if factor == "voice":
@@ -592,22 +603,25 @@ def wire(app, c, on) -> None:
     def show(test_id):
         return _show(app, c, test_id)
 
-    for ev in (on(c.ls_start, h.listen_start, [c.ls_kind, c.ls_text, c.ls_configs, c.ls_trials, c.session],
-                  [c.ls_id, c.ls_plan], "listen_start"),
-               on(c.ls_load, h.listen_load, [c.ls_def_file], [c.ls_id, c.ls_plan], "listen_load"),
-               on(c.ls_takes_btn, h.listen_takes, [c.ls_kind, c.ls_takes, c.ls_trials, c.ls_reference, c.history],
-                  [c.ls_id, c.ls_plan], "listen_takes", api_visibility="undocumented")):
+    starts = {"listen_start": on(c.ls_start, h.listen_start, [c.ls_kind, c.ls_text, c.ls_configs, c.ls_trials,
+                                                           c.session], [c.ls_id, c.ls_plan], "listen_start"),
+              "listen_load": on(c.ls_load, h.listen_load, [c.ls_def_file], [c.ls_id, c.ls_plan], "listen_load"),
+              "listen_takes": on(c.ls_takes_btn, h.listen_takes, [c.ls_kind, c.ls_takes, c.ls_trials, c.ls_reference,
+                                                                  c.history], [c.ls_id, c.ls_plan], "listen_takes",
+                                 api_visibility="undocumented")}
+    for name, ev in starts.items():   # a new test: the last results go, its first trial shows once rendered
         ev.success(lambda: ("", None, None, ""), None, [c.ls_summary, c.ls_csv, c.ls_json, c.ls_plot],
-                   queue=False, **ui).then(guard(show), [c.ls_id], show_out, **ui)
+                   queue=False, api_name=f"ui_{name}_clear", **ui) \
+            .then(guard(show), [c.ls_id], show_out, api_name=f"ui_{name}_show", **ui)
     on(c.ls_fetch, h.listen_stimulus, [c.ls_id, c.ls_trial, c.ls_label], [c.ls_wav], "listen_stimulus")
     on(c.ls_submit, h.listen_answer, [c.ls_id, c.ls_trial, c.ls_answer], [c.ls_progress], "listen_answer",
-       js=ANSWER_JS).success(guard(show), [c.ls_id], show_out, **ui)
+       js=ANSWER_JS).success(guard(show), [c.ls_id], show_out, api_name="ui_listen_next", **ui)
 
     def report_plot(test_id):
         return plot_svg(ls.results(app.listen.service.get(test_id)))
 
     on(c.ls_report_btn, h.listen_report, [c.ls_id], [c.ls_summary, c.ls_csv, c.ls_json], "listen_report") \
-        .success(guard(report_plot), [c.ls_id], [c.ls_plot], **ui)
+        .success(guard(report_plot), [c.ls_id], [c.ls_plot], api_name="ui_listen_plot", **ui)
 
     form = [c.ls_factor, c.ls_values, c.ls_voice, c.ls_lang, c.ls_reference, c.ls_blend_with]
     for j, comp in enumerate(form):
