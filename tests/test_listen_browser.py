@@ -82,3 +82,40 @@ def test_a_short_abx_test_by_clicking(served, drv):
     assert len(drv.find_elements("css selector", "#ls-plot svg path.ls-interval")) == 1
     links = [a.get_attribute("href") or "" for a in drv.find_elements("css selector", "#ls-csv a, #ls-json a")]
     assert any(h.endswith(".csv") for h in links) and any(h.endswith(".json") for h in links), links
+
+
+def test_a_one_trial_mushra_test_by_clicking(served, drv):
+    """MUSHRA in the page: ryan (the reference, played openly as R) against vivian, so three rated labels (vivian,
+    the hidden reference, the anchor), each with its slider; the scores set on the sliders are the answer the server records."""
+    url, app = served
+    B.open_page(drv, url + "/")
+    B.tab(drv, "Listen")
+    for label in drv.find_elements("css selector", "#ls-kind label"):
+        if "MUSHRA" in label.text:
+            label.click()
+    B.wait(lambda: _js(drv, "const i = document.querySelector('#ls-kind input[value=mushra]');"
+                            "return i && i.checked"), 5, "MUSHRA to be chosen")
+    B.set_text(drv, "#ls-trials input", "1")
+    _js(drv, "document.querySelector('#ls-trials input').dispatchEvent(new Event('change', {bubbles: true}))")
+    B.click(drv, "#ls-start")
+    B.wait(lambda: _js(drv, "const t = document.getElementById('ls-trial'); return t && t.dataset.kind == 'mushra'"),
+           120, "the MUSHRA trial")
+    test = app.listen.service.get(_js(drv, "return document.getElementById('ls-trial').dataset.test"))
+    assert [b.text for b in drv.find_elements("css selector", ".ls-stim")] == ["▶ R", "▶ A", "▶ B", "▶ C"]
+    sliders = drv.find_elements("css selector", ".ls-score")
+    assert [s.get_attribute("data-label") for s in sliders] == ["A", "B", "C"]
+    B.click(drv, "#ls-play-R")
+    B.wait(lambda: _state(drv).get("playing") == "R", 10, "the reference to play")
+    B.click(drv, "#ls-play-C")
+    B.wait(lambda: _state(drv).get("playing") == "C", 10, "C to play")
+    scores = {"A": 12, "B": 100, "C": 77}
+    for s in sliders:
+        _js(drv, "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input', {bubbles: true}))",
+            s, scores[s.get_attribute("data-label")])
+    assert drv.find_element("css selector", "#ls-score-C-v").text == "77"
+    B.click(drv, "#ls-submit")
+    B.wait(lambda: _js(drv, "return !!document.getElementById('ls-done')"), 60, "the end of the test")
+    assert test.answers[1].answer == {k: float(v) for k, v in scores.items()}
+    summary = drv.find_element("css selector", "#ls-summary").text
+    assert "MUSHRA" in summary and "hidden reference (voice ryan)" in summary and "anchor" in summary
+    assert len(drv.find_elements("css selector", "#ls-plot svg rect.ls-bar")) == 3
