@@ -136,7 +136,8 @@ def test_mushra_with_a_reference_adds_the_hidden_reference_and_the_anchor():
     for p in ls.make_plan(d, stimuli):
         assert p.labels[0] == "R" and p.stimulus["R"] == 0
         assert p.rated == ["A", "B", "C", "D"] and sorted(p.stimulus[x] for x in p.rated) == [1, 2, 3, 4]
-    plain = ls.make_plan(_definition("mushra", n_configs=3, trials=2), ls.make_stimuli(_definition("mushra", 3), "speed"))
+    d = _definition("mushra", n_configs=3, trials=2)
+    plain = ls.make_plan(d, ls.make_stimuli(d, "speed"))
     assert plain[0].labels == ["A", "B", "C"]
 
 

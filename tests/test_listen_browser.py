@@ -86,7 +86,8 @@ def test_a_short_abx_test_by_clicking(served, drv):
 
 def test_a_one_trial_mushra_test_by_clicking(served, drv):
     """MUSHRA in the page: ryan (the reference, played openly as R) against vivian, so three rated labels (vivian,
-    the hidden reference, the anchor), each with its slider; the scores set on the sliders are the answer the server records."""
+    the hidden reference, the anchor), each with its slider; the scores set on the sliders are the answer the server
+    records."""
     url, app = served
     B.open_page(drv, url + "/")
     B.tab(drv, "Listen")

@@ -242,7 +242,8 @@ def test_takes_of_the_session_and_its_own_voices(served):
     pcm = [(np.sin(np.arange(24000) * f / 24000 * 2 * np.pi) * a * 32767).astype(np.int16)
            for f, a in ((220, 0.5), (330, 0.05))]
     history = [{"n": k + 1, "kind": "preset", "text": "Hello.", "voice": v, "seed": 5,
-                "path": app.files.save_wav(x, f"take_{k + 1}")} for k, (v, x) in enumerate(zip(("ryan", "vivian"), pcm))]
+                "path": app.files.save_wav(x, f"take_{k + 1}")}
+               for k, (v, x) in enumerate(zip(("ryan", "vivian"), pcm))]
     with pytest.raises(TTSError, match="no take #7"):
         h.listen_takes("abx", "1, 7", 2, False, history)
     with pytest.raises(TTSError, match="once"):

@@ -161,9 +161,13 @@ class AppSource(ls.Source):
             if other != role:
                 raise TTSError(f"{cfg['voice']} ({ROLE_LABEL[role]}) and {cfg['blend_with']} ({ROLE_LABEL[other]}) "
                                "belong to different checkpoints and cannot be blended")
-        _role, folder, _own = self.model_of(cfg, role)
+        _role, folder, own = self.model_of(cfg, role)
         if cfg.get("precision"):
             self.check_precision(cfg["precision"], folder)
+        elif not own:   # another model at the app's precision (fp32 assumed on a CPU: the larger)
+            gpu = _device(self.app).startswith("cuda")
+            dtype = str(self.app.cfg.dtype or ("bf16" if gpu else "fp32")).replace("float32", "fp32")
+            self.check_precision(dtype if dtype in ls.PRECISIONS else "fp32", folder)
 
     # --- resolving
     def _engine(self, cfg: dict, pool: ls.EnginePool, owner: str, session):
@@ -307,11 +311,14 @@ class ListenHandlers:
         if not definition:
             raise TTSError("choose an exported test (its .json file) first")
         text = definition
-        path = Path(str(definition))
-        if len(str(definition)) < 4096 and path.is_file():
-            if path.stat().st_size > ls.MAX_DEFINITION_CHARS * 4:
-                raise TTSError("the test definition is too large")
-            text = path.read_bytes()
+        try:
+            path = Path(str(definition))
+            if len(str(definition)) < 4096 and path.is_file():
+                if path.stat().st_size > ls.MAX_DEFINITION_CHARS * 4:
+                    raise TTSError("the test definition is too large")
+                text = path.read_bytes()
+        except OSError:
+            raise TTSError("the test definition cannot be read; choose the exported .json file") from None
         test = self.service.load(text)
         return test.id, test.plan_json()
 
@@ -629,7 +636,7 @@ def wire(app, c, on) -> None:
                     show_progress="hidden", api_visibility="undocumented")
     c.ls_factor.change(lambda f: (gr.update(value=example_values(app, f)), gr.update(visible=f == "blend"),
                                   factor_hint(app, f)),
-                       [c.ls_factor], [c.ls_values, c.ls_blend_with, c.ls_hint], api_name="ui_listen_factor", queue=False,
-                       show_progress="hidden", api_visibility="undocumented")
+                       [c.ls_factor], [c.ls_values, c.ls_blend_with, c.ls_hint], api_name="ui_listen_factor",
+                       queue=False, show_progress="hidden", api_visibility="undocumented")
     c.ls_kind.change(lambda k: gr.update(value=k == "mushra"), [c.ls_kind], [c.ls_reference],
                      api_name="ui_listen_kind", queue=False, show_progress="hidden", api_visibility="undocumented")
