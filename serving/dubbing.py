@@ -1,10 +1,10 @@
 """SRT in -> one timed track (dubbing): each cue's speech placed at its start time, sped up to fit its slot where it
 is too long (the Rubber Band offline stretch of serving/speed.py, pitch kept, within 0.5x-2x).
 
-A cue's slot runs from its start to the next cue's start (the last cue's: to its own end). Its speech, with the
-silence at its ends trimmed, starts exactly at the cue's time. Speech longer than the slot is played faster, up to
+A cue's slot is its own time on screen (start to end). Its speech, with the silence at its ends trimmed, starts
+exactly at the cue's time. Speech longer than the slot is played faster, up to
 `MAX_SPEED`; speech that would need more is played at `MAX_SPEED` and reported (`fits: False`, `needed_speed`): it
-runs into the next slot, which it is mixed over, rather than being cut. Speech is never slowed down to fill a slot
+runs past its end (mixed over whatever follows) rather than being cut. Speech is never slowed down to fill a slot
 (below 1x it would drag); `MIN_SPEED` bounds the stretch for callers that ask for a fixed speed."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def build_track(cues: list[Cue], speech: list[np.ndarray], sr: int) -> tuple[np.
     placed, report, end = [], [], 0
     for i, (q, x) in enumerate(zip(cues, speech)):
         x = trim_silence(np.asarray(x, np.float32))
-        slot = (cues[i + 1].start if i + 1 < len(cues) else q.end) - q.start
+        slot = q.end - q.start
         speed, fits, need = fit_speed(len(x) / sr, slot)
         y = change_speed(x, sr, speed) if speed != 1.0 and len(x) else x
         a = int(round(q.start * sr))
