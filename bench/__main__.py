@@ -52,6 +52,8 @@ BENCHMARKS = {
               "API)"),
     "time_stretch": ("bench.time_stretch", "the speech-speed time stretch on the preset clips: length, pitch change, "
                      "time"),
+    "longform": ("bench.longform", "a long-form job (a book of --minutes) through /audiobook on the CPU: wall time, "
+                 "peak memory, disk use"),
     "plain_read": ("bench.plain_read", "the plain large memory read (the floor every CPU figure is compared with) "
                    "over time"),
 }
