@@ -13,6 +13,7 @@ from tts_engine import TTSError
 
 MAX_SRT_CHARS = 200_000        # an SRT file read for dubbing (a feature film's is ~100 kB)
 MAX_CUES = 500
+SENTENCE_PAUSE_S = 0.12        # between the sentences of a subtitled API answer (the page's pause between groups)
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,30 @@ def parse_srt(text: str) -> list[Cue]:
         if b.start < a.start:
             raise TTSError(f"the SRT cues are not in time order (“{b.text[:40]}” starts before “{a.text[:40]}”)")
     return cues
+
+
+def speak_with_cues(engine, sentences: list[str], sr: int, seed: int | None = None, pause_s: float = SENTENCE_PAUSE_S,
+                    **stream_kw):
+    """`sentences` spoken one engine request each, with one seed (the first request's, when `seed` is None) and
+    `pause_s` between them: -> (float32 audio, cues timed from each request's samples, seed used). For an answer of
+    the speech API that carries subtitles (server/openai_api.py)."""
+    import numpy as np
+
+    out, cues, n = [], [], 0
+    for i, text in enumerate(sentences):
+        if i:
+            gap = np.zeros(int(round(pause_s * sr)), np.float32)
+            out.append(gap)
+            n += len(gap)
+        stream = engine.stream(text, seed=seed, **stream_kw)
+        try:
+            pcm = [np.asarray(x, np.float32) for x in stream]
+        finally:
+            stream.cancel()
+        seed = stream.seed if seed is None else seed
+        m = sum(len(x) for x in pcm)
+        out += pcm
+        if m:
+            cues.append(Cue(n / sr, (n + m) / sr, text))
+        n += m
+    return (np.concatenate(out) if out else np.zeros(0, np.float32)), cues, seed

@@ -52,3 +52,44 @@ def test_every_take_has_subtitles_timed_from_its_groups(tmp_path):
     assert all(a.end <= b.start for a, b in zip(cues, cues[1:]))      # ordered, the pauses between them
     assert cues[0].start == 0 and abs(cues[-1].end - len(audio) / sr) < 0.002
     assert open(vtt, encoding="utf-8").read().startswith("WEBVTT")
+
+
+def test_speech_api_links_its_subtitles(tmp_path):
+    import io
+    import json
+    import urllib.error
+    import urllib.request
+
+    from serving.limits import Limits
+    from live_server import tiny_api
+
+    def post(body: dict):
+        req = urllib.request.Request(url + "/v1/audio/speech", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    text = "The first sentence. A second one follows! And a third?"
+    with tiny_api(tmp_path, ("custom_voice",), Limits(max_new_tokens=200)) as (url, _registry, _ck):
+        status, headers, body = post({"input": text, "voice": "ryan", "seed": 3, "max_new_tokens": 10,
+                                      "subtitles": "srt"})
+        assert status == 200 and headers["X-Seed"] == "3", body[:200]
+        path = headers["X-Subtitles"]
+        assert path.startswith("/v1/audio/subtitles/") and path.endswith(".srt") and path in headers["Link"]
+        with urllib.request.urlopen(url + path) as r:
+            cues = parse_srt(r.read().decode())
+        with urllib.request.urlopen(url + path[:-4] + ".vtt") as r:
+            assert r.read().decode().startswith("WEBVTT")
+        audio, sr = sf.read(io.BytesIO(body))
+        assert [q.text for q in cues] == ["The first sentence.", "A second one follows!", "And a third?"]
+        assert all(a.end < b.start for a, b in zip(cues, cues[1:])) and cues[-1].end <= len(audio) / sr + 1e-3
+        for bad, msg in [({"subtitles": "ass"}, "subtitles must be srt or vtt"),
+                         ({"subtitles": "vtt", "stream": True, "response_format": "pcm"}, "whole answers")]:
+            status, _h, body = post({"input": text, "voice": "ryan", **bad})
+            assert status == 400 and msg in json.loads(body)["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/v1/audio/subtitles/" + "0" * 32 + ".srt")
+        assert e.value.code == 404
