@@ -254,3 +254,37 @@ def test_reading_rules():
     assert L.split_chapters("Just a text.\n\nTwo paragraphs.")[0].paragraphs == ["Just a text.", "Two paragraphs."]
     rows = L.to_rows(chapters)
     assert [c.title for c in L.from_rows(rows + [["", "", ""]])] == [c.title for c in chapters]
+
+
+def test_stop_during_a_job_keeps_what_was_made(served, tmp_path):
+    """Stop pressed once the first chapter is on disk: the job keeps its finished segments, and rendering it again
+    gives the files of a straight run."""
+    import time
+
+    app, client, folder = served
+    straight = _files(client.predict(text=MD, job_id="", **KW, api_name="/audiobook")[4])
+    before = {j.id for j in L.list_jobs(app.jobs_root())}
+    kw = dict(KW, max_new_tokens=60)          # slow enough to stop in the middle
+    job = client.submit(text=MD, job_id="", **kw, api_name="/audiobook")
+    deadline = time.time() + 120
+    new = None
+    while time.time() < deadline:
+        new = next((j for j in L.list_jobs(app.jobs_root()) if j.id not in before), None)
+        if new is not None and all(s.done for s in new.chapters[0].segments):
+            break
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    try:
+        job.result(timeout=120)
+    except Exception:
+        pass
+    stopped = L.Job.load(app.jobs_root(), new.id)
+    assert all(s.done for s in stopped.chapters[0].segments) and stopped.pending(), "stopped too late to test"
+    assert stopped.state == "stopped"
+    for ci, si in [(c, s) for c, ch in enumerate(stopped.chapters) for s, x in enumerate(ch.segments) if x.done]:
+        assert len(stopped.segment_audio(ci, si)) == stopped.chapters[ci].segments[si].samples   # whole files
+    again = client.predict(text="", job_id=new.id, **kw, api_name="/audiobook")
+    assert "Book done" in again[2]
+    ref = _files(client.predict(text=MD, job_id="", **kw, api_name="/audiobook")[4])
+    _same_book(ref, _files(again[4]))
+    assert straight.keys() == ref.keys()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def progress_html(job: longform.Job, t0: float | None = None, chars0: int = 0, n
             f'style="width:100%"></progress><div>Chapters {k["chapters_done"]}/{k["chapters"]} · segments '
             f'{k["segments_done"]}/{k["segments"]} · {longform._clock(k["audio_s"])} of audio so far{left}'
             f'{" · " + html.escape(note) if note else ""}</div></div>')
+
+
+_running: set[str] = set()              # the jobs being rendered in this process (one run per job at a time)
+_running_lock = threading.Lock()
 
 
 class LongformHandler:
@@ -162,6 +167,18 @@ class LongformHandler:
     def _render(self, job: longform.Job, todo: list[tuple[int, int]], session, request, live_token: str,
                 note: str = ""):
         """Speak the segments `todo` through the page's generation loop, each kept on disk as it ends."""
+        with _running_lock:
+            if job.id in _running:
+                raise TTSError("this job is being rendered already (in another tab?): wait for it, or press Stop there")
+            _running.add(job.id)
+        try:
+            yield from self._render_parts(job, todo, session, request, live_token, note)
+        finally:
+            with _running_lock:
+                _running.discard(job.id)
+
+    def _render_parts(self, job: longform.Job, todo: list[tuple[int, int]], session, request, live_token: str,
+                      note: str):
         c, st = self.c, job.settings
         resolved = {}
         parts = []
