@@ -44,7 +44,7 @@ def _one_line(text: str) -> str:
 def to_srt(cues: list[Cue], estimated: bool = False) -> str:
     out, n = [], 1
     if estimated and cues:
-        out.append(f"1\n{_stamp(0, ',')} --> {_stamp(min(cues[0].start, 0.001), ',')}\n"
+        out.append(f"1\n{_stamp(0, ',')} --> {_stamp(0.001, ',')}\n"
                    "[word timings estimated by speech recognition]\n")
         n = 2
     for i, c in enumerate(cues):
@@ -87,7 +87,7 @@ def parse_srt(text: str) -> list[Cue]:
             raise TTSError(f"the SRT file is malformed at line {block_start}: expected a cue number and a timing "
                            "line such as 00:00:01,000 --> 00:00:03,500")
         start, end = _seconds(*m.groups()[:4]), _seconds(*m.groups()[4:])
-        if end <= start:
+        if end < start:
             raise TTSError(f"the SRT cue at line {i + 1} ends before it starts ({lines[i].strip()})")
         i += 1
         words = []

@@ -93,3 +93,21 @@ def test_speech_api_links_its_subtitles(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url + "/v1/audio/subtitles/" + "0" * 32 + ".srt")
         assert e.value.code == 404
+
+
+def test_word_level_cues_are_estimated_and_inside_their_group(tmp_path, asr_env):
+    from gradio_client import handle_file
+
+    text = "First group of words here. " * 6 + "And the last."
+    with tiny_gradio_app(tmp_path, max_text_chars=1500) as (app, client):
+        _live, wav, _status, _seed = client.predict(text=text, voice="ryan", seed=5, randomize=False,
+                                                    max_new_tokens=10, api_name="/preset")
+        exact, _ = client.predict(handle_file(wav), api_name="/ui_take_subtitles")
+        srt, vtt = client.predict(final=handle_file(wav), api_name="/take_words")
+    groups = parse_srt(open(exact, encoding="utf-8").read())
+    words = parse_srt(open(srt, encoding="utf-8").read())
+    assert words[0].text == "[word timings estimated by speech recognition]"
+    assert "NOTE word timings estimated" in open(vtt, encoding="utf-8").read()
+    # every word lies inside one sentence group's exact span
+    for w in words[1:]:
+        assert any(g.start - 0.002 <= w.start <= w.end <= g.end + 0.002 for g in groups), w

@@ -97,6 +97,7 @@ def _player_column(app, c, max_frames, default_frames):
                        buttons=["download"])
     c.subs = gr.File(label="Subtitles of this result (SRT, WebVTT: one cue per sentence group)", interactive=False,
                      file_count="multiple", height=90, elem_id="take-subtitles")
+    c.words_btn = gr.Button("Word timings (estimated by speech recognition)", size="sm", elem_id="take-words")
     with gr.Row():
         c.seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed", scale=2)
         c.randomize = gr.Checkbox(value=True, label="Randomise seed", scale=1)
@@ -320,7 +321,7 @@ def _wire(app, c):
     if app.models.has("voice_design"):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
     events += longform_tab.wire(app, c, live, on, common[:-1], gen_out)
-    longform_tab.wire_subtitles(app, c)
+    longform_tab.wire_subtitles(app, c, on)
     c.events = events
     c.stop_btn.click(app.stop, None, [c.status], cancels=events, api_name="stop", queue=False)
 

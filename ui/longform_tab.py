@@ -364,6 +364,43 @@ class LongformHandler:
         return [self.files.save_text(to_srt(cues), "take", "srt"), self.files.save_text(to_vtt(cues), "take", "vtt")]
 
 
+    def take_words(self, final=None, language: str = "auto", request: gr.Request = None):
+        """Word-level subtitles of this session's last result: each sentence group's audio (its exact span) given
+        to the speech-recognition model (the Clone tab's transcriber, loaded on first use), whose word timings are
+        estimates (labelled so in the files).
+
+        Parameters:
+            final: the result (the player's lossless WAV)
+            language: "auto" or the language's name
+        Returns:
+            the word-level SRT and WebVTT files (estimated)
+        """
+        from serving.subtitles import Cue
+        from tts_engine import asr
+
+        spans = self.speaker.timings.get(session_key(request)) if final is not None else None
+        if not spans:
+            raise TTSError("generate something first: word timings are made for the result in the player")
+        sr, audio = final
+        audio = np.asarray(audio)
+        audio = (audio.mean(axis=1) if audio.ndim > 1 else audio).astype(np.float32)
+        if audio.dtype != np.float32 or np.abs(audio).max(initial=0) > 1.0:
+            audio = audio / 32768.0
+        t = asr.shared(device=self.cfg.device)
+        words = []
+        for text, a, b in spans:
+            a, b = int(a * sr / SR), int(b * sr / SR)
+            if b - a < int(0.1 * sr):
+                continue
+            end = b / sr
+            words += [Cue(min(a / sr + w0, end), min(max(a / sr + w1, a / sr + w0 + 0.01), end), w)
+                      for w, w0, w1 in t.words(audio[a:b], int(sr), language)]
+        if not words:
+            raise TTSError("no words were recognised in the result")
+        return [self.files.save_text(to_srt(words, estimated=True), "take_words", "srt"),
+                self.files.save_text(to_vtt(words, estimated=True), "take_words", "vtt")]
+
+
 def build(app, c, langs) -> None:
     choices = app.voices.choices(None)
     default_voice = "ryan" if "ryan" in app.models.speakers() else (choices[0][1] if choices else None)
@@ -436,7 +473,9 @@ def wire(app, c, live, on, sampling: list, gen_out: list) -> list:
     return [ev, redo, dub]
 
 
-def wire_subtitles(app, c) -> None:
-    """Each new result in the player gets its subtitles beside it."""
+def wire_subtitles(app, c, on) -> None:
+    """Each new result in the player gets its subtitles beside it; word-level ones on request."""
     c.final.change(app.take_subtitles, [c.final], [c.subs], api_name="ui_take_subtitles", queue=False,
                    show_progress="hidden", api_visibility="undocumented")
+    on(c.words_btn, app.take_words, [c.final], [c.subs], "take_words", concurrency_id="asr", concurrency_limit=1,
+       show_progress="minimal")
