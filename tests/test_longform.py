@@ -208,6 +208,7 @@ def test_bad_input_gets_a_clear_message(served, tmp_path):
              (dict(text=many), f"{L.MAX_CHAPTERS + 1} chapters; the limit is {L.MAX_CHAPTERS}"),
              (dict(text=""), "paste some text"),
              (dict(text=MD, job_id="../../etc"), "unknown job"),
+             (dict(text=MD, only_chapters="2-9"), "2-9 is outside 1-3"),
              (dict(text=MD, target_lufs=5), "greater than maximum value -10")]
     tree = _tree(folder)
     for kw, msg in cases:

@@ -150,6 +150,8 @@ class LongformHandler:
             voices = [ch.voice or str(voice or "").strip() for ch in found]
             for ch_voice in set(voices):
                 self.voices.resolve(ch_voice, session)            # an unknown voice: refused before any work
+            longform.check_chapters(found)
+            parse_chapter_numbers(only_chapters, len(found))     # a bad range: refused before the job is made
             settings = longform.Settings(language=language or "auto", sampling=sampling, max_new_tokens=max_new,
                                          target_lufs=target)
             job = longform.Job.create(root, title, found, voices, seed, settings,
@@ -418,7 +420,7 @@ def build(app, c, langs) -> None:
         c.lf_find = gr.Button("Find chapters", elem_id="longform-find")
         c.lf_table = gr.Dataframe([], headers=longform.TABLE_HEADERS, type="array", interactive=True,
                                   column_count=3, datatype="str", wrap=True, elem_id="longform-chapters",
-                                  label="Chapters (empty voice: the voice below)")
+                                  label="Chapters (empty voice: the voice below; empty list: found when rendering)")
         with gr.Row():
             c.lf_voice = gr.Dropdown(choices, value=default_voice, label="Voice", allow_custom_value=True, scale=2)
             c.lf_lang = gr.Dropdown(langs, value="auto", label="Language", scale=1)
@@ -470,6 +472,9 @@ def wire(app, c, live, on, sampling: list, gen_out: list) -> list:
                gen_out + [c.dub_report], "dub")
     c.session.change(lambda s: gr.update(choices=app.voices.choices(s)), [c.session], [c.lf_voice],
                      api_name="ui_longform_voices", **ui)
+    # a new text or file: the chapter list found from the old one would be rendered instead, so it is cleared
+    for i, trigger in enumerate((c.lf_text.input, c.lf_file.upload, c.lf_file.clear)):
+        trigger(lambda: [], None, [c.lf_table], api_name=f"ui_longform_clear_{i}", **ui)
     return [ev, redo, dub]
 
 

@@ -259,7 +259,7 @@ class Speaker:
                 compute += time.perf_counter() - t_run
                 stream.cancel()
                 self.active.discard(session, stream)
-                if on_part is not None and not stopped:
+                if on_part is not None and not stopped and not halted():   # (a cancelled request ends early)
                     on_part(k, np.concatenate(parts[first_out:]) if len(parts) > first_out
                             else np.zeros(0, np.int16))
                 if stopped or halted():
