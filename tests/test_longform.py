@@ -289,3 +289,24 @@ def test_stop_during_a_job_keeps_what_was_made(served, tmp_path):
     ref = _files(client.predict(text=MD, job_id="", **kw, api_name="/audiobook")[4])
     _same_book(ref, _files(again[4]))
     assert straight.keys() == ref.keys()
+
+
+def test_edited_chapter_list_with_a_voice_per_chapter(served, tmp_path):
+    """/audiobook_chapters fills the list; an edited list (a title changed, chapter 2 in a Base preset clip's voice,
+    chapter 3 dropped) is what gets rendered, each chapter with its own voice and engine."""
+    app, client, folder = served
+    rows, status = client.predict(text=MD, api_name="/audiobook_chapters")
+    assert "3 chapters" in status
+    data = rows["data"] if isinstance(rows, dict) else rows
+    assert [r[0] for r in data] == ["Chapter 1", "Chapter 2", "Chapter 3"]
+    edited = [["The start", "", data[0][2]], ["Chapter 2", "preset:emma", data[1][2]]]
+    res = client.predict(text="", chapters={"headers": L.TABLE_HEADERS, "data": edited}, job_id="", **KW,
+                         api_name="/audiobook")
+    assert "Book done" in res[2] and "2 chapters" in res[2], res[2]
+    job = L.Job.load(app.jobs_root(), res[5])
+    assert [(c.title, c.voice) for c in job.chapters] == [("The start", "ryan"), ("Chapter 2", "preset:emma")]
+    meta = json.loads(_files(res[4])["chapters.json"])
+    assert [e["voice"] for e in meta["chapters"]] == ["ryan", "preset:emma"]
+    with pytest.raises(Exception, match="(?i)unknown voice"):
+        client.predict(text="", chapters={"headers": L.TABLE_HEADERS, "data": [["A", "nobody", "Hi."]]},
+                       job_id="", **KW, api_name="/audiobook")
