@@ -306,6 +306,8 @@ def from_rows(rows) -> list[Chapter]:
     """The table back into chapters (empty rows dropped; paragraphs are separated by blank lines)."""
     if hasattr(rows, "values") and hasattr(rows, "columns"):      # a pandas DataFrame
         rows = rows.values.tolist()
+    elif isinstance(rows, dict):                                   # the page's value: {"headers", "data"}
+        rows = rows.get("data") or []
     out = []
     for row in rows or []:
         cells = ["" if x is None or (isinstance(x, float) and x != x) else str(x) for x in list(row)[:3]]

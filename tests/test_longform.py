@@ -255,6 +255,7 @@ def test_reading_rules():
     assert L.split_chapters("Just a text.\n\nTwo paragraphs.")[0].paragraphs == ["Just a text.", "Two paragraphs."]
     rows = L.to_rows(chapters)
     assert [c.title for c in L.from_rows(rows + [["", "", ""]])] == [c.title for c in chapters]
+    assert [c.title for c in L.from_rows({"headers": L.TABLE_HEADERS, "data": rows})] == [c.title for c in chapters]
 
 
 def test_stop_during_a_job_keeps_what_was_made(served, tmp_path):
