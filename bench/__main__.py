@@ -18,6 +18,8 @@ BENCHMARKS = {
                "profiled)"),
     "gpu_frame": ("bench.gpu_frame", "the fused GPU frame against the eager frame: codes, ms per frame with and "
                   "without CUDA graphs, launches (--interpret: a dry run on a CPU)"),
+    "peers_gpu": ("bench.peers_gpu", "qwen3-tts-triton (one stream, generate_batch) and faster-qwen3-tts-batch at "
+                  "1-64 streams on our random weights, on a GPU (wheels carried in .whl/; --dry-run on a CPU)"),
     "zerogpu": ("bench.zerogpu", "one click in ZeroGPU mode as a GPU worker serves it: eager, the worker's first "
                 "click (warm_gpu), a second click; first audio after the grant, x real time"),
     "step": ("bench.step", "the per-frame step of two checkouts' model runners, interleaved (A/B)"),

@@ -70,13 +70,28 @@ step speed_one_big 90 $PY -m bench speed --arch "$BIG" --concurrency 1 --frames 
 [ "${DRY:-0}" = 1 ] || TTS_GPU_TEST_DEVICE=cuda step kernels 60 $PY -m pytest -q -x -p no:cacheprovider \
   tests/test_gpu_kernels.py
 # 9. peers on the same GPU, where their wheels travelled with the tree
-if [ -d .whl/faster ] && [ -d .whl/official ] && [ -f .whl/anchor_bench.py ]; then
+wanted() { [ "$STEPS" = all ] || [[ ",$STEPS," == *",$1,"* ]]; }
+if [ "${DRY:-0}" = 1 ]; then
+  echo "=== peers: skipped in a dry run (anchor_bench.py needs CUDA; peers_gpu below has a dry run)" | tee -a "$log"
+elif ! wanted peers; then
+  :
+elif [ -d .whl/faster ] && [ -d .whl/official ] && [ -f .whl/anchor_bench.py ]; then
   P="$PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target"
   $P /tmp/site-official .whl/official/*.whl .whl/common/*.whl && $P /tmp/site-faster .whl/faster/*.whl .whl/common/*.whl
   step peers 240 $PY .whl/anchor_bench.py --site-official /tmp/site-official \
     --site-faster /tmp/site-faster --frames 128 --budget-s 200 --out "$RES/anchor.json"
 else
   echo "=== peers: skipped (no .whl/faster, .whl/official and .whl/anchor_bench.py carried)" | tee -a "$log"
+fi
+# 10. qwen3-tts-triton (one stream, generate_batch) and faster-qwen3-tts-batch at 1-64 streams, same random weights
+#     (bench/peers_gpu.py installs .whl/ itself; bench/gpu_wheels.sh fills it; skipped where it did not travel)
+if [ -d .whl/triton ] && [ -d .whl/batch ] && [ -d .whl/faster4 ] && [ -f .whl/anchor_bench.py ]; then
+  PG_S=210   # the driver's own budget: it ends its workers itself, inside the step's time box
+  if [ "$BUDGET_S" -gt 0 ] && [ $((BUDGET_S - SECONDS - 40)) -lt "$PG_S" ]; then PG_S=$((BUDGET_S - SECONDS - 40)); fi
+  if [ "${DRY:-0}" = 1 ]; then PG=(--dry-run --engines batch); else PG=(--models 0.6B --batches 1,4,16,64 --frames 128); fi
+  step peers_gpu 260 $PY -m bench peers_gpu "${PG[@]}" --budget-s "$PG_S" --out "$RES/peers_gpu.json"
+else
+  echo "=== peers_gpu: skipped (no .whl/triton, .whl/batch, .whl/faster4 and .whl/anchor_bench.py carried)" | tee -a "$log"
 fi
 nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv,noheader 2>/dev/null | tee -a "$log"
 echo "=== done $(date -u +%T) after $SECONDS s" | tee -a "$log"

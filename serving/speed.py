@@ -35,8 +35,9 @@ def change_speed(wav: np.ndarray, sr: int, speed: float) -> np.ndarray:
     rb.set_expected_input_duration(n)
     for i in range(0, n, STUDY_BLOCK):                      # offline: Rubber Band sees the whole clip first
         rb.study(np.ascontiguousarray(x[:, i:i + STUDY_BLOCK]), final=i + STUDY_BLOCK >= n)
-    rb.set_max_process_size(n)
-    block, out, i = rb.get_process_size_limit(), [], 0
+    block = min(n, rb.get_process_size_limit())              # Rubber Band takes at most 2^19 samples per call
+    rb.set_max_process_size(block)
+    out, i = [], 0
     while i < n or rb.available() > 0:
         if i < n:
             rb.process(np.ascontiguousarray(x[:, i:i + block]), final=i + block >= n)

@@ -150,3 +150,11 @@ def test_speaker_is_another_name_for_voice(client, monkeypatch):
     by_speaker = _say(client, voice=openai.NOT_GIVEN, response_format="pcm", extra_body={"speaker": "ryan"})
     _say(client, voice="aiden", response_format="pcm")
     assert by_speaker == by_voice and asked == ["ryan", "ryan", "aiden"]
+
+
+def test_a_clip_longer_than_rubber_bands_process_limit_is_stretched():
+    """Rubber Band takes at most 2^19 samples (~22 s at 24 kHz) per call: a 30 s clip goes in several calls."""
+    x = (0.2 * np.sin(2 * np.pi * 180 * np.arange(24000 * 30) / 24000)).astype(np.float32)
+    y = change_speed(x, 24000, 1.25)
+    assert len(y) == round(len(x) / 1.25) and np.isfinite(y).all()
+    assert 0.1 < np.abs(y[len(y) // 2:len(y) // 2 + 24000]).max() <= 1.0   # sound throughout, not silence

@@ -76,5 +76,7 @@ class TTSApp(Handlers, DialogueHandler, TranscribeHandler, LongformHandler):
         self.models.load_in_background(roles)
 
     def close(self) -> None:
+        if getattr(self, "listen", None) is not None:   # listening tests and their extra engines (ui/listen_tab.py)
+            self.listen.close()
         self.models.close()
         self.files.close()

@@ -15,6 +15,7 @@ from tts_engine.voices import blend as blendlib
 
 from ui.config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
 from ui import dialogue_tab, history, longform_tab
+from ui import listen_tab
 from ui import live_player as lp
 from ui import model_loader
 from ui import transcribe
@@ -67,10 +68,12 @@ def build(app) -> gr.Blocks:
                     longform_tab.build(app, c, langs)
                     if models.has("voice_design"):
                         _design_tab(c, langs, examples)
+                    listen_tab.build(app, c, langs)
             with gr.Column(scale=2, min_width=320):
                 _player_column(app, c, max_frames, default_frames)
         footer = gr.Markdown(_footer(models))
         _wire(app, c)
+        demo.load(None, None, None, js=listen_tab.load_js())   # the Listen tab's trial player (assets/listen.js)
         # voices uploaded through the API since the page was built appear when it is (re)loaded
         demo.load(lambda s: app._dropdowns(s), [c.session], [c.p_voice, *c.slot_voice], api_name="ui_voices",
                   queue=False, show_progress="hidden", api_visibility="undocumented")
@@ -322,6 +325,7 @@ def _wire(app, c):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
     events += longform_tab.wire(app, c, live, on, common[:-1], gen_out)
     longform_tab.wire_subtitles(app, c, on)
+    listen_tab.wire(app, c, on)
     c.events = events
     c.stop_btn.click(app.stop, None, [c.status], cancels=events, api_name="stop", queue=False)
 

@@ -719,11 +719,20 @@ class CodecDecoder(nn.Module):
                                  torch.zeros(kv_shape, device=device, dtype=dtype),
                                  torch.zeros(batch_size, dtype=torch.long, device=device))
 
-    @torch.no_grad()
+    fast_step = None   # a device's fast path for `decode_step` (on CUDA: `tts_engine.gpu.codec_graph`), where attached
+
     def decode_step(self, codes: torch.Tensor, state: CodecDecoderState) -> torch.Tensor:
         """codes [B, 16, n] (int64, 0 <= code < codebook_size, n >= 1) -> waveform [B, n * 1920], clamped to
         [-1, 1]. Continues each row of `state` and advances it (its fields are replaced by new tensors of the
-        same shapes, only after the whole step succeeded)."""
+        same shapes, only after the whole step succeeded). Served by `fast_step` where a device attached one (it
+        falls back to `decode_step_eager`, the readable reference, by itself)."""
+        if self.fast_step is not None:
+            return self.fast_step(codes, state)
+        return self.decode_step_eager(codes, state)
+
+    @torch.no_grad()
+    def decode_step_eager(self, codes: torch.Tensor, state: CodecDecoderState) -> torch.Tensor:
+        """`decode_step` in plain PyTorch, op by op."""
         if codes.shape[1] != self.cfg.num_quantizers:
             raise ValueError(f"Expected {self.cfg.num_quantizers} layer of codes, got {codes.shape[1]}")
         B, _, n = codes.shape

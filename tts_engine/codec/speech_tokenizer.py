@@ -61,6 +61,10 @@ class SpeechTokenizer:
 
                 # bf16 on a CPU: bf16 or fp32, whichever decodes faster on this machine (measured once, cached)
                 self._decoder = choose(load_module(CodecDecoder(cfg), self.file, "decoder.", self.device, self.dtype))
+                if self.device.type == "cuda":   # its steps as CUDA graphs per shape, where they agree and pay
+                    from tts_engine.gpu.codec_graph import attach
+
+                    attach(self._decoder)
             return self._decoder
 
     @property
