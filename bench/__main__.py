@@ -54,6 +54,8 @@ BENCHMARKS = {
               "API)"),
     "time_stretch": ("bench.time_stretch", "the speech-speed time stretch on the preset clips: length, pitch change, "
                      "time"),
+    "longform": ("bench.longform", "a long-form job (a book of --minutes) through /audiobook on the CPU: wall time, "
+                 "peak memory, disk use"),
     "text_prep": ("bench.text_prep", "what the model reads: a 10,000-entry pronunciation dictionary and the numbers read "
                   "out, applied to 2,000 characters (ms)"),
     "plain_read": ("bench.plain_read", "the plain large memory read (the floor every CPU figure is compared with) "

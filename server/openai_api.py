@@ -43,6 +43,8 @@ from server.speech_request import APIError, SpeechRequest, check_request, model_
 from serving.speed import StreamStretcher, change_speed
 from serving.take_guard import SpokenTakes, TakeGuard
 from serving import voice_store
+from serving.subtitles import Cue, speak_with_cues, to_srt, to_vtt
+from server.text_stream import SentenceStream
 
 log = logging.getLogger("tts_server")
 DEFAULT_SPEAKER = "vivian"     # when a CustomVoice request names no voice (vLLM-Omni's default)
@@ -110,11 +112,39 @@ SPEECH_HEADERS = {
                     "schema": {"type": "string"}},
     "X-Notice": {"description": "what the server changed about the request (a trimmed reference clip, a "
                                 "transcript written by Whisper), `; `-separated", "schema": {"type": "string"}},
+    "X-Subtitles": {"description": "with `subtitles` (srt or vtt) in the request: the path of the answer's subtitles "
+                                   "(`GET` it: one cue per sentence, timed from its samples), kept for the file "
+                                   "lifetime", "schema": {"type": "string"}},
     "X-Take-Check": {"description": "the take guard's check of each part between pause tags, `; `-separated: "
                                     "`pass` or `fail=runaway|too-short|transcript`, seed, seconds, bound_frames, cer, "
                                     "takes (docs/text-and-takes.md); a stream says `streamed: ...` (not redone)",
                      "schema": {"type": "string"}},
 }
+
+
+class SubtitleStore:
+    """The subtitles of recent answers, by an unguessable id, for `GET /v1/audio/subtitles/{id}.srt|.vtt`
+    (at most `size` answers, each kept `ttl` seconds)."""
+
+    def __init__(self, ttl: float, size: int = 512):
+        self.ttl, self.size, self.items, self.lock = ttl, size, {}, threading.Lock()
+
+    def put(self, cues: list[Cue]) -> str:
+        import uuid
+
+        sid = uuid.uuid4().hex
+        with self.lock:
+            now = time.monotonic()
+            self.items = {k: v for k, v in self.items.items() if now - v[0] < self.ttl}
+            while len(self.items) >= self.size:
+                self.items.pop(next(iter(self.items)))
+            self.items[sid] = (now, cues)
+        return sid
+
+    def get(self, sid: str) -> list[Cue] | None:
+        with self.lock:
+            item = self.items.get(sid)
+        return item[1] if item and time.monotonic() - item[0] < self.ttl else None
 
 
 def _headers(stream, notices: list[str], engine=None) -> dict:
@@ -148,6 +178,7 @@ def decode_ref_audio(s: str, limits: Limits) -> bytes:
 def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
     """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
     slots = ClientSlots(limits.max_per_client)
+    subtitles = SubtitleStore(limits.file_ttl_seconds)
     take_guard = TakeGuard.from_env()     # every take checked (serving/take_guard.py); requests adjust it
     if isinstance(registry, EngineRegistry):    # uploaded voices: POST / DELETE /v1/audio/voices
         voices_api.install(app, registry, limits)
@@ -245,12 +276,15 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             notices: list[str] = []
             voice = make_voice(role, engine, req, notices)
             extra = {"first_chunk_frames": req.initial_codec_chunk_frames} if req.initial_codec_chunk_frames else {}
+            prepared = prepare_input(req)    # bad pause tags and dictionaries refused on every path
+            if req.subtitles:            # sentence by sentence, each cue timed from its own request's samples
+                return subtitled(engine, req, fmt, voice, notices, extra)
 
             def submit(text, seed, max_new):     # one take of one segment of the prepared input
                 return engine.stream(text, voice=voice, language=req.language or "auto",
                                      instruct=req.instructions if engine.supports_instruct else None,
                                      seed=seed, max_new_tokens=max_new, **extra)
-            stream = SpokenTakes(prepare_input(req), submit,
+            stream = SpokenTakes(prepared, submit,
                                  take_guard.with_options(retries=req.take_retries, best_of=req.best_of),
                                  random.randrange(2**31) if req.seed is None else req.seed,
                                  req.max_new_tokens or limits.max_new_tokens, req.language, streaming=req.stream)
@@ -300,6 +334,38 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         finally:
             if not released:
                 slots.release(client)
+
+    def subtitled(engine, req: SpeechRequest, fmt: str, voice, notices: list, extra: dict) -> Response:
+        cut = SentenceStream("sentence")
+        sentences = cut.feed(req.input) + cut.flush()
+        sr = audio_formats.SAMPLE_RATE
+        wav, cues, seed = speak_with_cues(engine, sentences, sr, seed=req.seed, voice=voice,
+                                          language=req.language or "auto",
+                                          instruct=req.instructions if engine.supports_instruct else None,
+                                          max_new_tokens=req.max_new_tokens or limits.max_new_tokens, **extra)
+        if req.speed is not None and req.speed != 1.0:
+            wav = change_speed(wav, sr, req.speed)
+            cues = [Cue(q.start / req.speed, q.end / req.speed, q.text) for q in cues]
+        try:
+            body = audio_formats.encode(wav, fmt)
+        except audio_formats.FormatUnavailable as e:
+            raise APIError(400, str(e), param="response_format", code="unsupported_format") from None
+        path = f"/v1/audio/subtitles/{subtitles.put(cues)}.{req.subtitles.lower()}"
+        headers = {**_headers(type("Answer", (), {"seed": seed}), notices, engine), "X-Subtitles": path,
+                   "Link": f'<{path}>; rel="alternate"'}
+        return Response(body, media_type=audio_formats.MEDIA_TYPES[fmt], headers=headers)
+
+    @app.get("/v1/audio/subtitles/{name}")
+    def get_subtitles(name: str):
+        """The subtitles of a recent answer (its `X-Subtitles` header): `<id>.srt` or `<id>.vtt`."""
+        sid, _, ext = name.partition(".")
+        cues = subtitles.get(sid) if ext in ("srt", "vtt") else None
+        if cues is None:
+            raise APIError(404, "no such subtitles (they are kept for the file lifetime): request the speech again",
+                           param="name", code="not_found")
+        if ext == "srt":
+            return Response(to_srt(cues), media_type="application/x-subrip; charset=utf-8")
+        return Response(to_vtt(cues), media_type="text/vtt; charset=utf-8")
 
     @app.get("/health")
     def health():

@@ -48,6 +48,7 @@ class SpeechRequest(BaseModel):
     max_new_tokens: int | None = None
     seed: int | None = None
     initial_codec_chunk_frames: int | None = None
+    subtitles: str | None = None                # "srt" or "vtt": cues per sentence, linked from the answer's headers
     # what the model reads and how takes are checked (serving/text_prep.py, serving/take_guard.py)
     lexicon: dict[str, str] | None = None        # word or phrase -> respelling, over the server's dictionary
     read_numbers: bool | None = None             # numbers, dates, times, currencies, abbreviations as words (True)
@@ -97,6 +98,12 @@ def check_request(req: SpeechRequest, limits: Limits) -> str:
     if req.initial_codec_chunk_frames is not None and not 0 <= req.initial_codec_chunk_frames <= limits.max_new_tokens:
         raise _bad(f"initial_codec_chunk_frames must be between 0 (the server's default) and "
                    f"{limits.max_new_tokens}, got {req.initial_codec_chunk_frames}", "initial_codec_chunk_frames")
+    if req.subtitles is not None:
+        if req.subtitles.lower() not in ("srt", "vtt"):
+            raise _bad(f"subtitles must be srt or vtt, got {req.subtitles!r}", "subtitles")
+        if req.stream:
+            raise _bad("subtitles come with whole answers: leave out stream=true (or leave out subtitles)",
+                       "subtitles", code="unsupported_parameter")
     if req.speaker_embedding is not None and req.ref_audio is not None:
         raise _bad("speaker_embedding and ref_audio are mutually exclusive: send one of them", "speaker_embedding")
     if req.ref_text is not None and not req.ref_text.strip() and req.ref_audio is not None \

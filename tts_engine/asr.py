@@ -134,3 +134,52 @@ class Transcriber:
                 raise TTSError(f"speech recognition failed: {e}") from None
             text = proc.batch_decode(ids, skip_special_tokens=True)[0].strip()
             return Transcript(text=text, seconds=time.perf_counter() - t, model=self.model_id)
+
+    def words(self, wav: np.ndarray, sr: int, language: str | None = None) -> list[tuple[str, float, float]]:
+        """The words of a clip (the first 30 s) with their (start, end) in seconds, estimated from the decoder's
+        cross-attention by dynamic time warping (transformers' `return_token_timestamps`; the checkpoint's
+        alignment heads, else every head of the decoder's second half, as openai-whisper does without them).
+        Estimates, not measurements: label them so."""
+        from tts_engine.audio import resample
+
+        wav = np.asarray(wav, dtype=np.float32)
+        if wav.ndim != 1 or wav.size == 0:
+            raise TTSError("the clip to transcribe is empty")
+        wav = resample(wav, sr, SR)[: int(MAX_SECONDS * SR)]
+        lang = whisper_language(language)
+        with self._lock:
+            self._load()
+            import torch
+
+            model, proc = self._model, self._processor
+            inputs = proc(wav, sampling_rate=SR, return_tensors="pt", return_attention_mask=True)
+            feats = inputs.input_features.to(model.device, model.dtype)
+            gc = model.generation_config
+            if not getattr(gc, "alignment_heads", None):
+                n, h = model.config.decoder_layers, model.config.decoder_attention_heads
+                gc.alignment_heads = [[layer, head] for layer in range(n // 2, n) for head in range(h)]
+            room = int(getattr(model.config, "max_target_positions", 448)) - 5
+            kw = {"task": "transcribe", "max_new_tokens": max(1, min(self.max_new_tokens, room))}
+            if lang is not None and getattr(gc, "lang_to_id", None):
+                kw["language"] = lang
+            try:
+                with torch.inference_mode():
+                    out = model.generate(feats, attention_mask=inputs.attention_mask.to(model.device),
+                                         return_token_timestamps=True, return_dict_in_generate=True, **kw)
+            except (ValueError, RuntimeError) as e:
+                raise TTSError(f"word timing failed: {e}") from None
+            ids, times = out["sequences"][0].tolist(), out["token_timestamps"][0].tolist()
+            special = set(proc.tokenizer.all_special_ids)
+            clip = len(wav) / SR
+            words: list[list] = []
+            for k, tok in enumerate(ids):          # token k spans from its time to the next token's
+                piece = proc.tokenizer.decode([tok]) if tok not in special else ""
+                if not piece.strip():
+                    continue
+                start, end = times[k], times[k + 1] if k + 1 < len(times) else clip
+                if not words or piece.startswith(" "):
+                    words.append([piece.strip(), start, end])
+                else:
+                    words[-1][0] += piece
+                    words[-1][2] = end
+            return [(w, min(a, clip), min(max(b, a), clip)) for w, a, b in words]

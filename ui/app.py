@@ -15,13 +15,14 @@ from ui.config import AppConfig
 from ui.dialogue import DialogueHandler
 from ui.early_start import EarlyStarts
 from ui.handlers import Handlers
+from ui.longform_tab import LongformHandler
 from ui.roles import Models, cache_root
 from ui.session import Files, Voices
 from ui.transcribe import TranscribeHandler
 from ui.speak import ActiveStreams, Speaker
 
 
-class TTSApp(Handlers, DialogueHandler, TranscribeHandler):
+class TTSApp(Handlers, DialogueHandler, TranscribeHandler, LongformHandler):
     def __init__(self, cfg: AppConfig | None = None):
         self.cfg = cfg = cfg or AppConfig()
         self.zerogpu = zerogpu.enabled()     # Hugging Face ZeroGPU (the `spaces` package's own detection)

@@ -14,7 +14,7 @@ import gradio as gr
 from tts_engine.voices import blend as blendlib
 
 from ui.config import DEFAULT_SAMPLING, FILE_CHOICE, ROLE_LABEL
-from ui import dialogue_tab, history
+from ui import dialogue_tab, history, longform_tab
 from ui import listen_tab
 from ui import live_player as lp
 from ui import model_loader
@@ -65,6 +65,7 @@ def build(app) -> gr.Blocks:
                     _clone_tab(app, c, langs)
                     _blend_tab(c, voices.choices(None, blend=True), langs)
                     dialogue_tab.build(app, c, langs)
+                    longform_tab.build(app, c, langs)
                     if models.has("voice_design"):
                         _design_tab(c, langs, examples)
                     listen_tab.build(app, c, langs)
@@ -97,6 +98,9 @@ def _player_column(app, c, max_frames, default_frames):
     c.stop_btn = gr.Button("■ Stop", variant="stop", elem_id="stop-btn", elem_classes=[lp.STOP_CLASS])
     c.final = gr.Audio(label="Full result (lossless WAV)", format="wav", interactive=False, elem_id="final-audio",
                        buttons=["download"])
+    c.subs = gr.File(label="Subtitles of this result (SRT, WebVTT: one cue per sentence group)", interactive=False,
+                     file_count="multiple", height=90, elem_id="take-subtitles")
+    c.words_btn = gr.Button("Word timings (estimated by speech recognition)", size="sm", elem_id="take-words")
     with gr.Row():
         c.seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed", scale=2)
         c.randomize = gr.Checkbox(value=True, label="Randomise seed", scale=1)
@@ -345,6 +349,8 @@ def _wire(app, c):
     events.append(dialogue_tab.wire(app, c, live, common, gen_out))
     if app.models.has("voice_design"):
         events.append(live(c.design_btn, app.design, [c.d_text, c.d_desc, c.d_lang] + common, gen_out, "design"))
+    events += longform_tab.wire(app, c, live, on, common[:-1], gen_out)
+    longform_tab.wire_subtitles(app, c, on)
     listen_tab.wire(app, c, on)
     _wire_text_takes(app, c, on)
     c.events = events

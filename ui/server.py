@@ -12,7 +12,8 @@ from ui.layout import CSS
 def launch_kwargs(app) -> dict:
     return dict(theme=gr.themes.Soft(primary_hue="indigo", secondary_hue="pink"), css=CSS,
                 max_file_size=app.limits.max_upload_bytes,
-                allowed_paths=[str(app.cfg.presets_dir), str(app.files.dir)])   # + the session's takes (history.py)
+                allowed_paths=[str(app.cfg.presets_dir), str(app.files.dir),   # + the session's takes (history.py)
+                               str(app.jobs_root())])                          # long-form jobs' zips (longform_tab.py)
 
 
 def create_server(app, demo: gr.Blocks):

@@ -154,6 +154,12 @@ class Files:
         sf.write(str(path), pcm, SR, subtype="PCM_16")
         return str(path)
 
+    def save_text(self, text: str, name: str, ext: str) -> str:
+        """A UTF-8 text file `<name>.<ext>` (subtitles; expires like the voice files)."""
+        path = self._new_path(name, ext, "text")
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
     def _new_path(self, name: str, ext: str, fallback: str) -> Path:
         """A fresh file `<name>.<ext>` in its own random subfolder (old ones pruned first)."""
         self.prune()

@@ -162,6 +162,9 @@ class Speaker:
                  live_audio: bool, poll_s: float = 0.25):
         self.c, self.status, self.loaded, self.active = c, status, loaded, active
         self.live_audio, self.poll_s = live_audio, poll_s
+        # per session: (text, first sample, end sample) of each sentence group of its last generation, in what
+        # was emitted (the take's subtitles, serving/subtitles.py)
+        self.timings: dict[str, list[tuple[str, int, int]]] = {}
 
     def start(self, role: str, seed: int) -> dict:
         """First update of a generation: clear the lossless player, show the seed (and 'loading' if cold)."""
@@ -189,10 +192,12 @@ class Speaker:
 
     def speak_parts(self, role: str, pieces: list[Part], request=None, *, note: str = "",
                     extra_final: dict | None = None, sink: Sink | None = None,
-                    on_done: Callable[[list[tuple[int, np.ndarray]]], dict] | None = None) -> Iterator[dict]:
+                    on_done: Callable[[list[tuple[int, np.ndarray]]], dict] | None = None,
+                    on_part: Callable[[int, np.ndarray], None] | None = None) -> Iterator[dict]:
         """Stream `pieces` in order, each submitted ahead while the one before plays, and end with the lossless
         WAV and the status. `on_done(lines)`, with each line's audio [(line, int16 samples)] (pauses excluded),
-        adds to the final update."""
+        adds to the final update. `on_part(k, samples)`: part k ended whole (not stopped), with its int16 samples
+        (the pause before it excluded), before the next part's audio is emitted (long-form jobs keep it on disk)."""
         c = self.c
         job = pieces[0].job                   # the seed and the status line's figures
         session = session_key(request)
@@ -241,7 +246,8 @@ class Speaker:
                     if update:
                         yield update
                 spans.append((pieces[k].line, n, n))
-                take_at = (len(parts), n)         # where this part's take starts in the WAV (a redo replaces it)
+                first_out = len(parts)                # parts[first_out:]: this part's audio
+                take_at = (first_out, n)          # where this part's take starts in the WAV (a redo replaces it)
                 made, first = 0, None             # this part's samples so far; (when, samples) of its first chunk
                 for chunk in stream:
                     if halted():                  # Stop came while this chunk was queued: no "Streaming" status
@@ -282,6 +288,9 @@ class Speaker:
                 compute += time.perf_counter() - t_run
                 stream.cancel()
                 self.active.discard(session, stream)
+                if on_part is not None and not stopped and not halted():   # (a cancelled request ends early)
+                    on_part(k, np.concatenate(parts[first_out:]) if len(parts) > first_out
+                            else np.zeros(0, np.int16))
                 if stopped or halted():
                     stopped = True
                     break
@@ -306,6 +315,10 @@ class Speaker:
         checked = [(i, getattr(s, "summary", lambda: "")()) for i, s in enumerate(submitted)]
         note = " · ".join(x for x in [note] + [f"part {i + 1} {t}" if len(pieces) > 1 else t
                                                  for i, t in checked if t] if x)
+        self.timings.pop(session, None)
+        self.timings[session] = [(pieces[k].text, a, b) for k, (_line, a, b) in enumerate(spans)]
+        while len(self.timings) > 1000:           # the oldest sessions' first
+            self.timings.pop(next(iter(self.timings)))
         if stopped:
             note = " · ".join(x for x in (note, "stopped by the listener") if x)
         if n == 0:
