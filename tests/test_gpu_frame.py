@@ -148,6 +148,39 @@ def test_fused_frame_greedy_codes_equal_eager(runner, rows, n):
 
 
 @torch.inference_mode()
+def test_a_row_alone_and_in_a_batch_with_key_splits(tiny_cv_folder):
+    """Row 0 alone (batch 1) and among four rows (batch 4) from the same state, over ~300 cached positions so the
+    talker's decode attention splits its keys (`ops.attention_splits` > 1; the other tests' short caches never do):
+    the fused frame gives row 0 the same codes either way and the eager frame's (fp32), with hidden states within
+    1e-5. (A batch-1-only path - row indexing, the sampler at B=1, the frame embedding, the split count - would
+    part them.)"""
+    from bench.gpu_frame import prepare as prepare_long
+
+    run = make_runner(tiny_cv_folder, rows=4, max_len=400)
+    prepare_long(run, 4, 300)
+    Hkv = run.talker.model.layers[0].self_attn.n_kv
+    assert ops.attention_splits(1, Hkv, 301) > 1 and ops.attention_splits(4, Hkv, 310) > 1
+    start = snapshot(run)
+    eager_rows = frames(run, [0, 1, 2, 3], 2)
+    restore(run, start)
+    eager_alone = frames(run, [0], 2)
+    hidden_alone = run.hidden[0].clone()
+    restore(run, start)
+    assert torch.equal(eager_alone[0][0], eager_rows[0][0])
+    backend.install(run, FusedFrame(run), interp=True)
+    try:
+        fused_rows = frames(run, [0, 1, 2, 3], 2)
+        restore(run, start)
+        fused_alone = frames(run, [0], 2)
+        assert backend.installed(run)
+    finally:
+        backend.uninstall(run)
+    assert torch.equal(fused_alone[0][0], fused_rows[0][0]) and torch.equal(fused_alone[0][0], eager_alone[0][0])
+    assert torch.equal(fused_rows[0], eager_rows[0]) and torch.equal(fused_rows[1], eager_rows[1])
+    torch.testing.assert_close(run.hidden[0], hidden_alone, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
 def test_fused_frame_seeded_sampling_equal_eager(runner):
     """Per-row seeds, top-k 50/10, top-p 1/0.9 (predictor: 50/3, 0.95/1): the same draws."""
     prepare(runner, [0, 1], greedy=False, seed=5)
