@@ -19,6 +19,7 @@ About 40-60 s of CPU here: the interpreter runs a batch-4 frame of the tiny mode
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -485,3 +486,24 @@ def test_launches_per_frame(runner):
     gemms = steps * (4 * Lc + 1) + 4 * Lt + 1
     assert gemms <= fused["aten"] <= gemms + 8, fused
     assert eager["aten"] > 4 * fused["total"], (eager, fused)
+
+
+def test_a_space_with_persistent_storage_keeps_tritons_kernels_there(monkeypatch, tmp_path):
+    """On a Space with /data, Triton's compiled kernels go to <data>/triton (with the remembered verdicts), so a
+    restarted Space finds both; TRITON_CACHE_DIR set by the owner wins; elsewhere Triton's default stays."""
+    import triton
+
+    from tts_engine import cache_paths
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unused")   # (so that monkeypatch puts the variable back as it was)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    default = triton.knobs.cache.dir
+    monkeypatch.setattr(cache_paths, "persistent_root", lambda: None)
+    backend.keep_triton_cache()
+    assert triton.knobs.cache.dir == default and "TRITON_CACHE_DIR" not in os.environ
+    monkeypatch.setattr(cache_paths, "persistent_root", lambda: tmp_path / "qwen3-tts-live")
+    backend.keep_triton_cache()
+    assert triton.knobs.cache.dir == str(tmp_path / "qwen3-tts-live" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "own"))
+    backend.keep_triton_cache()
+    assert triton.knobs.cache.dir == str(tmp_path / "own")

@@ -134,11 +134,11 @@ def verdict_key(runner, interp: bool) -> dict:
 
 def _repeats(e: BaseException) -> bool:
     """Whether the same key would fail the same way: a disagreement (AssertionError), a kernel that does not compile
-    (Triton's compilation errors) or a layout the fused frame refuses (ValueError); not out of memory or a CUDA
-    error of the moment."""
+    or does not fit the GPU (Triton's compilation errors, its OutOfResources) or a layout the fused frame refuses
+    (ValueError); not out of memory or a CUDA error of the moment."""
     if isinstance(e, (AssertionError, ValueError)):
         return True
-    return any("Compil" in c.__name__ for c in type(e).__mro__)
+    return any("Compil" in c.__name__ or c.__name__ == "OutOfResources" for c in type(e).__mro__)
 
 
 def keep_triton_cache() -> None:
@@ -148,14 +148,8 @@ def keep_triton_cache() -> None:
     from tts_engine.cache_paths import persistent_root
 
     root = persistent_root()
-    if root is None or os.environ.get("TRITON_CACHE_DIR"):
-        return
-    try:
-        import triton
-
-        triton.knobs.cache.dir = str(root / "triton")   # (sets TRITON_CACHE_DIR: worker processes inherit it)
-    except Exception as e:   # an older triton without knobs: its default folder
-        log.info("tts_engine: Triton's cache stays in its default folder: %s", _why(e))
+    if root is not None and not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton")   # (read by Triton at each compile; inherited)
 
 
 def _where(runner, interp: bool) -> str:
@@ -191,6 +185,8 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
     scope = ops.force_interpreter if interp else contextlib.nullcontext
     if setting != "check" and choice.recall():
         if choice.chosen == "eager":
+            log.info("tts_engine: fused GPU frame not used, as checked before (%s=check checks again): %s", ENV,
+                     choice.record.why)
             out = GpuBackend({"gpu frame": f"eager (remembered: {choice.record.why})"})
             out.choice = choice
             return out
