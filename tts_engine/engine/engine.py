@@ -240,10 +240,12 @@ class TTSEngine:
         """Take the GPU's fast paths in the process that serves, where they could not be taken at load: on ZeroGPU the
         engine is loaded in the main process on the `spaces` package's stand-in device and the real GPU exists only
         in the worker process of each `@spaces.GPU` call. On a real CUDA device this attaches the GPU backend
-        (`tts_engine.gpu`'s fused frame, where it compiles and agrees with eager) if no backend is attached yet and,
-        with `graphs`, serves frames through CUDA graphs captured on first use of each (batch, length) bucket and
-        kept while this process lives (a worker is reused by the next call). Elsewhere it changes nothing. Call it
-        between requests, in the thread that drives the engine. -> `paths()`."""
+        (`tts_engine.gpu`'s fused frame, where it compiles and agrees with eager: checked in the first process, the
+        verdict remembered on disk, so a later worker installs it at once) if no backend is attached yet and, with
+        `graphs`, serves frames through CUDA graphs captured on first use of each (batch, length) bucket (a click
+        captures only the bucket it runs in) and kept while this process lives (a worker is reused by the next
+        call). Elsewhere it changes nothing. Call it between requests, in the thread that drives the engine.
+        -> `paths()`."""
         real_cuda = self.model.device.type == "cuda" and torch.backends.cuda.is_built() and torch.cuda.is_available()
         if real_cuda:
             if self.runner.backend is None:
