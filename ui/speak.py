@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from serving.busy_line import LINE as BUSY_LINE
 from serving.speed import StreamStretcher
 from tts_engine import EngineBusyError, chunk_schedule
 
@@ -154,7 +155,7 @@ class Speaker:
     def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool]) -> Iterator[dict]:
         """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
         waited = False
-        while (pos := getattr(stream, "position", None)) and not halted():
+        while (pos := getattr(stream, "position", None)) is not None and not halted():
             waited = True
             yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
             time.sleep(self.poll_s)
@@ -204,10 +205,30 @@ class Speaker:
             self.active.add(session, s)
             return s
 
+        def submit_or_wait(k: int):
+            """Submit part k; while the engine's queue is full, wait in line saying "Busy, position N" (updated
+            every poll) -> the stream, or None when the listener stopped meanwhile."""
+            try:
+                return submit(k)
+            except EngineBusyError:
+                pass
+            ticket = BUSY_LINE.join(pieces[k].engine)
+            try:
+                while (s := BUSY_LINE.try_submit(ticket, lambda: submit(k))) is None and not halted():
+                    yield {c.status: self.status(f"Busy, position {BUSY_LINE.ahead(ticket) + 1}", seed=job.seed,
+                                                 role=role)}
+                    time.sleep(self.poll_s)
+                return s
+            finally:
+                BUSY_LINE.leave(ticket)
+
         try:
-            ahead = submit(0)
+            ahead = yield from submit_or_wait(0)
             for k in range(len(pieces)):
                 stream, ahead, busy = ahead, None, False
+                if stream is None:                        # the listener stopped while waiting in the busy line
+                    stopped = True
+                    break
                 yield from self._wait_in_queue(stream, job, role, halted)
                 if halted():                              # the listener left while the request was queued
                     stopped = True
@@ -257,7 +278,7 @@ class Speaker:
                     stopped = True
                     break
                 if ahead is None and k + 1 < len(pieces):
-                    ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
+                    ahead = yield from submit_or_wait(k + 1)   # not queued ahead: no audio came, or the queue was full
             if stretch is not None and not stopped:
                 tail = to_int16(stretch.finish())     # what the stretcher still holds
                 update = emit(tail) if len(tail) else {}
@@ -272,7 +293,8 @@ class Speaker:
         if stopped:
             note = " · ".join(x for x in (note, "stopped by the listener") if x)
         if n == 0:
-            final = {c.final: None, c.status: self.status("Done: the model produced no audio (try another seed)",
+            final = {c.final: None, c.status: self.status("Stopped" if stopped else
+                                                          "Done: the model produced no audio (try another seed)",
                                                           seed=job.seed, role=role)}
         else:
             final = {c.final: (SR, np.concatenate(parts)),
