@@ -134,10 +134,12 @@ class FrameTimes:
     def __init__(self):
         self.avg: dict[int, float] = {}
         self.n: dict[int, int] = {}
+        self._slope: float | None = None     # of the line through the measured sizes (kept until the next record)
 
     def record(self, batch: int, seconds: float) -> None:
         if batch <= 0 or not seconds >= 0:
             return
+        self._slope = None
         a = self.avg.get(batch)
         if a is None:
             self.avg[batch], self.n[batch] = seconds, 1
@@ -166,9 +168,10 @@ class FrameTimes:
         b0 = max(below)
         if len(known) == 1:
             return known[b0] * batch / b0
-        xs, ys = np.array(list(known), float), np.array(list(known.values()), float)
-        slope = max(0.0, float(np.polyfit(xs, ys, 1)[0]))
-        return known[b0] + slope * (batch - b0)
+        if self._slope is None:
+            xs, ys = np.array(list(known), float), np.array(list(known.values()), float)
+            self._slope = max(0.0, float(np.polyfit(xs, ys, 1)[0]))
+        return known[b0] + self._slope * (batch - b0)
 
 
 class Scheduler:
