@@ -77,6 +77,22 @@ async def cancel_on_disconnect(receive, stream) -> None:
     await run_in_threadpool(stream.cancel)
 
 
+QUEUE_POLL_S = 0.1    # how often a queued request checks that its client is still there
+
+
+def wait_for_row(stream, request: Request) -> bool:
+    """While `stream` waits in its engine's queue (honest admission may hold it there a while), watch the client
+    (from the route's worker thread): one that hangs up leaves the queue at once. -> False when it did."""
+    import anyio.from_thread
+
+    while getattr(stream, "position", None) is not None:
+        if anyio.from_thread.run(request.is_disconnected):
+            stream.cancel()
+            return False
+        time.sleep(QUEUE_POLL_S)
+    return True
+
+
 class ClientSlots:
     """Concurrent requests per client address."""
 
@@ -261,6 +277,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                                    instruct=req.instructions if engine.supports_instruct else None,
                                    seed=req.seed, max_new_tokens=req.max_new_tokens or limits.max_new_tokens,
                                    **extra)
+            if not wait_for_row(stream, request):
+                return Response(status_code=499)   # the client hung up while queued: nobody to answer
             try:
                 first = next(stream)          # errors at the start still get a proper status code
             except StopIteration:

@@ -95,6 +95,19 @@ def test_a_client_that_hangs_up_frees_its_row_within_a_frame(server):
     assert eng.scheduler.counts()["rows"] == 1 and eng.worker.steps - steps < LONG // 2
 
 
+def test_a_client_that_hangs_up_while_queued_leaves_the_queue(server):
+    url, _, eng = server
+    _idle(eng)
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json=_body(max_new_tokens=LONG), timeout=60) as running:
+        audio = running.iter_bytes()
+        next(audio)
+        with pytest.raises(httpx.ReadTimeout):                  # gives up while queued behind the running stream
+            httpx.post(f"{url}/v1/audio/speech", json=_body(max_new_tokens=4), timeout=1.0)
+        _wait(lambda: eng.load_state()["waiting"] == 0, timeout=5)
+        assert len(eng.scheduler.running) == 1                 # the running stream goes on
+        next(audio)
+
+
 def test_the_websocket_says_busy_with_its_position_and_waits(server):
     url, _, eng = server
     _idle(eng)
