@@ -24,8 +24,9 @@ Server -> client:
 
 Each sentence is submitted to the engine as soon as it is complete while the one before it is spoken (at most
 `LOOKAHEAD` sentences in the engine per socket), and its audio is sent right after the previous sentence's, in
-order, with nothing inserted between them. A socket that closes cancels every sentence still in the engine. When the engine's queue is full a sentence is not
-refused: it waits in the busy line (`serving/busy_line.py`, shared with the page) and the client is told its position.
+order, with nothing inserted between them. A socket that closes cancels every sentence still in the engine. When the
+engine's queue is full a sentence is not refused: it waits in the busy line (`serving/busy_line.py`, shared with the
+page) and the client is told its position.
 """
 from __future__ import annotations
 
@@ -246,13 +247,16 @@ class SpeechSocket:
         async with self.submit_lock:
             ahead = [s for s in list(self.pending) if s.total_sentences is None][:LOOKAHEAD]
             for s in ahead:
-                if s.stream is None and s.error is None and not s.busy:
+                if s.busy and s.stream is None:
+                    break                   # it waits in the busy line: nothing after it overtakes it
+                if s.stream is None and s.error is None:
                     try:
                         s.stream = await run_in_threadpool(s.engine.stream, s.text, voice=s.voice, **s.kw)
                         if self.cancelled:
                             s.stream.cancel()
                     except EngineBusyError:
                         s.busy = True
+                        break
                     except TTSError as e:
                         s.error = str(e)
 

@@ -201,3 +201,37 @@ def test_frame_times_estimates():
     assert ft.estimate(8) == pytest.approx(0.070)                # the line through the measured sizes
     ft.record(4, 10.0)                                           # a reader's pause is not the batch's cost
     assert ft.estimate(4) < 0.09
+
+
+def test_an_engine_with_realtime_admission_keeps_a_slow_batch_from_forming(tiny_cv_folder):
+    """A real (tiny) engine whose frames are made slow: 30 ms + 30 ms a row. One stream keeps real time, two might
+    not (two rows are not measured; at most twice one row's time is assumed): the second request waits in the queue
+    until the first has ended, then runs."""
+    import time
+
+    from tts_engine import TTSEngine
+
+    eng = TTSEngine.from_pretrained(str(tiny_cv_folder), device="cpu", dtype="fp32", max_batch=2,
+                                    admission="realtime", overlap_codec=False)
+    real = eng.runner.decode
+
+    def slow(rows, *a, **kw):
+        time.sleep(0.030 + 0.030 * len(rows))
+        return real(rows, *a, **kw)
+
+    eng.runner.decode = slow
+    eng.worker.split_frames = False
+    try:
+        first = eng.stream("The first listener.", voice="ryan", seed=1, max_new_tokens=24)
+        next(first)
+        second = eng.stream("The second one.", voice="ryan", seed=2, max_new_tokens=4)
+        batches, positions = [], []
+        for _ in first:
+            batches.append(len(eng.scheduler.running))
+            positions.append(second.position)
+        assert batches and max(batches) == 1 and set(positions[:-1]) == {0}   # (the last: it may have started)
+        assert len(list(second)) >= 1
+        state = eng.load_state()
+        assert state["realtime_streams"] == 1 and state["admission"] == "realtime" and state["step_ms"] is None
+    finally:
+        eng.close()

@@ -35,6 +35,7 @@ from ui.text import chunk_text, to_int16
 # The player is told these sizes (`first_chunks_s`, header X-Live-Chunks).
 FIRST_CHUNK_FRAMES = (1, 1)
 FRAME_S = 0.08
+QUEUE_POLL_S = 0.02         # how often a queued request's place is checked (it reads its first chunk this soon)
 
 
 def first_chunks_s(n: int = 6, speed: float = 1.0) -> list[float]:
@@ -154,11 +155,14 @@ class Speaker:
 
     def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool]) -> Iterator[dict]:
         """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
-        waited = False
+        waited, shown, t0 = False, None, time.perf_counter()
         while (pos := getattr(stream, "position", None)) is not None and not halted():
-            waited = True
-            yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
-            time.sleep(self.poll_s)
+            # next in line (0) is shown only once it has waited a while (real-time admission may hold it until a
+            # stream ends); a part queued ahead that starts at once leaves the status line alone
+            if pos != shown and (pos > 0 or time.perf_counter() - t0 >= self.poll_s):
+                waited, shown = True, pos
+                yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
+            time.sleep(QUEUE_POLL_S)
         if waited:
             yield {self.c.status: self.status("Starting", seed=job.seed, role=role)}
 
