@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
@@ -80,13 +80,17 @@ async def cancel_on_disconnect(receive, stream) -> None:
 QUEUE_POLL_S = 0.1    # how often a queued request checks that its client is still there
 
 
-def wait_for_row(stream, request: Request) -> bool:
-    """While `stream` waits in its engine's queue (honest admission may hold it there a while), watch the client
-    (from the route's worker thread): one that hangs up leaves the queue at once. -> False when it did."""
-    import anyio.from_thread
+async def event_loop() -> asyncio.AbstractEventLoop:
+    """The server's event loop, for a sync route (a dependency: FastAPI runs it in the loop)."""
+    return asyncio.get_running_loop()
 
+
+def wait_for_row(stream, request: Request, loop: asyncio.AbstractEventLoop) -> bool:
+    """While `stream` waits in its engine's queue (honest admission may hold it there a while), watch the client
+    (from the route's worker thread, asking the loop): one that hangs up leaves the queue at once. -> False when it
+    did."""
     while getattr(stream, "position", None) is not None:
-        if anyio.from_thread.run(request.is_disconnected):
+        if asyncio.run_coroutine_threadsafe(request.is_disconnected(), loop).result():
             stream.cancel()
             return False
         time.sleep(QUEUE_POLL_S)
@@ -259,7 +263,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
     @app.post("/v1/audio/speech", responses={200: {"description": "the audio (streamed as it is generated with "
                                                   "`stream=true`)", "headers": SPEECH_HEADERS}})
-    def speech(req: SpeechRequest, request: Request):
+    def speech(req: SpeechRequest, request: Request, loop=Depends(event_loop)):
         fmt = check_request(req, limits)
         client = request.client.host if request.client else "unknown"
         slots.acquire(client)
@@ -277,7 +281,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                                    instruct=req.instructions if engine.supports_instruct else None,
                                    seed=req.seed, max_new_tokens=req.max_new_tokens or limits.max_new_tokens,
                                    **extra)
-            if not wait_for_row(stream, request):
+            if not wait_for_row(stream, request, loop):
                 return Response(status_code=499)   # the client hung up while queued: nobody to answer
             try:
                 first = next(stream)          # errors at the start still get a proper status code
