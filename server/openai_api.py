@@ -281,7 +281,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                                    instruct=req.instructions if engine.supports_instruct else None,
                                    seed=req.seed, max_new_tokens=req.max_new_tokens or limits.max_new_tokens,
                                    **extra)
-            if not wait_for_row(stream, request, loop):
+            if not getattr(engine, "driven_by_caller", False) and not wait_for_row(stream, request, loop):
                 return Response(status_code=499)   # the client hung up while queued: nobody to answer
             try:
                 first = next(stream)          # errors at the start still get a proper status code

@@ -153,10 +153,12 @@ class Speaker:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
 
-    def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool]) -> Iterator[dict]:
-        """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
+    def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool],
+                       driven: bool = False) -> Iterator[dict]:
+        """Status updates while the request waits for a place in the engine (`position` 0 = next in line).
+        driven: the engine steps only while its streams are read (ZeroGPU): next in line is read at once."""
         waited, shown, t0 = False, None, time.perf_counter()
-        while (pos := getattr(stream, "position", None)) is not None and not halted():
+        while (pos := getattr(stream, "position", None)) is not None and not (driven and pos == 0) and not halted():
             # next in line (0) is shown only once it has waited a while (real-time admission may hold it until a
             # stream ends); a part queued ahead that starts at once leaves the status line alone
             if pos != shown and (pos > 0 or time.perf_counter() - t0 >= self.poll_s):
@@ -233,7 +235,8 @@ class Speaker:
                 if stream is None:                        # the listener stopped while waiting in the busy line
                     stopped = True
                     break
-                yield from self._wait_in_queue(stream, job, role, halted)
+                yield from self._wait_in_queue(stream, job, role, halted,
+                                               getattr(pieces[k].engine, "driven_by_caller", False))
                 if halted():                              # the listener left while the request was queued
                     stopped = True
                     break
