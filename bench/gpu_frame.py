@@ -1,9 +1,12 @@
 """The fused GPU frame on a GPU, in one prepared call: `python -m bench gpu_frame [--arch 0.6b] [--dtype bf16]`.
 
 On CUDA: a talker of the chosen architecture with random weights (the config of `tts_engine.tiny`, seed 0), a
-ModelRunner in the chosen dtype, `backend.attach` (its kernel checks and frame trial: the status is printed), then for
-each batch B of --batches, from the same state (B rows whose caches hold --prompt random positions, greedy):
-  - --frames frames eagerly and fused: the codes compared (fp32: must be equal; 16-bit: the fraction equal);
+ModelRunner in the chosen dtype, `backend.attach` (its kernel checks and frame trial, run even where a verdict is
+remembered: TTS_GPU_FRAME=check unless set; the status is printed), then for each batch B of --batches, from the same
+state (B rows whose caches hold --prompt random positions, greedy):
+  - --frames frames eagerly and fused: the codes compared (fp32: must be equal; 16-bit: the fraction equal), with
+    where each row's codes first part (frame.codebook) and, for B > 1, row 0 run alone from the same state against
+    row 0 in the batch, fused and eager (a batch-1-only difference shows here: on a CPU in fp32 they are equal);
   - ms per frame of each, and with --graphs of each captured as a CUDA graph (cuda_graphs.GraphedFrames) and replayed;
   - the launches of one fused frame: Triton kernels + the other non-view aten ops (a dispatch counter; allocations
     not counted), beside the same count of the eager frame.
@@ -109,6 +112,23 @@ def run_frames(run, B: int, n: int):
     return torch.stack(codes, 1), (time.perf_counter() - t0) * 1000 / n
 
 
+def first_difference(a, b) -> list[str]:
+    """Per row of codes [B, frames, 16]: where a and b first part ("frame.codebook"), or "-" where they never do."""
+    out = []
+    for i in range(a.shape[0]):
+        diff = (a[i] != b[i]).nonzero()
+        out.append("-" if diff.numel() == 0 else f"{int(diff[0, 0])}.{int(diff[0, 1])}")
+    return out
+
+
+def alone_vs_batch(run, s, B: int, n: int, codes_batch) -> str:
+    """Row 0 run alone (batch 1) from the state `s` of B rows, its codes against row 0's in the batch -> "k/N"."""
+    restore(run, s)
+    codes = run_frames(run, 1, n)[0]
+    restore(run, s)
+    return f"{int((codes[0] == codes_batch[0]).sum())}/{codes[0].numel()}"
+
+
 def count_launches(run, B: int) -> dict:
     """Launches of one frame (state restored after): Triton kernels through `ops`, and the other non-view aten ops
     (allocations and Triton's interpreter's own tensor work left out)."""
@@ -169,6 +189,7 @@ def main(argv=None) -> int:
     args = _parse(argv if argv is not None else sys.argv[1:])
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"   # before tts_engine.gpu.kernels is imported
+    os.environ.setdefault("TTS_GPU_FRAME", "check")   # the checks and the trial are what this reports
     import torch
 
     from tts_engine.gpu import backend
@@ -197,12 +218,17 @@ def main(argv=None) -> int:
             res["eager launches"] = count_launches(run, B)
             codes_e, res["eager ms/frame"] = run_frames(run, B, args.frames)
             restore(run, s)
+            if B > 1:
+                res["row 0 alone vs in the batch (eager)"] = alone_vs_batch(run, s, B, args.frames, codes_e)
             if frame is not None:
                 backend.install(run, frame, interp=args.interpret and not cuda)
                 res["fused launches"] = count_launches(run, B)
                 codes_f, res["fused ms/frame"] = run_frames(run, B, args.frames)
                 restore(run, s)
                 res["codes equal"] = f"{int((codes_e == codes_f).sum())}/{codes_e.numel()}"
+                res["first difference per row (frame.codebook)"] = " ".join(first_difference(codes_e, codes_f))
+                if B > 1:
+                    res["row 0 alone vs in the batch (fused)"] = alone_vs_batch(run, s, B, args.frames, codes_f)
                 res["speed-up"] = round(res["eager ms/frame"] / res["fused ms/frame"], 2)
             if args.graphs and cuda:
                 backend.uninstall(run)

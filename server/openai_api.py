@@ -17,6 +17,7 @@ are in `speech_request.py`, `speed` (0.25-4.0, pitch kept, streams too) in `spee
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import itertools
@@ -28,9 +29,10 @@ import time
 from collections import defaultdict
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from tts_engine import EngineBusyError, TTSError
 
@@ -58,6 +60,45 @@ def error_response(status: int, message: str, param=None, code=None, type_="inva
                    headers=None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+def busy_error(e: EngineBusyError, engine=None) -> "APIError":
+    """A full queue as OpenAI clients expect it: 503, `Retry-After` in seconds (from the queue's measured drain
+    rate: the `openai` client waits that long before its retry), an OpenAI-shaped body."""
+    retry = getattr(e, "retry_after_s", None)
+    if retry is None and engine is not None and hasattr(engine, "load_state"):
+        retry = engine.load_state().get("retry_after_s")
+    retry = max(1, int(retry or 2))
+    return APIError(503, f"{e} (retry after {retry} s)", code="server_busy", type_="server_error",
+                    headers={"Retry-After": str(retry)})
+
+
+async def cancel_on_disconnect(receive, stream) -> None:
+    """Cancel `stream` as soon as the client hangs up (its engine row is free by the next frame), not when the
+    next chunk fails to send."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    await run_in_threadpool(stream.cancel)
+
+
+QUEUE_POLL_S = 0.1    # how often a queued request checks that its client is still there
+
+
+async def event_loop() -> asyncio.AbstractEventLoop:
+    """The server's event loop, for a sync route (a dependency: FastAPI runs it in the loop)."""
+    return asyncio.get_running_loop()
+
+
+def wait_for_row(stream, request: Request, loop: asyncio.AbstractEventLoop) -> bool:
+    """While `stream` waits in its engine's queue (honest admission may hold it there a while), watch the client
+    (from the route's worker thread, asking the loop): one that hangs up leaves the queue at once. -> False when it
+    did."""
+    while getattr(stream, "position", None) is not None:
+        if asyncio.run_coroutine_threadsafe(request.is_disconnected(), loop).result():
+            stream.cancel()
+            return False
+        time.sleep(QUEUE_POLL_S)
+    return True
 
 
 class ClientSlots:
@@ -262,11 +303,11 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
 
     @app.post("/v1/audio/speech", responses={200: {"description": "the audio (streamed as it is generated with "
                                                   "`stream=true`)", "headers": SPEECH_HEADERS}})
-    def speech(req: SpeechRequest, request: Request):
+    def speech(req: SpeechRequest, request: Request, loop=Depends(event_loop)):
         fmt = check_request(req, limits)
         client = request.client.host if request.client else "unknown"
         slots.acquire(client)
-        released = False
+        released, engine = False, None
         try:
             role = pick_role(req)
             engine = registry.get(role)
@@ -288,6 +329,8 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                                  take_guard.with_options(retries=req.take_retries, best_of=req.best_of),
                                  random.randrange(2**31) if req.seed is None else req.seed,
                                  req.max_new_tokens or limits.max_new_tokens, req.language, streaming=req.stream)
+            if not getattr(engine, "driven_by_caller", False) and not wait_for_row(stream, request, loop):
+                return Response(status_code=499)   # the client hung up while queued: nobody to answer
             try:
                 first = next(stream)          # errors at the start still get a proper status code
             except StopIteration:
@@ -308,6 +351,13 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
             stretch = (StreamStretcher(audio_formats.SAMPLE_RATE, req.speed)
                        if req.speed is not None and req.speed != 1.0 else None)
 
+            ended = threading.Lock()
+
+            def end() -> None:
+                if ended.acquire(blocking=False):
+                    stream.cancel()       # a client that goes away frees its engine slot
+                    slots.release(client)
+
             def chunks():
                 try:
                     if fmt == "wav":
@@ -321,14 +371,22 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 except TTSError as e:  # mid-stream failure: the status is already sent; end the body
                     log.warning("stream ended early: %s", e)
                 finally:
-                    stream.cancel()       # a client that goes away frees its engine slot
-                    slots.release(client)
+                    end()
+
+            async def body():
+                watch = asyncio.ensure_future(cancel_on_disconnect(request.receive, stream))
+                try:
+                    async for b in iterate_in_threadpool(chunks()):
+                        yield b
+                finally:
+                    watch.cancel()
+                    await run_in_threadpool(end)
 
             released = True
-            return StreamingResponse(chunks(), media_type=audio_formats.MEDIA_TYPES[fmt],
+            return StreamingResponse(body(), media_type=audio_formats.MEDIA_TYPES[fmt],
                                      headers=_headers(stream, notices, engine))
         except EngineBusyError as e:
-            raise APIError(503, str(e), code="server_busy", type_="server_error", headers={"Retry-After": "2"})
+            raise busy_error(e, engine) from None
         except TTSError as e:
             raise APIError(400, str(e))
         finally:
@@ -375,6 +433,7 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
         if not isinstance(registry, EngineRegistry):      # a remote backend serves: this server only forwards
             out["backend"] = "remote"
             return out
+        full = []
         for role, ckpt in registry.checkpoints.items():
             if not ckpt:
                 continue
@@ -385,7 +444,11 @@ def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
                 entry.update(state, precision=engine.precision)
                 if state:
                     entry["queue_full"] = state["waiting"] >= state["max_waiting"]
+                    full.append(entry["queue_full"])
             out["engines"][role] = entry
+        # every configured engine loaded; any queue full (its requests are answered 503 with Retry-After)
+        out["loaded"] = all(e["loaded"] for e in out["engines"].values())
+        out["queue_full"] = any(full)
         return out
 
     @app.get("/v1/models")

@@ -17,11 +17,16 @@ Server -> client:
   header opens each sentence's audio); without, one frame per sentence holding a whole file of `response_format`
   {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error"}
   {"type": "session.done", "utterance_index", "total_sentences"}
+  {"type": "busy", "utterance_index", "sentence_index", "position"}   the sentence about to be spoken waits for
+                                    the engine (its queue is full, or the running streams leave no room at real
+                                    time): position N in line, counting from 1; sent again when it changes
   {"type": "error", "message"}      non-fatal, except a bad first session.config (the socket then closes)
 
 Each sentence is submitted to the engine as soon as it is complete while the one before it is spoken (at most
 `LOOKAHEAD` sentences in the engine per socket), and its audio is sent right after the previous sentence's, in
-order, with nothing inserted between them. A socket that closes cancels every sentence still in the engine.
+order, with nothing inserted between them. A socket that closes cancels every sentence still in the engine. When the
+engine's queue is full a sentence is not refused: it waits in the busy line (`serving/busy_line.py`, shared with the
+page) and the client is told its position.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from tts_engine import EngineBusyError, TTSError
 
 from server import audio_formats
+from serving.busy_line import LINE as BUSY_LINE
 from serving.limits import Limits
 from server.text_stream import GRANULARITIES, SentenceStream
 
@@ -50,6 +56,7 @@ MAX_PENDING = 64                   # sentences waiting to be spoken per socket
 MAX_CONFIG_BYTES = 16 * 2**20      # session.config carries ref_audio (uvicorn's own message limit)
 MAX_TEXT_MESSAGE_BYTES = 128 * 1024
 SENTENCE_CHARS = 300
+BUSY_POLL_S = 0.25                 # how often a waiting sentence checks its place
 _DONE = object()
 
 
@@ -65,6 +72,7 @@ class Sentence:
     stream_audio: bool = False
     stream: object = None           # the engine's TTSStream once submitted
     error: str | None = None
+    busy: bool = False              # the engine's queue was full: it waits in the busy line when its turn comes
     total_sentences: int | None = None   # set on the end-of-utterance marker instead of text
 
 
@@ -239,15 +247,56 @@ class SpeechSocket:
         async with self.submit_lock:
             ahead = [s for s in list(self.pending) if s.total_sentences is None][:LOOKAHEAD]
             for s in ahead:
+                if s.busy and s.stream is None:
+                    break                   # it waits in the busy line: nothing after it overtakes it
                 if s.stream is None and s.error is None:
                     try:
                         s.stream = await run_in_threadpool(s.engine.stream, s.text, voice=s.voice, **s.kw)
                         if self.cancelled:
                             s.stream.cancel()
-                    except EngineBusyError as e:
-                        s.error = f"the server is busy: {e}"
+                    except EngineBusyError:
+                        s.busy = True
+                        break
                     except TTSError as e:
                         s.error = str(e)
+
+    async def _wait_for_engine(self, s: Sentence) -> None:
+        """Before `s` is spoken: while the engine's queue is full, wait in the busy line and submit it in turn;
+        while it waits in the engine's queue, too. The client hears of its place ("busy") when it changes."""
+        last = None
+
+        async def tell(position: int) -> None:
+            nonlocal last
+            if position != last:
+                last = position
+                await self._send_json({"type": "busy", "utterance_index": s.utterance, "sentence_index": s.index,
+                                       "position": position})
+
+        if s.stream is None and s.busy and s.error is None:
+            ticket = BUSY_LINE.join(s.engine)
+            try:
+                while not self.cancelled:
+                    submit = lambda: s.engine.stream(s.text, voice=s.voice, **s.kw)
+                    try:
+                        s.stream = await run_in_threadpool(BUSY_LINE.try_submit, ticket, submit)
+                    except TTSError as e:
+                        s.error = str(e)
+                        return
+                    if s.stream is not None:
+                        break
+                    await tell(BUSY_LINE.ahead(ticket) + 1)
+                    await asyncio.sleep(BUSY_POLL_S)
+            finally:
+                BUSY_LINE.leave(ticket)
+            if s.stream is None:
+                s.error = s.error or "the server is busy and the session ended while waiting"
+                return
+            if self.cancelled:
+                s.stream.cancel()
+        while s.stream is not None and (pos := getattr(s.stream, "position", None)) is not None \
+                and not self.cancelled:
+            await tell(pos + 1)
+            await asyncio.sleep(BUSY_POLL_S)
 
     def _cancel_all(self) -> None:
         self.cancelled = True
@@ -272,6 +321,7 @@ class SpeechSocket:
                 self.pending.popleft()
                 continue
             await self._submit_ahead()
+            await self._wait_for_engine(s)
             await self._speak(s)
             self.pending.popleft()
             await self._submit_ahead()

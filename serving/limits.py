@@ -16,6 +16,13 @@ class Limits:
     max_per_client: int = 2             # concurrent requests per client (IP) on the HTTP API
     file_ttl_seconds: int = 3600        # generated / uploaded files are deleted after this
     max_new_tokens: int = 2048          # frames cap per request (80 ms each)
+    # "realtime": a request joins the running batch only while every running stream keeps real time (else it waits
+    # in the queue; tts_engine/engine/scheduler.py); "rows": whenever a cache row is free
+    admission: str = "realtime"
+
+    def __post_init__(self):
+        if self.admission not in ("realtime", "rows"):
+            raise ValueError(f"TTS_ADMISSION must be 'realtime' or 'rows', not {self.admission!r}")
 
     @classmethod
     def from_env(cls) -> "Limits":

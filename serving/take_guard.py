@@ -356,6 +356,11 @@ class SpokenTakes:
     def __next__(self) -> np.ndarray:
         return next(self._it)
 
+    @property
+    def position(self):
+        """Requests ahead of the segment being made while it waits in the engine's queue (None once it runs)."""
+        return self.takes[-1].position if self.takes else None
+
     def cancel(self) -> None:
         self._cancelled = True
         for t in self.takes:

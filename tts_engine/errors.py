@@ -11,4 +11,7 @@ class TTSError(ValueError):
 
 
 class EngineBusyError(TTSError):
-    """The engine's waiting queue is full; try again shortly."""
+    """The engine's waiting queue is full; try again shortly. `retry_after_s`: seconds after which a place is
+    likely (from the measured drain rate of the queue), or None where unknown."""
+
+    retry_after_s: int | None = None

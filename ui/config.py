@@ -57,7 +57,8 @@ class AppConfig:
 
     def engine_kw(self) -> dict:
         """What every local engine is built with, besides device and dtype."""
-        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize, **self.engine_options}
+        kw = {"max_waiting": self.limits.max_queue, "quantize": self.quantize, "admission": self.limits.admission,
+              **self.engine_options}
         if self.eager:
             kw["use_cuda_graphs"] = False
         return kw

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from serving import text_prep
+from serving.busy_line import LINE as BUSY_LINE
 from serving.speed import StreamStretcher
 from serving.take_guard import Redo, TakeGuard
 from tts_engine import EngineBusyError, chunk_schedule
@@ -36,6 +37,7 @@ from ui.text import chunk_text, to_int16
 # The player is told these sizes (`first_chunks_s`, header X-Live-Chunks).
 FIRST_CHUNK_FRAMES = (1, 1)
 FRAME_S = 0.08
+QUEUE_POLL_S = 0.02         # how often a queued request's place is checked (it reads its first chunk this soon)
 
 
 def first_chunks_s(n: int = 6, speed: float = 1.0) -> list[float]:
@@ -174,13 +176,18 @@ class Speaker:
             msg = self.status("Starting", seed=seed, role=role)
         return {self.c.final: None, self.c.status: msg, self.c.seed: seed}
 
-    def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool]) -> Iterator[dict]:
-        """Status updates while the request waits for a place in the engine (`position` 0 = next in line)."""
-        waited = False
-        while (pos := getattr(stream, "position", None)) and not halted():
-            waited = True
-            yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
-            time.sleep(self.poll_s)
+    def _wait_in_queue(self, stream, job: SpeechJob, role: str, halted: Callable[[], bool],
+                       driven: bool = False) -> Iterator[dict]:
+        """Status updates while the request waits for a place in the engine (`position` 0 = next in line).
+        driven: the engine steps only while its streams are read (ZeroGPU): next in line is read at once."""
+        waited, shown, t0 = False, None, time.perf_counter()
+        while (pos := getattr(stream, "position", None)) is not None and not (driven and pos == 0) and not halted():
+            # next in line (0) is shown only once it has waited a while (real-time admission may hold it until a
+            # stream ends); a part queued ahead that starts at once leaves the status line alone
+            if pos != shown and (pos > 0 or time.perf_counter() - t0 >= self.poll_s):
+                waited, shown = True, pos
+                yield {self.c.status: self.status("Waiting for the engine", queue=pos, seed=job.seed, role=role)}
+            time.sleep(QUEUE_POLL_S)
         if waited:
             yield {self.c.status: self.status("Starting", seed=job.seed, role=role)}
 
@@ -229,11 +236,32 @@ class Speaker:
             self.active.add(session, s)
             return s
 
+        def submit_or_wait(k: int):
+            """Submit part k; while the engine's queue is full, wait in line saying "Busy, position N" (updated
+            every poll) -> the stream, or None when the listener stopped meanwhile."""
+            try:
+                return submit(k)
+            except EngineBusyError:
+                pass
+            ticket = BUSY_LINE.join(pieces[k].engine)
+            try:
+                while (s := BUSY_LINE.try_submit(ticket, lambda: submit(k))) is None and not halted():
+                    yield {c.status: self.status(f"Busy, position {BUSY_LINE.ahead(ticket) + 1}", seed=job.seed,
+                                                 role=role)}
+                    time.sleep(self.poll_s)
+                return s
+            finally:
+                BUSY_LINE.leave(ticket)
+
         try:
-            ahead = submit(0)
+            ahead = yield from submit_or_wait(0)
             for k in range(len(pieces)):
                 stream, ahead, busy = ahead, None, False
-                yield from self._wait_in_queue(stream, job, role, halted)
+                if stream is None:                        # the listener stopped while waiting in the busy line
+                    stopped = True
+                    break
+                yield from self._wait_in_queue(stream, job, role, halted,
+                                               getattr(pieces[k].engine, "driven_by_caller", False))
                 if halted():                              # the listener left while the request was queued
                     stopped = True
                     break
@@ -295,7 +323,7 @@ class Speaker:
                     stopped = True
                     break
                 if ahead is None and k + 1 < len(pieces):
-                    ahead = submit(k + 1)         # not queued ahead: no audio came, or the queue was full
+                    ahead = yield from submit_or_wait(k + 1)   # not queued ahead: no audio came, or the queue was full
             if pieces[-1].after_s > 0 and not stopped:     # a pause tag at the very end
                 pause = np.zeros(int(round(SR * pieces[-1].after_s)), np.float32)
                 update = emit(to_int16(stretch.push(pause) if stretch else pause))
@@ -322,7 +350,8 @@ class Speaker:
         if stopped:
             note = " · ".join(x for x in (note, "stopped by the listener") if x)
         if n == 0:
-            final = {c.final: None, c.status: self.status("Done: the model produced no audio (try another seed)",
+            final = {c.final: None, c.status: self.status("Stopped" if stopped else
+                                                          "Done: the model produced no audio (try another seed)",
                                                           seed=job.seed, role=role)}
         else:
             final = {c.final: (SR, np.concatenate(parts)),

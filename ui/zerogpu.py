@@ -8,7 +8,9 @@
 - The models are loaded at start-up, in the main process, on "cuda" (the package packs those tensors at launch and
   restores them in each worker); at load no fast paths and no CUDA graphs (the main process has no real GPU); each
   worker process takes them on its first call (`TTSEngine.warm_gpu`: the fused Triton frame, CUDA graphs captured
-  on first use of each bucket) and keeps them while it lives; two cache rows (one request and its next group).
+  on first use of each bucket) and keeps them while it lives; two cache rows (one request and its next group). The
+  fused frame's checks run in the first worker only: their verdict is remembered on disk (`tts_engine/gpu/backend.py`),
+  so a later worker, or a restart, installs it at once.
 - Each call asks for GPU time (`duration`) computed from the request: the frames its text may take (capped by the
   maximum frames) times the measured time per frame, with a margin, plus the worker's start (`gpu_seconds`).
 - After launch the main process touches no model tensor: the CustomVoice speaker embeddings (blending) and the
@@ -122,10 +124,11 @@ def _warm(role: str, engine) -> None:
     if _WARM.get(role) == os.getpid():
         return
     _WARM[role] = os.getpid()
+    t0 = time.perf_counter()
     try:
         paths = engine.warm_gpu()
-        log.info("ZeroGPU worker %d: %s frames: %s", os.getpid(), role,
-                 "; ".join(f"{k}: {v['path']}" for k, v in paths.items() if k in ("frame", "gpu frame")))
+        log.info("ZeroGPU worker %d: %s frames in %.0f ms: %s", os.getpid(), role, 1000 * (time.perf_counter() - t0),
+                 "; ".join(f"{k}: {v['path']} ({v['how']})" for k, v in paths.items() if k in ("frame", "gpu frame")))
     except Exception as e:   # never a failed call for it: the eager frame serves
         log.warning("ZeroGPU worker %d: GPU paths not taken, eager frames: %s: %s", os.getpid(), type(e).__name__, e)
 

@@ -276,13 +276,27 @@ class MeasuredChoice:
             remember(f, self.key, best, why)
         return best
 
-    def fall_back(self, why: str) -> None:
+    def settle(self, candidate: str, why: str) -> None:
+        """Serve `candidate`, chosen by its owner's own check rather than by timing (a fast path taken wherever it
+        agrees with the reference): recorded as measured now and remembered under the key."""
+        if candidate not in self.candidates:
+            raise ValueError(f"{candidate!r} is not one of {self.candidates}")
+        self._set(candidate, MEASURED, why)
+        f = self.file
+        if f is not None:
+            remember(f, self.key, candidate, self.record.why)
+
+    def fall_back(self, why: str, remember_it: bool = False) -> None:
         """The reference serves from now on, with one log line; a later call changes nothing (the first reason
-        stays)."""
+        stays). remember_it: also remembered under the key (a disagreement that the same key would repeat), so a
+        later start serves the reference without trying again."""
         if self.record.how == FELL_BACK:
             return
         self._set(self.reference, FELL_BACK, why)
         log.warning("tts_engine: %s not used, %s from now on: %s", self.label, self.fallback, self.record.why)
+        f = self.file
+        if remember_it and f is not None:
+            remember(f, self.key, self.reference, self.record.why)
 
     @property
     def measuring(self) -> bool:

@@ -120,7 +120,7 @@ class TTSEngine:
                  max_waiting: int = 64, use_cuda_graphs: bool | None = None, capture_graphs_at_start: bool = True,
                  reference_cache: int = 128, overlap_codec: bool | None = None, codec_threads: int | None = 1,
                  compile_predictor: bool | None = None, govern_threads: bool | None = None,
-                 prefix_cache_mb: float | None = None, fast_paths: bool = True):
+                 prefix_cache_mb: float | None = None, fast_paths: bool = True, admission: str = "rows"):
         """max_batch: sequences decoded together (cache rows); max_seq_len: talker positions per row (prompt +
         frames); max_waiting: queued requests beyond which `stream` fails at once with EngineBusyError;
         use_cuda_graphs: replay the per-frame step as CUDA graphs (default: on when the device is CUDA; False is
@@ -145,7 +145,10 @@ class TTSEngine:
         so that the next request of a voice prefills only its text (default: 64 on a CPU in a 16-bit or quantised
         mode, env TTS_PREFIX_CACHE_MB overrides; 0 off; fp32 and GPUs keep one whole prefill per request).
         fast_paths: let the device's backend attach its fast paths (engine/backends.py; default on); False serves
-        model/'s plain PyTorch path (with CUDA graphs where `use_cuda_graphs`), e.g. to check a fast path against it."""
+        model/'s plain PyTorch path (with CUDA graphs where `use_cuda_graphs`), e.g. to check a fast path against it.
+        admission: "rows" (a queued request joins the running batch whenever a cache row is free) or "realtime" (only
+        while the measured step for one more row keeps every running stream above real time and their listeners
+        hold audio enough for its prefill; otherwise it waits: engine/scheduler.py; the app's and API's default)."""
         self.model = model
         self.config = model.config
         gpu = model.device.type == "cuda"
@@ -174,7 +177,7 @@ class TTSEngine:
         else:
             self.runner.path_entries["frame"] = {"path": "eager", "how": "default",
                                                  "why": "use_cuda_graphs=False" if gpu else "CUDA graphs need a GPU"}
-        self.scheduler = Scheduler(self.max_batch, max_waiting)
+        self.scheduler = Scheduler(self.max_batch, max_waiting, admission=admission)
         self.worker = EngineWorker(self.runner, self.scheduler, model.speech_tokenizer,
                                    primed=DecoderPrimeCache(32 if reference_cache else 0))
         if overlap_codec is None:
@@ -240,10 +243,12 @@ class TTSEngine:
         """Take the GPU's fast paths in the process that serves, where they could not be taken at load: on ZeroGPU the
         engine is loaded in the main process on the `spaces` package's stand-in device and the real GPU exists only
         in the worker process of each `@spaces.GPU` call. On a real CUDA device this attaches the GPU backend
-        (`tts_engine.gpu`'s fused frame, where it compiles and agrees with eager) if no backend is attached yet and,
-        with `graphs`, serves frames through CUDA graphs captured on first use of each (batch, length) bucket and
-        kept while this process lives (a worker is reused by the next call). Elsewhere it changes nothing. Call it
-        between requests, in the thread that drives the engine. -> `paths()`."""
+        (`tts_engine.gpu`'s fused frame, where it compiles and agrees with eager: checked in the first process, the
+        verdict remembered on disk, so a later worker installs it at once) if no backend is attached yet and, with
+        `graphs`, serves frames through CUDA graphs captured on first use of each (batch, length) bucket (a click
+        captures only the bucket it runs in) and kept while this process lives (a worker is reused by the next
+        call). Elsewhere it changes nothing. Call it between requests, in the thread that drives the engine.
+        -> `paths()`."""
         real_cuda = self.model.device.type == "cuda" and torch.backends.cuda.is_built() and torch.cuda.is_available()
         if real_cuda:
             if self.runner.backend is None:
@@ -352,7 +357,10 @@ class TTSEngine:
 
     def load_state(self) -> dict[str, int]:
         """How full the engine is right now: {"running": requests holding a cache row, "waiting": queued requests,
-        "max_waiting": the queue's bound (beyond it `stream` raises EngineBusyError), "rows": cache rows}."""
+        "max_waiting": the queue's bound (beyond it `stream` raises EngineBusyError), "rows": cache rows,
+        "admission": "rows" or "realtime", "step_ms": the measured step at the running batch (None before),
+        "realtime_streams": the most streams estimated to keep real time together, "retry_after_s": the seconds a
+        refused request would be told to wait (from the queue's measured drain rate)}."""
         return self.scheduler.counts()
 
     def speaker_id(self, speaker: str) -> int:

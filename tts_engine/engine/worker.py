@@ -383,6 +383,7 @@ class EngineWorker:
         """Decode (or hand to the codec thread) the pending frames of `ready` as chunks, cut at an end flag.
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
+        ready = self.scheduler.by_deadline(ready)   # the listeners holding the least audio decode first
         flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy

@@ -12,6 +12,14 @@ On CUDA (and, for tests, on a CPU through Triton's interpreter with `force_inter
    eagerly and the fused frame is dropped for good.
 Any failure in 1-2 leaves the eager frame serving, with ONE log line. Call it before `GraphedFrames.capture_all`.
 
+The verdict of 1-2 is remembered (`cpu.measured.MeasuredChoice`, folder "gpu_frame" of the cache folder), keyed by
+what makes it valid (`verdict_key`: the GPU, torch / triton / CUDA versions, the dtype, the model's weight shapes and
+a hash of the sources the checks exercise): a later attach with the same key (a new ZeroGPU worker, a restart) skips
+the checks and the trial and installs the fused frame at once (`paths()` says "remembered"), or, where the verdict
+was a disagreement (or a kernel that does not compile), serves eager without trying again. A failure that may not
+repeat (out of memory, a CUDA error) is not remembered. TTS_GPU_FRAME=check runs the checks again and remembers the
+new verdict. A kernel that raises while serving still falls back, with one log line, for this process.
+
 Elsewhere (no CUDA, no triton, TTS_GPU_FRAME=0, quantised layers) nothing changes and the status says why.
 
 The result is a `GpuBackend`: a dict of status lines, which is also the object a runner can keep as its backend
@@ -20,16 +28,22 @@ The result is a `GpuBackend`: a dict of status lines, which is also the object a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+from pathlib import Path
 
 import torch
 
+from tts_engine.cpu.measured import MeasuredChoice
 from tts_engine.gpu import ops
 from tts_engine.gpu.frame import FusedFrame
 
 log = logging.getLogger("tts_engine")
-ENV = "TTS_GPU_FRAME"   # "auto" (default): on CUDA; "0" / "off": never
+ENV = "TTS_GPU_FRAME"   # "auto" (default): on CUDA, the remembered verdict or the checks; "check": the checks again;
+                        # "0" / "off": never
+CANDIDATES = ("eager", "fused")   # the reference first (measured.MeasuredChoice)
+FOLDER = "gpu_frame"              # the remembered verdicts, under the cache folder's choices
 
 
 def _why(e: BaseException) -> str:
@@ -41,16 +55,24 @@ def _tol(dtype: torch.dtype) -> dict:
 
 
 class GpuBackend(dict):
-    """What `attach` returns: {entry: status line} (a dict: "gpu frame", and "gpu frame trial" where it ran), and also
-    the backend object a runner may record (`runner.backend`, as the CPU backend's): `path_entries()` says what
-    serves the frame, {part: {"path", "how", "why"}}."""
+    """What `attach` returns: {entry: status line} (a dict: "gpu frame", and "gpu frame trial" where it ran or was
+    remembered), and also the backend object a runner may record (`runner.backend`, as the CPU backend's):
+    `path_entries()` says what serves the frame, {part: {"path", "how", "why"}}. `choice`: the verdict's
+    `MeasuredChoice` where one was made or remembered (None: nothing to choose, e.g. no CUDA or forced off)."""
 
     fell_back = False
+    choice: MeasuredChoice | None = None
 
     def path_entries(self) -> dict[str, dict[str, str]]:
         line = self.get("gpu frame", "eager")
         head, _, rest = line.partition(" (")
         why = rest[:-1] if rest.endswith(")") else rest
+        if self.choice is not None and self.choice.chosen is not None and not (self.fell_back and head == "eager"
+                                                                               and self.choice.chosen == "fused"):
+            e = self.choice.entry()
+            if e["path"] == "fused" and why and why not in e["why"]:
+                e["why"] = f"{why}; {e['why']}"
+            return {"gpu frame": e}
         if head == "fused":
             how, why = "default", f"{why}; {self['gpu frame trial']}" if "gpu frame trial" in self else why
         elif ENV in why:
@@ -64,10 +86,81 @@ class GpuBackend(dict):
         return self.path_entries()["gpu frame"]
 
 
+# --- the remembered verdict's key ---------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]   # tts_engine/
+# the code the checks and the trial exercise: the kernels and the fused frame (gpu/), the eager reference (model/,
+# the runner's frame halves)
+SOURCES = ("gpu/*.py", "model/*.py", "engine/model_runner.py")
+_sources_hash: str | None = None
+
+
+def sources_hash() -> str:
+    """sha1 (16 hex digits) of the sources whose change invalidates a verdict (`SOURCES`), computed once."""
+    global _sources_hash
+    if _sources_hash is None:
+        h = hashlib.sha1()
+        for pattern in SOURCES:
+            for f in sorted(ROOT.glob(pattern)):
+                h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        _sources_hash = h.hexdigest()[:16]
+    return _sources_hash
+
+
+def model_shapes(runner) -> str:
+    """sha1 (16 hex digits) of the talker's parameter names, shapes and dtypes and the stacks' eps / RoPE theta: the
+    shapes every kernel and the fused frame run at."""
+    t = runner.talker
+    h = hashlib.sha1()
+    for name, p in t.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    for st in (t.model, t.code_predictor.model):
+        h.update(f"{st.cfg.rms_norm_eps}:{st.cfg.rope_theta}:{len(st.layers)};".encode())
+    h.update(f"books:{t.cfg.num_code_groups}".encode())
+    return h.hexdigest()[:16]
+
+
+def verdict_key(runner, interp: bool) -> dict:
+    """What makes a verdict valid: the GPU (or the interpreter), torch / triton / CUDA versions, the dtype, the
+    model's shapes and the sources' hash."""
+    import triton
+
+    dev = runner.device
+    gpu = "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(dev)
+    cap = None if interp else list(torch.cuda.get_device_capability(dev))
+    return {"gpu": gpu, "capability": cap, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "dtype": str(runner.dtype).removeprefix("torch."),
+            "shapes": model_shapes(runner), "sources": sources_hash()}
+
+
+def _repeats(e: BaseException) -> bool:
+    """Whether the same key would fail the same way: a disagreement (AssertionError), a kernel that does not compile
+    or does not fit the GPU (Triton's compilation errors, its OutOfResources) or a layout the fused frame refuses
+    (ValueError); not out of memory or a CUDA error of the moment."""
+    if isinstance(e, (AssertionError, ValueError)):
+        return True
+    return any("Compil" in c.__name__ or c.__name__ == "OutOfResources" for c in type(e).__mro__)
+
+
+def keep_triton_cache() -> None:
+    """On a Space with persistent storage, Triton's compiled kernels go there too (`<choices>/triton`), unless
+    TRITON_CACHE_DIR names a folder: a restarted Space whose verdict is remembered then also finds its kernels
+    compiled (without it they are kept in ~/.triton, lost with the container)."""
+    from tts_engine.cache_paths import persistent_root
+
+    root = persistent_root()
+    if root is not None and not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton")   # (read by Triton at each compile; inherited)
+
+
+def _where(runner, interp: bool) -> str:
+    return "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(runner.device)
+
+
 def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> GpuBackend:
-    """Install the fused frame on `runner` where it runs and agrees with eager -> {"gpu frame": status, ...}. Never
-    raises. force_interpreter (alias `force`, as bench/census.py calls it): on a CPU too, through Triton's interpreter
-    (switched on for this process, `ops.use_interpreter`, if the kernels were compiled ones)."""
+    """Install the fused frame on `runner` where it runs and agrees with eager (checked now, or remembered from an
+    earlier check with the same `verdict_key`) -> {"gpu frame": status, ...}. Never raises. force_interpreter (alias
+    `force`, as bench/census.py calls it): on a CPU too, through Triton's interpreter (switched on for this process,
+    `ops.use_interpreter`, if the kernels were compiled ones)."""
     if force is not None:
         force_interpreter = force
     setting = os.environ.get(ENV, "auto").strip().lower()
@@ -80,19 +173,50 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
     if force_interpreter and runner.device.type != "cuda" and not ops.use_interpreter():
         return GpuBackend({"gpu frame": "eager (Triton's interpreter could not be switched on)"})
     interp = force_interpreter and runner.device.type != "cuda"
+    if not interp:
+        keep_triton_cache()
     try:
-        with (ops.force_interpreter() if interp else contextlib.nullcontext()), torch.inference_mode():
+        key = verdict_key(runner, interp)
+    except Exception as e:   # (a key that cannot be made: checked now, not remembered)
+        log.info("tts_engine: the fused GPU frame's verdict is not remembered: %s", _why(e))
+        key = None
+    choice = MeasuredChoice("gpu frame", CANDIDATES, key=key, folder=FOLDER, label="fused GPU frame",
+                            fallback="the eager frame serves")
+    scope = ops.force_interpreter if interp else contextlib.nullcontext
+    if setting != "check" and choice.recall():
+        if choice.chosen == "eager":
+            log.info("tts_engine: fused GPU frame not used, as checked before (%s=check checks again): %s", ENV,
+                     choice.record.why)
+            out = GpuBackend({"gpu frame": f"eager (remembered: {choice.record.why})"})
+            out.choice = choice
+            return out
+        try:
+            with scope(), torch.inference_mode():
+                frame = FusedFrame(runner)
+        except Exception as e:
+            choice.fall_back(_why(e))
+            out = GpuBackend({"gpu frame": f"eager ({_why(e)})"})
+            out.fell_back, out.choice = True, choice
+            return out
+        out = GpuBackend({"gpu frame": f"fused (Triton kernels, {_where(runner, interp)})",
+                          "gpu frame trial": f"remembered: {choice.record.why}"})
+        out.choice = choice
+        install(runner, frame, interp, out)
+        return out
+    try:
+        with scope(), torch.inference_mode():
             frame = FusedFrame(runner)
             check_kernels(runner, frame)
             trial = frame_trial(runner, frame)
     except Exception as e:
-        why = _why(e)
-        log.warning("tts_engine: fused GPU frame not used, the eager frame serves: %s", why)
-        out = GpuBackend({"gpu frame": f"eager ({why})"})
-        out.fell_back = True
+        choice.fall_back(_why(e), remember_it=_repeats(e))
+        out = GpuBackend({"gpu frame": f"eager ({_why(e)})"})
+        out.fell_back, out.choice = True, choice
         return out
-    where = "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(runner.device)
+    where = _where(runner, interp)
+    choice.settle("fused", f"Triton kernels, {where}: every kernel agrees with eager; {trial}")
     out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
+    out.choice = choice
     install(runner, frame, interp, out)
     return out
 
