@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from tts_engine.gpu import ops
+from tts_engine.cpu.measured import describe
+from tts_engine.gpu import ops, variants
 from tts_engine.gpu.frame import FusedFrame
 
 log = logging.getLogger("tts_engine")
@@ -85,6 +86,7 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
             frame = FusedFrame(runner)
             check_kernels(runner, frame)
             trial = frame_trial(runner, frame)
+            variant = variants.choose(runner, frame, frame_trial, interp)   # gemm or gemv layers (measured)
     except Exception as e:
         why = _why(e)
         log.warning("tts_engine: fused GPU frame not used, the eager frame serves: %s", why)
@@ -92,7 +94,8 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
         out.fell_back = True
         return out
     where = "Triton interpreter on CPU tensors" if interp else torch.cuda.get_device_name(runner.device)
-    out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
+    out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial,
+                      "gpu frame variant": describe(variant.entry())})
     install(runner, frame, interp, out)
     return out
 
