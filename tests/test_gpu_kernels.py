@@ -578,3 +578,5 @@ def test_every_kernel_variant_compiles_for_an_h100(tmp_path):
 
     m = re.search(r"(\d+)/(\d+) kernel variants compile for sm_90", p.stdout)
     assert m and m.group(1) == m.group(2) and int(m.group(2)) >= 13, p.stdout
+    # the gemv variant's projections: with and without a residual, each epilogue, 1 / 2 / 8 rows
+    assert len(re.findall(r"^ok +sm_90 norm_gemv_kernel\(", p.stdout, re.M)) >= 12, p.stdout

@@ -439,7 +439,9 @@ def _gemv_blocks(M: int, N: int, Kd: int, two: bool, block_n: int | None = None)
     rest of the register budget."""
     BM = _pow2(M)
     BN = block_n or max(2, min(64, _floor2(N // 128)))
-    budget = _GEMV_REGS_INTERPRETED if K_INTERPRET() else _GEMV_REGS
+    # one program per head (block_n given): few programs, so each takes twice the tile (8 warps) to keep more of W
+    # in flight
+    budget = _GEMV_REGS_INTERPRETED if K_INTERPRET() else _GEMV_REGS * (2 if block_n else 1)
     BK = max(16, min(1024, _pow2(Kd), _floor2(budget // (BM * BN * (2 if two else 1)))))
     regs = BM * BN * BK * (2 if two else 1)
     return BM, BN, BK, 8 if regs > _GEMV_REGS else 4
