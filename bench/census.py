@@ -105,9 +105,19 @@ def _fused(runner, on: bool, variant: str | None = None):
     if not on:
         yield None
         return
-    from tts_engine.gpu import backend
+    from tts_engine.gpu import backend, variants
 
-    entries = backend.attach(runner, force=runner.device.type != "cuda")
+    forced, before = {"gemm": "0", "gemv": "1"}.get(variant), os.environ.get(variants.ENV)
+    if forced is not None:   # the variant counted is forced: no timing trial on a GPU
+        os.environ[variants.ENV] = forced
+    try:
+        entries = backend.attach(runner, force=runner.device.type != "cuda")
+    finally:
+        if forced is not None:
+            if before is None:
+                os.environ.pop(variants.ENV, None)
+            else:
+                os.environ[variants.ENV] = before
     if variant is not None:
         if getattr(runner, "gpu_frame", None) is None:
             raise RuntimeError(f"the fused frame did not attach: {entries.get('gpu frame')}")

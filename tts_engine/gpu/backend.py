@@ -97,6 +97,7 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
     out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial,
                       "gpu frame variant": describe(variant.entry())})
     install(runner, frame, interp, out)
+    runner.path_entries["gpu frame variant"] = variant   # (engine.paths(): which layers the fused frame runs)
     return out
 
 
@@ -135,6 +136,7 @@ def uninstall(runner) -> None:
     for name in HALVES:
         runner.__dict__.pop(name, None)
     runner.gpu_frame = None
+    getattr(runner, "path_entries", {}).pop("gpu frame variant", None)
 
 
 def installed(runner) -> bool:
