@@ -11,8 +11,8 @@ the one mechanism (`cpu/measured.py` `MeasuredChoice`):
 3. any failure (a variant that disagrees, a capture or a launch that raises) leaves "gemm" serving with one log line.
 
 Where nothing can be timed (a CPU, Triton's interpreter) "gemm" serves by default: the interpreter tests decide the
-gemv variant's correctness there. TTS_GPU_GEMV=1 forces "gemv", =0 "gemm". `choose` sets `frame.variant` before any
-CUDA graph of the engine is captured; its record is `frame.variant_choice.record`."""
+gemv variant's correctness there. TTS_GPU_GEMV=1 forces "gemv" (after the check of 1.), =0 "gemm". `choose` sets
+`frame.variant` before any CUDA graph of the engine is captured; its record is `frame.variant_choice.record`."""
 from __future__ import annotations
 
 import hashlib
@@ -66,6 +66,12 @@ def choose(runner, frame, check, interp: bool = False, timer=None) -> MeasuredCh
     try:
         mode = ch.mode()
         if mode != "auto":
+            if mode == "on":   # forced, not timed; still checked against the eager frame
+                frame.variant = "gemv"
+                try:
+                    check(runner, frame)
+                finally:
+                    frame.variant = "gemm"
             ch.force("gemv" if mode == "on" else "gemm")
         else:
             ch.key = _key(runner, frame)
