@@ -1,12 +1,16 @@
 """Kernel census: how many launches one frame of the GPU's path costs.
 
-    python -m bench census --arch 0.6b --batches 1,4,64 [--json FILE] [--path eager|fused|both]
+    python -m bench census --arch 0.6b --batches 1,4,64 [--json FILE] [--path eager|fused|gemv|both]
 
 Without a GPU the frame the GPU serves (`ModelRunner.frame(b, L, general=True)`: the code a CUDA graph captures,
 CPU fast paths off, fp32) runs on the CPU under a dispatch counter: every non-view aten op is one launch, and so
 is every Triton kernel call (`tts_engine.gpu` reports its launches through `gpu.kernels.LAUNCHES`). Launch counts
 depend on the layer counts and the code path, not on the widths, so the census builds the architecture's layer
 counts with narrow layers (seconds on a CPU, no checkpoint on disk).
+
+Paths: "eager" (no backend), "fused" (the fused GPU frame's gemm variant: cuBLAS GEMMs and the separate kernels),
+"gemv" (its gemv variant: at <= 8 rows per stack our matrix-vector kernels with their neighbours fused in; see
+`tts_engine/gpu/variants.py` for how a GPU chooses), "both" (all three).
 
 On a GPU (`--gpu`) the same frame is captured as a CUDA graph and one replay is profiled with torch.profiler: the
 CUDA kernels it launches are counted, printed beside the CPU count.
@@ -95,25 +99,41 @@ def gpu_launches() -> int:
 
 
 @contextlib.contextmanager
-def _fused(runner, on: bool):
-    """The runner with the fused GPU frame attached (`tts_engine.gpu.backend`), or as it is."""
+def _fused(runner, on: bool, variant: str | None = None):
+    """The runner with the fused GPU frame attached (`tts_engine.gpu.backend`), or as it is; variant: the fused
+    frame's variant to count ("gemm", "gemv"; None: what attach chose)."""
     if not on:
         yield None
         return
-    from tts_engine.gpu import backend
+    from tts_engine.gpu import backend, variants
 
-    entries = backend.attach(runner, force=runner.device.type != "cuda")
+    forced, before = {"gemm": "0", "gemv": "1"}.get(variant), os.environ.get(variants.ENV)
+    if forced is not None:   # the variant counted is forced: no timing trial on a GPU
+        os.environ[variants.ENV] = forced
+    try:
+        entries = backend.attach(runner, force=runner.device.type != "cuda")
+    finally:
+        if forced is not None:
+            if before is None:
+                os.environ.pop(variants.ENV, None)
+            else:
+                os.environ[variants.ENV] = before
+    if variant is not None:
+        if getattr(runner, "gpu_frame", None) is None:
+            raise RuntimeError(f"the fused frame did not attach: {entries.get('gpu frame')}")
+        runner.gpu_frame.variant = variant
     try:
         yield entries
     finally:
         backend.detach(runner)
 
 
-def count_cpu(arch: str, batch: int, fused: bool = False, device: str = "cpu") -> dict:
+def count_cpu(arch: str, batch: int, fused: bool = False, device: str = "cpu", variant: str | None = None) -> dict:
     """{"launches": N, "aten": N, "triton": N, "top": [(op, n), ...]} of one frame at `batch` rows, counted by the
-    dispatch counter (on `device`: "cuda" where a GPU is there, so the fused frame's kernels are the compiled ones)."""
+    dispatch counter (on `device`: "cuda" where a GPU is there, so the fused frame's kernels are the compiled ones);
+    variant: the fused frame's ("gemm", "gemv")."""
     runner = build_runner(arch, rows=batch, device=device)
-    with torch.inference_mode(), _fused(runner, fused):
+    with torch.inference_mode(), _fused(runner, fused, variant):
         runner.frame(batch, READ_LEN, general=True)   # warm-up: lazily built tables are not per-frame work
         try:
             from tts_engine.gpu import kernels as gk
@@ -128,14 +148,14 @@ def count_cpu(arch: str, batch: int, fused: bool = False, device: str = "cpu") -
     return {"launches": aten + triton, "aten": aten, "triton": triton, "top": counter.ops.most_common(12)}
 
 
-def count_gpu(arch: str, batch: int, fused: bool = False) -> dict:
-    """CUDA kernels of one replay of the captured frame (torch.profiler), eager or fused."""
+def count_gpu(arch: str, batch: int, fused: bool = False, variant: str | None = None) -> dict:
+    """CUDA kernels of one replay of the captured frame (torch.profiler), eager or fused (in `variant`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tts_engine.engine.cuda_graphs import GraphedFrames
 
     runner = build_runner(arch, rows=batch, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode(), _fused(runner, fused):
+    with torch.inference_mode(), _fused(runner, fused, variant):
         g = GraphedFrames(runner, batch_buckets=(batch,), len_step=READ_LEN)
         graph, _, _ = g.capture(batch, READ_LEN)
         torch.cuda.synchronize()
@@ -151,15 +171,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench census", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="0.6b", choices=["tiny", "small", "0.6b", "1.7b"])
     p.add_argument("--batches", default="1,4,64")
-    p.add_argument("--path", default="eager", choices=["eager", "fused", "both"],
-                   help="the eager frame, the fused GPU frame (tts_engine.gpu, Triton interpreter on a CPU), or both")
+    p.add_argument("--path", default="eager", choices=["eager", "fused", "gemv", "both"],
+                   help="the eager frame, the fused GPU frame (tts_engine.gpu, Triton interpreter on a CPU) in its "
+                   "gemm variant, in its gemv variant, or all three")
     p.add_argument("--gpu", action="store_true", help="also profile one captured replay on the GPU (the dispatch "
                    "count then runs on the GPU too)")
     p.add_argument("--json", help="write {path: {batch: counts}} here")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
     on_gpu = a.gpu and torch.cuda.is_available()
-    paths = ["eager", "fused"] if a.path == "both" else [a.path]
+    paths = ["eager", "fused", "gemv"] if a.path == "both" else [a.path]
+    variant = {"eager": None, "fused": "gemm", "gemv": "gemv"}
     out: dict = {"arch": a.arch, "read_len": READ_LEN, "counted": "non-view aten ops + Triton kernel calls, CPU"}
     print(f"Kernel census, {a.arch} (layer counts of the real model, narrow widths), one frame, read length "
           f"{READ_LEN}")
@@ -168,10 +190,10 @@ def main(argv=None) -> int:
     for path in paths:
         out[path] = {}
         for b in batches:
-            c = count_cpu(a.arch, b, fused=path == "fused", device="cuda" if on_gpu else "cpu")
+            c = count_cpu(a.arch, b, fused=path != "eager", device="cuda" if on_gpu else "cpu", variant=variant[path])
             row = f"| {path} | {b} | {c['launches']} | {c['aten']} | {c['triton']} |"
             if on_gpu:
-                gpu = count_gpu(a.arch, b, fused=path == "fused")
+                gpu = count_gpu(a.arch, b, fused=path != "eager", variant=variant[path])
                 c["cuda_kernels"] = gpu["kernels"]
                 c["cuda_top"] = gpu["top"]
                 row += f" {gpu['kernels']} |"

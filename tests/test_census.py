@@ -60,3 +60,26 @@ def test_the_fused_frame_census_matches_its_formula_and_meets_the_target():
     # the issue's target for 0.6B at batch 1: <= 1,000 launches per frame (the eager frame: ~5,900)
     big = ARCHS["0.6b"]
     assert _fused_formula(big["layers"], big["cp_layers"]) + 8 <= 1000
+
+
+def _gemv_formula(talker_layers: int, predictor_layers: int, steps: int = 15) -> int:
+    """Launches of the fused frame's gemv variant at <= 8 rows per stack (tests/test_gpu_frame_variants.py): per decoder
+    layer 5 kernels (norm + qkv + q/k norm + RoPE + KV write, attention, o, norm + gate_up + SiLU*up, down); per
+    predictor step the head (with the final norm) and the sampler; the talker step adds the frame embedding, its
+    head and its sampler. No cuBLAS GEMM left (the 1.7B layout's projection between the widths aside)."""
+    return steps * (5 * predictor_layers + 2) + 5 * talker_layers + 3
+
+
+def test_the_gemv_variant_census_matches_its_formula_and_meets_its_target():
+    pytest.importorskip("triton")
+    from tts_engine.tiny import ARCHS
+
+    got = census.count_cpu("tiny", 1, fused=True, variant="gemv")
+    gemm = census.count_cpu("tiny", 1, fused=True, variant="gemm")
+    a = ARCHS["tiny"]
+    want = _gemv_formula(a["layers"], a["cp_layers"])
+    assert want <= got["launches"] <= want + 8, got
+    assert got["triton"] == want and gemm["launches"] - got["launches"] >= 4 * (15 * a["cp_layers"] + a["layers"])
+    # issue 27's targets for 0.6B at batch 1: <= 600 launches per frame (the gemm variant: 984)
+    big = ARCHS["0.6b"]
+    assert _gemv_formula(big["layers"], big["cp_layers"]) + 8 <= 600

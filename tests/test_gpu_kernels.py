@@ -413,6 +413,134 @@ def test_sampler_host_facts_greedy_batch_skips_the_search():
     assert torch.equal(got, logits.argmax(-1))
 
 
+# --- (f) small-M projections with their neighbours fused in ------------------------------------------------------
+# (B, T, K, N): one token, a predictor first step (2 positions), 4 rows, 64 rows, odd widths; the gemv variant of the
+# frame runs them at <= ops.GEMV_MAX_ROWS rows, the kernel itself takes any number
+CASES_GEMV = [(1, 1, 80, 96), (1, 2, 64, 40), (4, 2, 33, 24), (64, 1, 80, 48), (1, 1, 1024, 256), (3, 1, 17, 7)]
+
+
+def _f64(*ts):
+    return [t.double() if t is not None else None for t in ts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,K,N", CASES_GEMV)
+def test_norm_linear(dtype, B, T, K, N):
+    """y = (residual + x -> RMSNorm) W^T in one launch, the residual stream and the normed rows written by program 0;
+    also without the norm (a plain projection: o, down) and with a norm but no residual (a stack's first layer)."""
+    g = torch.Generator().manual_seed(B * 31 + K)
+    x, res = rnd(g, B, T, K, scale=2, dtype=dtype), rnd(g, B, T, K, dtype=dtype)
+    ln = (1 + 0.2 * rnd(g, K)).to(dtype)
+    w = rnd(g, N, K, scale=K ** -0.5, dtype=dtype)
+    for r, norm in ((res, ln), (None, ln), (None, None)):
+        y, s, hn = ops.norm_linear(x, w, norm, r, 1e-6, want_normed=True)
+        ye, se, hne = ops.norm_linear(x, w, norm, r, 1e-6, want_normed=True, impl="eager")
+        assert y.shape == (B, T, N) and y.dtype == dtype
+        if norm is None:
+            assert s is None and hn is None
+        else:
+            assert torch.equal(s, se)                               # the residual: one rounded add, as eager
+            close(hn, hne, dtype)                                   # the normed rows (the talker's hidden state)
+        if dtype == torch.float32:   # against float64 (PyTorch's fp32 GEMM may round through TF32 on a GPU)
+            close(y, ops.norm_linear(*_f64(x, w, norm, r), 1e-6, impl="eager")[0].float(), dtype)
+        else:
+            close(y, ye, dtype, ulps=1, same_frac=0.9)
+
+
+def test_norm_linear_reads_strided_rows():
+    """The head reads the last position of each row ([B, T, D] -> [:, -1], rows T * D apart) without a copy."""
+    g = torch.Generator().manual_seed(4)
+    m, res = rnd(g, 3, 2, 48), rnd(g, 3, 2, 48)
+    ln, w = 1 + 0.2 * rnd(g, 48), rnd(g, 20, 48, scale=0.2)
+    y, s, hn = ops.norm_linear(m[:, -1], w, ln, res[:, -1], 1e-6, want_normed=True)
+    ye, se, hne = ops.norm_linear(m[:, -1].contiguous(), w, ln, res[:, -1].contiguous(), 1e-6, want_normed=True,
+                                  impl="eager")
+    close(y, ye, torch.float32)
+    close(hn, hne, torch.float32)
+    assert torch.equal(s, se)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,K,I", [(1, 1, 80, 96), (1, 2, 64, 40), (4, 2, 33, 24), (64, 1, 80, 48),
+                                     (1, 1, 256, 768)])
+def test_norm_gate_up_silu(dtype, B, T, K, I):
+    g = torch.Generator().manual_seed(B * 13 + I)
+    x, res = rnd(g, B, T, K, scale=2, dtype=dtype), rnd(g, B, T, K, dtype=dtype)
+    ln = (1 + 0.2 * rnd(g, K)).to(dtype)
+    wgu = rnd(g, 2 * I, K, scale=2 * K ** -0.5, dtype=dtype)
+    act, s = ops.norm_gate_up_silu(x, res, ln, 1e-6, wgu)
+    act_e, s_e = ops.norm_gate_up_silu(x, res, ln, 1e-6, wgu, impl="eager")
+    assert act.shape == (B, T, I) and act.dtype == dtype
+    assert torch.equal(s, s_e)
+    if dtype == torch.float32:
+        close(act, ops.norm_gate_up_silu(*_f64(x, res, ln), 1e-6, wgu.double(), impl="eager")[0].float(), dtype)
+    else:   # a 1-ulp difference of gate or up (fp32 sums in another order) moves the product by up to 2 ulps
+        close(act, act_e, dtype, ulps=2, same_frac=0.85)
+
+
+CASES_QKV = [  # (B, T, K, H, Hkv, hd, lengths after the write)
+    (1, 1, 64, 4, 2, 16, [33]), (1, 2, 48, 4, 2, 8, [2]), (4, 2, 33, 4, 2, 32, [2, 7, 17, 33]),
+    (64, 1, 64, 4, 2, 16, None), (1, 1, 128, 16, 8, 128, [7])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,K,H,Hkv,hd,lens", CASES_QKV)
+def test_norm_qkv_rope_write(dtype, B, T, K, H, Hkv, hd, lens):
+    """residual add + RMSNorm -> qkv projection -> q/k RMSNorm + RoPE -> q out, keys and values into the caches at
+    (rows[b], :, pos[b, t]), in one launch (one program per head); nothing else of the caches touched."""
+    g = torch.Generator().manual_seed(B + T + hd + K)
+    L, R, theta = 40, B + 3, 1e6
+    lens = lens or torch.randint(T, L + 1, (B,), generator=g).tolist()
+    pos = torch.tensor([[n - T + t for t in range(T)] for n in lens]).to(DEVICE)
+    rows = torch.randperm(R, generator=g)[:B].to(DEVICE)
+    x, res = rnd(g, B, T, K, scale=2, dtype=dtype), rnd(g, B, T, K, dtype=dtype)
+    ln = (1 + 0.2 * rnd(g, K)).to(dtype)
+    wqkv = rnd(g, (H + 2 * Hkv) * hd, K, scale=2 * K ** -0.5, dtype=dtype)
+    qw, kw = (1 + 0.2 * rnd(g, hd)).to(dtype), (1 + 0.2 * rnd(g, hd)).to(dtype)
+    kc, vc = rnd(g, R, Hkv, L, hd, dtype=dtype), rnd(g, R, Hkv, L, hd, dtype=dtype)
+    kc_e, vc_e, kc0, vc0 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    args = (qw, kw, pos, rows)
+    q, s = ops.norm_qkv_rope_write(x, res, ln, 1e-6, wqkv, *args, kc, vc, H, Hkv, theta)
+    q_e, s_e = ops.norm_qkv_rope_write(x, res, ln, 1e-6, wqkv, *args, kc_e, vc_e, H, Hkv, theta, impl="eager")
+    assert q.shape == (B, T, H, hd) and q.dtype == dtype
+    assert torch.equal(s, s_e)
+    written = torch.zeros(R, L, dtype=torch.bool)
+    written[rows.cpu()[:, None].expand(B, T), pos.cpu()] = True
+    w_ = written.to(DEVICE)
+    assert torch.equal(kc.transpose(1, 2)[~w_], kc0.transpose(1, 2)[~w_])
+    assert torch.equal(vc.transpose(1, 2)[~w_], vc0.transpose(1, 2)[~w_])
+    if dtype == torch.float32:
+        kc64, vc64 = kc0.double(), vc0.double()
+        q64, _ = ops.norm_qkv_rope_write(*_f64(x, res, ln), 1e-6, wqkv.double(), qw.double(), kw.double(), pos, rows,
+                                         kc64, vc64, H, Hkv, theta, impl="eager")
+        close(q, q64.float(), dtype)
+        close(kc, kc64.float(), dtype)
+        close(vc, vc64.float(), dtype)
+        return
+    # bf16: the projection's output may differ by an ulp (fp32 sums in another order); the norm and RoPE then as in
+    # test_qk_norm_rope_write (eager rounds cos/sin and both products, the kernel once)
+    close(vc, vc_e, dtype, ulps=1, same_frac=0.9)
+    close(q, q_e, dtype, ulps=2, same_frac=0.6, atol=0.03)
+    close(kc, kc_e, dtype, ulps=2, same_frac=0.8, atol=0.03)
+
+
+def test_gemv_blocks_fit_a_gpu():
+    """On a GPU the partial sums of a program fit its registers and a 0.6B projection spreads over >= ~128
+    programs (a matrix-vector product is bound by reading W from memory); the interpreter takes larger tiles."""
+    old = ops.K_INTERPRET
+    try:
+        ops.K_INTERPRET = lambda: False
+        for M, N, K, two, bn in ((1, 1024, 1024, False, None), (1, 1024, 3072, False, None), (2, 3072, 1024, True,
+                                                                                                None),
+                                 (8, 2048, 1024, False, None), (1, 4096, 1024, True, 64), (8, 4096, 1024, True, 64)):
+            BM, BN, BK, nw = ops._gemv_blocks(M, N, K, two, bn)
+            assert BM >= M and BM * BN * BK * (2 if two else 1) <= ops._GEMV_REGS * (nw // 4)
+            if bn is None:
+                assert -(-N // BN) >= 128 or BN == 2
+    finally:
+        ops.K_INTERPRET = old
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's dispatch")
 def test_dispatch():
     """Automatic dispatch: the reference for CPU tensors unless forced; impl= picks either explicitly."""
@@ -450,3 +578,5 @@ def test_every_kernel_variant_compiles_for_an_h100(tmp_path):
 
     m = re.search(r"(\d+)/(\d+) kernel variants compile for sm_90", p.stdout)
     assert m and m.group(1) == m.group(2) and int(m.group(2)) >= 13, p.stdout
+    # the gemv variant's projections: with and without a residual, each epilogue, 1 / 2 / 8 rows
+    assert len(re.findall(r"^ok +sm_90 norm_gemv_kernel\(", p.stdout, re.M)) >= 12, p.stdout

@@ -85,6 +85,17 @@ def record_frame_launches(arch: str, dtype_name: str) -> list:
             if read_len > 256:
                 ops.decode_attention(q, kc, vc, rows, pos, read_len)   # key splits + the combine kernel
             ops.silu_mul(e(B, T, 2 * cfg.intermediate_size))
+            # the gemv variant's projections (frame.py `run_gemv`): 1 row, the predictor's first step, the most rows
+            for Bg in (1, ops.GEMV_MAX_ROWS // T):
+                rg, pg = torch.arange(Bg), torch.zeros(Bg, T, dtype=torch.long)
+                x, I = e(Bg, T, D), cfg.intermediate_size
+                for res in (None, e(Bg, T, D)):
+                    ops.norm_qkv_rope_write(x, res, e(D), 1e-6, e((H + 2 * Hkv) * hd, D), e(hd), e(hd), pg,
+                                            rg, kc, vc, H, Hkv, cfg.rope_theta)
+                ops.norm_linear(e(Bg, T, H * hd), e(D, H * hd))
+                ops.norm_gate_up_silu(x, e(Bg, T, D), e(D), 1e-6, e(2 * I, D))
+                ops.norm_linear(e(Bg, T, I), e(D, I))
+                ops.norm_linear(x[:, -1], e(cfg.vocab_size, D), e(D), e(Bg, T, D)[:, -1], 1e-6, want_normed=True)
         D = tc.hidden_size
         table = e(tc.vocab_size + 15 * cc.vocab_size, D)
         step = torch.ones(R, dtype=torch.long)

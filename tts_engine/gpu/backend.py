@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from tts_engine.cpu.measured import MeasuredChoice
-from tts_engine.gpu import ops
+from tts_engine.cpu.measured import MeasuredChoice, describe
+from tts_engine.gpu import ops, variants
 from tts_engine.gpu.frame import FusedFrame
 
 log = logging.getLogger("tts_engine")
@@ -193,21 +193,25 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
         try:
             with scope(), torch.inference_mode():
                 frame = FusedFrame(runner)
+                variant = variants.choose(runner, frame, frame_trial, interp)   # its own verdict, remembered too
         except Exception as e:
             choice.fall_back(_why(e))
             out = GpuBackend({"gpu frame": f"eager ({_why(e)})"})
             out.fell_back, out.choice = True, choice
             return out
         out = GpuBackend({"gpu frame": f"fused (Triton kernels, {_where(runner, interp)})",
-                          "gpu frame trial": f"remembered: {choice.record.why}"})
+                          "gpu frame trial": f"remembered: {choice.record.why}",
+                          "gpu frame variant": describe(variant.entry())})
         out.choice = choice
         install(runner, frame, interp, out)
+        runner.path_entries["gpu frame variant"] = variant
         return out
     try:
         with scope(), torch.inference_mode():
             frame = FusedFrame(runner)
             check_kernels(runner, frame)
             trial = frame_trial(runner, frame)
+            variant = variants.choose(runner, frame, frame_trial, interp)   # gemm or gemv layers (measured)
     except Exception as e:
         choice.fall_back(_why(e), remember_it=_repeats(e))
         out = GpuBackend({"gpu frame": f"eager ({_why(e)})"})
@@ -215,9 +219,11 @@ def attach(runner, force_interpreter: bool = False, force: bool | None = None) -
         return out
     where = _where(runner, interp)
     choice.settle("fused", f"Triton kernels, {where}: every kernel agrees with eager; {trial}")
-    out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial})
+    out = GpuBackend({"gpu frame": f"fused (Triton kernels, {where})", "gpu frame trial": trial,
+                      "gpu frame variant": describe(variant.entry())})
     out.choice = choice
     install(runner, frame, interp, out)
+    runner.path_entries["gpu frame variant"] = variant   # (engine.paths(): which layers the fused frame runs)
     return out
 
 
@@ -256,6 +262,7 @@ def uninstall(runner) -> None:
     for name in HALVES:
         runner.__dict__.pop(name, None)
     runner.gpu_frame = None
+    getattr(runner, "path_entries", {}).pop("gpu frame variant", None)
 
 
 def installed(runner) -> bool:

@@ -13,6 +13,11 @@ the next step's input embedding (predictor) or does the runner's whole `_after_c
 The 15 predictor embeddings are read from the talker's frame table (`Talker.build_frame_table`: all 16 codebooks in
 one tensor), the 15 heads from one stacked [15, V, D] tensor.
 
+That is the "gemm" variant. The "gemv" variant (`variant = "gemv"`, chosen by measuring: `variants.py`) runs a stack
+pass of <= ops.GEMV_MAX_ROWS rows with our matrix-vector kernels instead of cuBLAS, each with its neighbours inside:
+  norm + qkv + q/k norm + RoPE + KV write -> attention -> o -> norm + gate_up + SiLU*up -> down
+(5 launches per layer instead of 9; the stack's final norm inside the head's launch).
+
 With every op on its reference (`ops`, a CPU without the interpreter forced) the same structure runs eagerly.
 """
 from __future__ import annotations
@@ -90,6 +95,28 @@ class _Stack:
             res, h = ops.add_rmsnorm(m, res, self.layers[i + 1].ln1 if i + 1 < n else self.norm, self.eps)
         return h
 
+    def run_gemv(self, x: torch.Tensor, cache, rows: torch.Tensor, pos: torch.Tensor, read_len: int):
+        """The same layers in the gemv variant (x [B, T, D], B * T <= ops.GEMV_MAX_ROWS): each residual add + RMSNorm
+        inside the next projection's launch, SiLU*up inside gate_up's, q/k norm + RoPE + KV write inside qkv's ->
+        (m, res): the last layer's MLP output and the residual stream before it, both [B, T, D] (the final norm
+        happens inside the head's launch: `FusedFrame._stack_head`). 5 launches per layer."""
+        m, res = x, None
+        for i, L in enumerate(self.layers):
+            q, res = ops.norm_qkv_rope_write(m, res, L.ln1, self.eps, L.wqkv, L.qn, L.kn, pos, rows, cache.k[i],
+                                             cache.v[i], self.H, self.Hkv, self.theta)
+            a = ops.decode_attention(q, cache.k[i], cache.v[i], rows, pos, read_len)
+            o = ops.norm_linear(a, L.wo)[0]
+            act, res = ops.norm_gate_up_silu(o, res, L.ln2, self.eps, L.wgu)
+            m = ops.norm_linear(act, L.wdown)[0]
+        return m, res
+
+
+# the fused frame's variants (`FusedFrame.variant`; the measured choice between them: `variants.py`):
+#   "gemm": cuBLAS GEMMs and the separate Triton kernels (9 launches per decoder layer);
+#   "gemv": where a stack runs <= ops.GEMV_MAX_ROWS rows, our matrix-vector kernels with their neighbours fused in
+#           (5 launches per layer, the final norm inside the head's launch); larger batches as "gemm".
+VARIANTS = ("gemm", "gemv")
+
 
 class FusedFrame:
     """The fused frame of one `ModelRunner` (its talker's weights, caches and state tensors)."""
@@ -122,6 +149,19 @@ class FusedFrame:
         self.table, self.offsets = t._frame_table, t._frame_offsets
         self.offsets_host = [int(o) for o in self.offsets.tolist()]
         self._cp_pos: dict = {}
+        self.variant = "gemm"
+
+    def _stack_head(self, st: _Stack, x: torch.Tensor, cache, rows, pos, read_len: int, head: torch.Tensor,
+                    want_h: bool):
+        """The stack over x [B, T, D], then the head on its last position -> (logits [B, V], h: the normed last
+        position [B, D] where want_h (else whatever is at hand, maybe None))."""
+        B, T = x.shape[0], x.shape[1]
+        if self.variant == "gemv" and ops.gemv_fits(B * T):
+            m, res = st.run_gemv(x, cache, rows, pos, read_len)
+            logits, _, h = ops.norm_linear(m[:, -1], head, st.norm, res[:, -1], st.eps, want_normed=want_h)
+            return logits, h
+        h = st.run(x, cache, rows, pos, read_len)[:, -1]
+        return F.linear(h, head), h
 
     # --- the frame's two halves ---------------------------------------------------------------------------------------
     def _positions(self, B: int, j: int, device) -> torch.Tensor:
@@ -151,8 +191,8 @@ class FusedFrame:
             T = 2 if j == 0 else 1
             start = 0 if j == 0 else j + 1
             xin = x if self.proj is None else F.linear(x, *self.proj)
-            h = self.cp.run(xin, run.cp_cache, rows, self._positions(B, j, dev), start + T)
-            logits = F.linear(h[:, -1], self.heads[j])
+            logits, _ = self._stack_head(self.cp, xin, run.cp_cache, rows, self._positions(B, j, dev), start + T,
+                                         self.heads[j], False)
             last = j + 1 == self.n_books - 1
             x_next = None if last else torch.empty(B, self.table.shape[1], dtype=self.table.dtype, device=dev)
             ops.sample_residual(logits, rows, frame_idx, rp, j + 1, ids=codes[:, j + 1], frame_off=0,
@@ -168,8 +208,7 @@ class FusedFrame:
         B = r.shape[0]
         x = ops.frame_embed(codes, self.table, self.offsets, run.trailing, run.trailing_len, run.tts_pad, run.step, r)
         pos = run.pos[r][:, None]
-        h = self.talker.run(x[:, None], run.cache, r, pos, read_len)[:, -1]
-        logits = F.linear(h, self.codec_head)
+        logits, h = self._stack_head(self.talker, x[:, None], run.cache, r, pos, read_len, self.codec_head, True)
         state = dict(h=h, hidden=run.hidden, c0=run.c0, max_new=run.max_new, pos=run.pos, max_pos=run.max_len - 1,
                      done=torch.empty(B, dtype=torch.bool, device=run.device))
         _, done = ops.sample_c0(logits, r, rp, run.c0_proc, run.seen, run.step, state=state)

@@ -397,3 +397,125 @@ def sample_kernel(logits_ptr, s_log, V, rows_ptr, step_ptr, frame_off, book,
         tl.store(hid_ptr + row * s_hid + ho, tl.load(h_ptr + b.to(tl.int64) * s_h + ho, mask=hm), mask=hm)
         tl.store(done_ptr + b, (choice == eos_id) | (st1 >= tl.load(maxnew_ptr + row)))
         tl.store(pos_ptr + row, tl.minimum(tl.load(pos_ptr + row) + 1, max_pos))
+
+
+# --- (f) small-M matrix-vector products with their neighbours fused in ----------------------------------------------
+@triton.jit
+def norm_gemv_kernel(x_ptr, res_ptr, lnw_ptr, w_ptr, out_ptr, res_out_ptr, hn_ptr,
+                     M, N, K, sx, sr, sro, shn, so, eps,
+                     qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, rows_ptr, kc_ptr, vc_ptr, T,
+                     kc_r, kc_h, kc_p, vc_r, vc_h, vc_p,
+                     NORM: tl.constexpr, WRITE_H: tl.constexpr, EPI: tl.constexpr, H: tl.constexpr,
+                     HKV: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """y = a @ W^T for the M <= BLOCK_M rows of a (a decode step's few tokens), W [*, K] row-major, with
+
+    prologue NORM: 0: a = x; 1: a = RMSNorm(x) (weight lnw, variance in fp32, rounded as `add_rmsnorm_kernel`);
+      2: s = round(res + x), a = RMSNorm(s), and program 0 writes s to res_out (the residual stream). WRITE_H:
+      program 0 also writes a to hn (the stack's normed output, e.g. the talker's hidden state). Every program
+      computes the row's variance itself (a first pass over x: the rows are few and short next to W);
+    epilogue EPI: 0 (plain): out[m, n] = round(y[m, n]), N columns, BLOCK_N per program;
+      1 (SiLU * up): W is the concatenated [gate; up] (2N rows): out[m, n] = round(cast(silu(gate)) * up), as
+      `silu_mul_kernel` (each program takes the gate rows n and the up rows N + n together);
+      2 (q/k RMSNorm + RoPE + KV write): W is the concatenated q/k/v projection, one head per program (BLOCK_N =
+      head_dim / 2, the two halves of the head as two accumulators, so rotate-half pairs element j with j of the
+      other half); query heads (h < H) go normed and rotated to out [M, H, HD], key heads to the key cache, value
+      heads (rounded, as the projection's output) to the value cache, at (rows[m // T], head, pos[m]), as
+      `qk_rope_write_kernel`; qw/kw are the per-head norm weights.
+
+    The products accumulate in fp32 elementwise over the K tiles ([BLOCK_M, BLOCK_N, BLOCK_K] partial sums) and are
+    summed once at the end; every value is rounded to the activation dtype where the eager ops round it."""
+    pid = tl.program_id(0)
+    mi = tl.arange(0, BLOCK_M)
+    mm = mi < M
+    m64 = mi.to(tl.int64)
+    kb = tl.arange(0, BLOCK_K)
+    nb = tl.arange(0, BLOCK_N)
+    if EPI == 2:
+        n_a = pid * (2 * BLOCK_N) + nb        # the head's first half
+        n_b = n_a + BLOCK_N                   # its second half
+    else:
+        n_a = pid * BLOCK_N + nb
+        n_b = n_a + N                         # (EPI 1: the up rows)
+    if EPI == 2:
+        nm = n_a >= 0
+    else:
+        nm = n_a < N
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM != 0:
+        ss = tl.full([BLOCK_M], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + kb
+            msk = mm[:, None] & (kk < K)[None, :]
+            xv = tl.load(x_ptr + m64[:, None] * sx + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            if NORM == 2:
+                xv = _round(xv + tl.load(res_ptr + m64[:, None] * sr + kk[None, :], mask=msk, other=0.0)
+                            .to(tl.float32), ACT)
+            ss += _sum(xv * xv, 1)
+        rstd = tl.rsqrt(tl.div_rn(ss, K.to(tl.float32)) + eps)
+    first = (tl.full([BLOCK_M, BLOCK_K], 0, tl.int32) + pid) == 0     # program 0 writes the prologue's rows
+    acc_a = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    if EPI != 0:
+        acc_b = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + kb
+        km = kk < K
+        msk = mm[:, None] & km[None, :]
+        xv = tl.load(x_ptr + m64[:, None] * sx + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        if NORM != 0:
+            if NORM == 2:
+                xv = _round(xv + tl.load(res_ptr + m64[:, None] * sr + kk[None, :], mask=msk, other=0.0)
+                            .to(tl.float32), ACT)
+                tl.store(res_out_ptr + m64[:, None] * sro + kk[None, :], xv.to(res_out_ptr.dtype.element_ty),
+                         mask=msk & first)
+            lw = tl.load(lnw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            xv = _round(lw[None, :] * _round(xv * rstd[:, None], ACT), ACT)
+            if WRITE_H:
+                tl.store(hn_ptr + m64[:, None] * shn + kk[None, :], xv.to(hn_ptr.dtype.element_ty),
+                         mask=msk & first)
+        wm = nm[:, None] & km[None, :]
+        wa = tl.load(w_ptr + n_a.to(tl.int64)[:, None] * K + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+        acc_a += xv[:, None, :] * wa[None, :, :]
+        if EPI != 0:
+            wb = tl.load(w_ptr + n_b.to(tl.int64)[:, None] * K + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+            acc_b += xv[:, None, :] * wb[None, :, :]
+    ya = _round(_sum(acc_a, 2), ACT)                          # [BLOCK_M, BLOCK_N]: the projection's output
+    if EPI == 0:
+        tl.store(out_ptr + m64[:, None] * so + n_a[None, :], ya.to(out_ptr.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
+    elif EPI == 1:
+        yb = _round(_sum(acc_b, 2), ACT)
+        s = _round(tl.div_rn(ya, 1.0 + tl.exp(-ya)), ACT)
+        tl.store(out_ptr + m64[:, None] * so + n_a[None, :], _round(s * yb, ACT).to(out_ptr.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
+    else:
+        HD: tl.constexpr = 2 * BLOCK_N
+        yb = _round(_sum(acc_b, 2), ACT)
+        head = tl.full([BLOCK_M, BLOCK_N], 0, tl.int32) + pid
+        isq = head < H
+        isk = (head >= H) & (head < H + HKV)
+        isv = head >= H + HKV
+        r = tl.rsqrt(tl.div_rn(_sum(ya * ya, 1) + _sum(yb * yb, 1), HD * 1.0) + eps)[:, None]
+        wa_n = tl.where(isq, tl.load(qw_ptr + nb).to(tl.float32)[None, :], tl.load(kw_ptr + nb).to(tl.float32)[None, :])
+        wb_n = tl.where(isq, tl.load(qw_ptr + BLOCK_N + nb).to(tl.float32)[None, :],
+                        tl.load(kw_ptr + BLOCK_N + nb).to(tl.float32)[None, :])
+        za = _round(wa_n * _round(ya * r, ACT), ACT)
+        zb = _round(wb_n * _round(yb * r, ACT), ACT)
+        p = tl.load(pos_ptr + mi, mask=mm, other=0)
+        ang = p.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + nb)[None, :]
+        c, sn = tl.cos(ang), tl.sin(ang)
+        oa = _round(za * c + (-zb) * sn, ACT)
+        ob = _round(zb * c + za * sn, ACT)
+        qo = out_ptr + m64[:, None] * so + pid * HD + nb[None, :]
+        tl.store(qo, oa.to(out_ptr.dtype.element_ty), mask=mm[:, None] & isq)
+        tl.store(qo + BLOCK_N, ob.to(out_ptr.dtype.element_ty), mask=mm[:, None] & isq)
+        row = tl.load(rows_ptr + mi // T, mask=mm, other=0).to(tl.int64)
+        p64 = p.to(tl.int64)
+        kh = (pid - H).to(tl.int64)
+        ko = kc_ptr + (row * kc_r + kh * kc_h + p64 * kc_p)[:, None] + nb[None, :]
+        tl.store(ko, oa.to(kc_ptr.dtype.element_ty), mask=mm[:, None] & isk)
+        tl.store(ko + BLOCK_N, ob.to(kc_ptr.dtype.element_ty), mask=mm[:, None] & isk)
+        vh = (pid - H - HKV).to(tl.int64)
+        vo = vc_ptr + (row * vc_r + vh * vc_h + p64 * vc_p)[:, None] + nb[None, :]
+        tl.store(vo, ya.to(vc_ptr.dtype.element_ty), mask=mm[:, None] & isv)
+        tl.store(vo + BLOCK_N, yb.to(vc_ptr.dtype.element_ty), mask=mm[:, None] & isv)

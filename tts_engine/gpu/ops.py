@@ -418,3 +418,134 @@ def sample_c0(logits: torch.Tensor, rows: torch.Tensor, rp, c0_proc, seen: torch
                    rp.host["c0"], ids, penalty=rp.penalty, seen=seen, suppress=c0_proc.suppress,
                    ignore_eos=rp.ignore_eos, eos_id=c0_proc.eos_id, min_new=c0_proc.min_new_tokens, state=state)
     return ids if state is None else (ids, state["done"])
+
+
+# --- (f) small-M projections with their neighbours fused in (`kernels.norm_gemv_kernel`) ---------------------------
+# At a decode step's few rows a projection is a matrix-vector product: one launch of our own kernel can then also do
+# the residual add + RMSNorm before it and the SiLU*up or the q/k norm + RoPE + KV write after it (the fused frame's
+# "gemv" variant, `frame.py`). Up to GEMV_MAX_ROWS rows (B * T); more rows go to cuBLAS and the separate kernels.
+GEMV_MAX_ROWS = 8
+_GEMV_REGS = 8192            # fp32 partial sums per program on a GPU ([BLOCK_M, BLOCK_N, BLOCK_K], both accumulators)
+_GEMV_REGS_INTERPRETED = 1 << 16   # (the interpreter's cost is per operation: larger tiles, fewer of them)
+
+
+def _floor2(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _gemv_blocks(M: int, N: int, Kd: int, two: bool, block_n: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): every row in one tile; BLOCK_N small enough that a GPU gets ~128
+    programs where N allows (a matrix-vector product is bound by reading W: it needs many SMs reading); BLOCK_K the
+    rest of the register budget."""
+    BM = _pow2(M)
+    BN = block_n or max(2, min(64, _floor2(N // 128)))
+    # one program per head (block_n given): few programs, so each takes twice the tile (8 warps) to keep more of W
+    # in flight
+    budget = _GEMV_REGS_INTERPRETED if K_INTERPRET() else _GEMV_REGS * (2 if block_n else 1)
+    BK = max(16, min(1024, _pow2(Kd), _floor2(budget // (BM * BN * (2 if two else 1)))))
+    regs = BM * BN * BK * (2 if two else 1)
+    return BM, BN, BK, 8 if regs > _GEMV_REGS else 4
+
+
+def K_INTERPRET() -> bool:
+    return K is not None and K.INTERPRET
+
+
+def gemv_fits(rows: int) -> bool:
+    """A projection of `rows` rows (B * T) is served by `norm_linear` & co. in the gemv variant."""
+    return 1 <= rows <= GEMV_MAX_ROWS
+
+
+def _launch_gemv(x2, w, out, N, Kd, *, ln=None, r2=None, res_out=None, hn=None, eps=0.0, epi=0, rope=None,
+                 block_n=None):
+    M = x2.shape[0]
+    assert x2.stride(-1) == 1 and w.stride(-1) == 1 and w.stride(0) == Kd and out.stride(-1) == 1
+    BM, BN, BK, nw = _gemv_blocks(M, N, Kd, epi != 0, block_n)
+    d = x2
+    norm = 0 if ln is None else 1 if r2 is None else 2
+    if rope is None:
+        qw = kw = invf = d
+        pos = rows = d
+        kc = vc = d
+        T = 1
+        kst = vst = (0, 0, 0)
+        H = Hkv = 0
+        grid = (triton_cdiv(N, BN),)
+    else:
+        qw, kw, invf, pos, rows, kc, vc, T, H, Hkv = rope
+        kst, vst = (kc.stride(0), kc.stride(1), kc.stride(2)), (vc.stride(0), vc.stride(1), vc.stride(2))
+        grid = (H + 2 * Hkv,)
+    _launch(K.norm_gemv_kernel)[grid](
+        x2, r2 if r2 is not None else d, ln if ln is not None else d, w, out,
+        res_out if res_out is not None else d, hn if hn is not None else d,
+        M, N, Kd, x2.stride(0), r2.stride(0) if r2 is not None else 0,
+        res_out.stride(0) if res_out is not None else 0, hn.stride(0) if hn is not None else 0, out.stride(0),
+        float(eps), qw, kw, invf, pos, rows, kc, vc, T, *kst, *vst,
+        NORM=norm, WRITE_H=hn is not None, EPI=epi, H=H, HKV=Hkv, ACT=_act(x2.dtype), BLOCK_M=BM, BLOCK_N=BN,
+        BLOCK_K=BK, num_warps=nw)
+
+
+def _norm_prologue_buffers(x: torch.Tensor, residual: torch.Tensor | None, ln, want_normed: bool):
+    x2 = _rows2d(x)
+    r2 = _rows2d(residual) if residual is not None else None
+    res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if r2 is not None else None
+    hn = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if want_normed and ln is not None else None
+    return x2, r2, res_out, hn
+
+
+def norm_linear(x: torch.Tensor, w: torch.Tensor, ln: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, eps: float = 1e-6, want_normed: bool = False,
+                impl: str | None = None):
+    """x [..., K] (rows of any stride), W [N, K] -> (y [..., N], s, hn): y = F.linear(a, W) where a = x (ln None),
+    rms_norm(x, ln) (no residual) or rms_norm(s, ln) with s = residual + x (`add_rmsnorm`). s: the residual stream
+    after the add (x without a residual, None without ln); hn: a when want_normed (a stack's normed output), else
+    None. One launch."""
+    if not use_triton(x, impl):
+        s, a = (None, x) if ln is None else add_rmsnorm(x, residual, ln, eps, impl="eager")
+        return F.linear(a, w), s, (a if want_normed and ln is not None else None)
+    N, Kd = w.shape
+    x2, r2, res_out, hn = _norm_prologue_buffers(x, residual, ln, want_normed)
+    out = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _launch_gemv(x2, w, out, N, Kd, ln=ln, r2=r2, res_out=res_out, hn=hn, eps=eps)
+    lead = x.shape[:-1]
+    s = None if ln is None else x if residual is None else res_out.view(*lead, Kd)
+    return out.view(*lead, N), s, (hn.view(*lead, Kd) if hn is not None else None)
+
+
+def norm_gate_up_silu(x: torch.Tensor, residual: torch.Tensor | None, ln: torch.Tensor, eps: float,
+                      wgu: torch.Tensor, impl: str | None = None):
+    """The MLP's first half in one launch: s = residual + x, a = rms_norm(s, ln), -> (silu(a Wg^T) * (a Wu^T)
+    [..., I], s) with wgu = [Wg; Wu] [2I, K] (`add_rmsnorm` + the gate/up GEMM + `silu_mul`)."""
+    if not use_triton(x, impl):
+        s, a = add_rmsnorm(x, residual, ln, eps, impl="eager")
+        return silu_mul(F.linear(a, wgu), impl="eager"), s
+    N2, Kd = wgu.shape
+    I = N2 // 2
+    x2, r2, res_out, _ = _norm_prologue_buffers(x, residual, ln, False)
+    out = torch.empty(x2.shape[0], I, dtype=x.dtype, device=x.device)
+    _launch_gemv(x2, wgu, out, I, Kd, ln=ln, r2=r2, res_out=res_out, eps=eps, epi=1)
+    lead = x.shape[:-1]
+    return out.view(*lead, I), (x if residual is None else res_out.view(*lead, Kd))
+
+
+def norm_qkv_rope_write(x: torch.Tensor, residual: torch.Tensor | None, ln: torch.Tensor, eps: float,
+                        wqkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: torch.Tensor,
+                        rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                        theta: float, impl: str | None = None):
+    """The attention's first half in one launch: s = residual + x (x [B, T, D]), a = rms_norm(s, ln), qkv = a
+    Wqkv^T, then `qk_norm_rope_write` -> (q [B, T, H, hd], s); the keys and values are written to the caches."""
+    if not use_triton(x, impl):
+        s, a = add_rmsnorm(x, residual, ln, eps, impl="eager")
+        return qk_norm_rope_write(F.linear(a, wqkv), q_w, k_w, eps, pos, rows, k_cache, v_cache, n_heads, n_kv,
+                                  theta, impl="eager"), s
+    B, T, Kd = x.shape
+    hd = q_w.shape[0]
+    H, Hkv = n_heads, n_kv
+    assert wqkv.shape[0] == (H + 2 * Hkv) * hd and hd & (hd - 1) == 0 and hd >= 4
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    x2, r2, res_out, _ = _norm_prologue_buffers(x, residual, ln, False)
+    q = torch.empty(B * T, H, hd, dtype=x.dtype, device=x.device)
+    rope = (q_w, k_w, inv_freq(hd, theta, x.device), _vec(pos.reshape(-1)), _vec(rows), k_cache, v_cache, T, H, Hkv)
+    _launch_gemv(x2, wqkv, q.view(B * T, H * hd), (H + 2 * Hkv) * hd, Kd, ln=ln, r2=r2, res_out=res_out, eps=eps,
+                 epi=2, rope=rope, block_n=hd // 2)
+    return q.view(B, T, H, hd), (x if residual is None else res_out.view(B, T, Kd))
