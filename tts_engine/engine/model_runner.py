@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import numpy as np
 import torch
 
 from tts_engine.errors import TTSError
@@ -39,6 +40,24 @@ GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; large
 _GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
 GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
 log = logging.getLogger("tts_engine")
+READ_BACK_SLOTS = 4   # pinned host buffers in turn: a frame's copy is read within the next frame or two
+
+
+class ReadBack:
+    """What the host learns from one frame: a handle whose `wait()` gives int64 [B, 17] (the frame's 16 codes per
+    row, then its end flag as 0/1), as a numpy array the caller owns. On a GPU the copy went out non-blocking into a
+    pinned buffer behind an event, so `wait()` blocks only until that copy is done (the device may already run the
+    next frame); elsewhere the array is there at once."""
+    __slots__ = ("_array", "_event", "_host")
+
+    def __init__(self, array=None, event=None, host=None):
+        self._array, self._event, self._host = array, event, host
+
+    def wait(self) -> np.ndarray:
+        if self._array is None:
+            self._event.synchronize()
+            self._array = self._host.numpy().copy()   # (the pinned slot is reused a few frames later)
+        return self._array
 
 
 class ModelRunner:
@@ -82,6 +101,8 @@ class ModelRunner:
         # Record) or a {"path", "how", "why"} dict}, written by whatever attaches a path (the backend, the engine's
         # CUDA graphs, `disable_graphs`); `TTSEngine.paths()` lists them
         self.path_entries: dict = {}
+        self._staging = None   # GPU: [rows, 17] int64 on the device and READ_BACK_SLOTS pinned host copies of it
+        self._slot = 0
         # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
         self.backend = None
         self.talker_step = None                # the talker step in one call
@@ -95,6 +116,32 @@ class ModelRunner:
             log.warning("CUDA graphs turned off, serving on the eager path from now on: %s", reason)
         self.graphs = None
         self.path_entries["frame"] = {"path": "eager", "how": "fell back", "why": reason}
+
+    # --- what the host reads of a frame ---------------------------------------------------------------------------
+    def read_back(self, codes: torch.Tensor, done: torch.Tensor | None = None) -> ReadBack:
+        """Start the copy of a frame's codes [B, 16] and end flags [B] (None: not known yet, read as 0) to the host:
+        one device-to-host copy for the frame, into a pinned buffer behind an event on a GPU (nothing waits here);
+        -> its `ReadBack`."""
+        B = codes.shape[0]
+        if self.device.type != "cuda":
+            out = np.zeros((B, 17), dtype=np.int64)
+            out[:, :16] = codes.numpy()
+            if done is not None:
+                out[:, 16] = done.numpy()
+            return ReadBack(out)
+        if self._staging is None:
+            self._staging = (torch.zeros(self.rows, 17, dtype=torch.long, device=self.device),
+                             [torch.zeros(self.rows, 17, dtype=torch.long).pin_memory()
+                              for _ in range(READ_BACK_SLOTS)])
+        dev, hosts = self._staging
+        dev[:B, :16].copy_(codes)
+        dev[:B, 16].copy_(done) if done is not None else dev[:B, 16].zero_()
+        host = hosts[self._slot][:B]
+        self._slot = (self._slot + 1) % READ_BACK_SLOTS
+        host.copy_(dev[:B], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return ReadBack(host=host, event=event)
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
@@ -248,15 +295,16 @@ class ModelRunner:
         return done
 
     def _read_len(self, rows: list[int]) -> int:
-        """Talker cache positions a step of `rows` reads (the longest row's, with the new frame)."""
-        read_len = max(self.host_len[i] for i in rows) + 1
-        if read_len > self.max_len:
-            raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        return read_len
+        """Talker cache positions a step of `rows` reads (the longest row's, with the new frame). max_new bounds a
+        row's length; a row whose end the host has not read yet (`EngineWorker.pipelined`) may run one frame past
+        it, at its last position (the device clamps `pos`), so the read stops at the cache's end."""
+        return min(max(map(self.host_len.__getitem__, rows)) + 1, self.max_len)
 
     def _grown(self, rows: list[int]) -> None:
+        hl, cap = self.host_len, self.max_len
         for i in rows:
-            self.host_len[i] += 1
+            if hl[i] < cap:
+                hl[i] += 1
 
     def _hand_over(self, codes: torch.Tensor) -> None:
         """on_frame_codes(codes), in the backend's `outside_step_scope` (on a CPU: oneDNN as it is outside every

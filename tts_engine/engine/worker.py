@@ -34,12 +34,14 @@ import time
 import traceback
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from tts_engine.errors import TTSError
 from tts_engine.cpu import deferred_trials
 from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
-from tts_engine.engine.codec_thread import CodecThread, decode_group
+from tts_engine.codec.state_pool import CodecStatePool
+from tts_engine.engine.codec_thread import CodecThread, decode_group, drop_state
 from tts_engine.engine.model_runner import ModelRunner
 from tts_engine.engine.scheduler import Scheduler, Sequence, Status
 from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
@@ -72,6 +74,9 @@ class EngineWorker:
         # poll(no_row_held) -> done, called in this engine's thread at each frame boundary until it says done
         # (cpu_build.attach_later: the CPU fast paths, once our library's background build has loaded it)
         self.between_frames = None
+        self.codec_pool: CodecStatePool | None = None   # every running stream's codec decoder state, one row each
+        self._pipelined: bool | None = None   # None: `pipelined` decides by the device
+        self._inflight = None   # pipelined: (sequences, ModelRunner.read_back handle) of the frame still running
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -207,6 +212,8 @@ class EngineWorker:
             except Exception as e:
                 self._fail(seq, e)
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        if self.pipelined:
+            return self._step_pipelined(active)
         if not active:
             return
         deferred_trials.mark_busy()   # (trials deferred from the start wait for a quiet moment)
@@ -220,6 +227,10 @@ class EngineWorker:
         if self.codec_choice is not None:
             self.codec_choice.record_frame(n_active, busy, spent)
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
+        for i in box.get("ends", ()):   # (whole frames: rows whose frame was their last go out now)
+            s = active[i]
+            if s.status is Status.RUNNING and len(s.pending) < s.target:
+                ready.append(s)
         if ready:
             self._emit(ready)
         if g is not None:
@@ -262,9 +273,10 @@ class EngineWorker:
         talker step of these rows follows): a decode that raises marks its rows' `codec_error`."""
         t0 = box["t_in"] = time.perf_counter()
         box["codes"] = codes
-        unknown = torch.zeros((), dtype=torch.bool)
+        step = self.runner.read_back(codes).wait()   # [B, 17]: the codes, and 0 (the end flags come later)
+        box["step"] = step
         for i, s in enumerate(active):
-            s.pending.append((codes[i], unknown))
+            s.pending.append(step[i])
         full = [s for s in active if len(s.pending) >= s.target]
         if full:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
             self._emit(full, defer_failures=True)
@@ -281,15 +293,15 @@ class EngineWorker:
         """After a split frame's talker step: a row whose frame was its last ends now (its pending frames emitted,
         cut there); a row whose chunk decode failed ends with that error."""
         last, ends = [], []
-        flags = done.cpu()
+        flags = done.cpu().numpy()   # (the one read of the frame; its codes came between the halves)
         for i, s in enumerate(active):
             if s.status is not Status.RUNNING:
                 continue
             if s.codec_error is not None:
                 ends.append(s)
-            elif bool(flags[i]):
+            elif flags[i]:
                 if s.pending:
-                    s.pending[-1] = (s.pending[-1][0], done[i])
+                    s.pending[-1][16] = 1   # (this frame's row of its step: the row's own)
                     last.append(s)
                 else:            # its last chunk went out between the halves
                     ends.append(s)
@@ -305,15 +317,32 @@ class EngineWorker:
         req = seq.request
         codec = self.speech_tokenizer.decoder
         if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
-            seq.decoder_state = self._primed_state(req.ref_codes, codec)
+            seq.decoder_state = self._pool_row(codec, self._primed_state(req.ref_codes, codec))
         else:
-            seq.decoder_state = codec.init_state(1, self.runner.device)   # (the codec's own dtype)
+            seq.decoder_state = self._pool_row(codec)
         self.runner.prefill(seq.row, req.prompt, req.params)
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
         seq.pending = []
         if req.params.max_new_tokens <= 1:  # the first drawn id is never completed into a frame
             self._end(seq)
+
+    def _pool_row(self, codec, init=None):
+        """A row of the codec state pool for a new stream, holding `init` (a one-row state) or the empty state."""
+        template = init if init is not None else self._codec_template(codec)
+        pool = self.codec_pool
+        if pool is None or not pool.matches(template):
+            if pool is not None and pool.live:   # (the decoder changed dtype mid-run: a pool for the new streams)
+                log.info("codec decoder state: a new pool for %s", template.k.dtype)
+            pool = self.codec_pool = CodecStatePool(template, rows=max(2, self.runner.rows))
+        return pool.alloc(init)
+
+    def _codec_template(self, codec):
+        key = (id(codec), codec.pre_conv.conv.weight.dtype, codec.pre_conv.conv.weight.device)
+        cached = getattr(self, "_template", None)
+        if cached is None or cached[0] != key:
+            cached = self._template = (key, codec.init_state(1, self.runner.device))
+        return cached[1]
 
     def _primed_state(self, ref_codes: torch.Tensor, codec):
         """The decoder state after `ref_codes` [T, 16]: a copy of the cached one when these codes were seen."""
@@ -349,9 +378,10 @@ class EngineWorker:
             for s in active:
                 try:
                     c, d = self.runner.decode([s.row])
-                    s.pending.append((c[0], d[0]))
+                    s.pending.append(self.runner.read_back(c, d).wait()[0])
                 except Exception as e:
                     self._fail(s, e)
+            box["ends"] = [i for i, s in enumerate(active) if s.status is Status.RUNNING and s.pending[-1][16]]
             return 0.0
         finally:
             self.runner.on_frame_codes = None
@@ -359,9 +389,77 @@ class EngineWorker:
         if "codes" in box:
             self._after_halves(active, done)
             return box.get("s", 0.0)
+        step = self.runner.read_back(codes, done).wait()   # the frame's one device-to-host copy
         for i, s in enumerate(active):
-            s.pending.append((codes[i], done[i]))
+            s.pending.append(step[i])
+        box["ends"] = np.flatnonzero(step[:, 16]).tolist()
         return 0.0
+
+    # --- pipelined: the host one frame behind the device ---------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        """Whole frames with the host one frame behind the device (default on a GPU): each step launches the next
+        frame of every running row, then reads the previous frame's codes and end flags (one pinned, event-gated
+        copy, `ModelRunner.read_back`) and does its host work (chunks, the codec, endings) while the device runs the
+        new frame. A row whose end flag is read has run one frame past its end (that frame is dropped). Settable;
+        off: each frame's results are read right after it (on a CPU nothing runs ahead, so waiting costs nothing
+        and a chunk goes out one frame sooner)."""
+        if self._pipelined is not None:
+            return self._pipelined
+        return self.runner.device.type == "cuda" and not self.split_frames
+
+    @pipelined.setter
+    def pipelined(self, on: bool | None) -> None:
+        self._pipelined = on
+
+    def _step_pipelined(self, active: list[Sequence]) -> None:
+        launched = self._launch(active) if active else None
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            self._land(*prev)
+        if active:
+            self.steps += 1
+
+    def _launch(self, active: list[Sequence]):
+        """Start one frame for every sequence in `active` -> (the sequences, its read-back), not waited for."""
+        active.sort(key=lambda s: s.row)
+        if active:
+            deferred_trials.mark_busy()
+        self.frame += 1
+        try:
+            codes, done = self.runner.decode([s.row for s in active])
+        except Exception:
+            if len(active) == 1:
+                self._fail(active[0], _exc()[1])
+                return None
+            ok, cs, ds = [], [], []
+            for s in active:   # isolate the failing request: each row alone (a row's state advances on success)
+                try:
+                    c, d = self.runner.decode([s.row])
+                except Exception as e:
+                    self._fail(s, e)
+                    continue
+                ok.append(s)
+                cs.append(c)
+                ds.append(d)
+            if not ok:
+                return None
+            active, codes, done = ok, torch.cat(cs), torch.cat(ds)
+        return list(active), self.runner.read_back(codes, done)
+
+    def _land(self, seqs: list[Sequence], handle) -> None:
+        """The host's part of a frame launched earlier: its codes and flags join the rows' pending frames, and the
+        chunks now complete (or ended) go out."""
+        step = handle.wait()
+        ends = set(np.flatnonzero(step[:, 16]).tolist())
+        ready = []
+        for i, s in enumerate(seqs):
+            if s.status is Status.RUNNING:
+                s.pending.append(step[i])
+                if len(s.pending) >= s.target or i in ends:
+                    ready.append(s)
+        if ready:
+            self._emit(ready)
 
     def _advance_alone(self, active: list[Sequence], codes: torch.Tensor, exc: BaseException) -> None:
         """The talker step of a split frame raised for the batch: run it row by row; a row that fails again ends
@@ -383,25 +481,26 @@ class EngineWorker:
         """Decode (or hand to the codec thread) the pending frames of `ready` as chunks, cut at an end flag.
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
-        flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
+        cut = []   # (seq, its chunk's frames [n, 16] on the host, ends with it)
+        for s in ready:
+            pending = np.stack(s.pending)                                  # [k, 17]: codes, end flag
+            ends = np.flatnonzero(pending[:, 16])
+            n = int(ends[0]) + 1 if ends.size else len(pending)
+            cut.append((s, torch.from_numpy(pending[:n, :16].copy()), bool(ends.size)))
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
         rows, choice, where = len(self.scheduler.running), self.codec_choice, None
         if choice is not None and self.codec is not None:
             where = choice.choose(rows, self.codec.busy)
-            if self._nothing_after(ready, flags) and not self.codec.busy:
+            if self._nothing_after(cut) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
-        o = 0
-        for s in ready:
-            f = flags[o:o + len(s.pending)]
-            o += len(s.pending)
-            n = int(f.nonzero()[0, 0]) + 1 if bool(f.any()) else len(f)
-            frames = torch.stack([c for c, _ in s.pending[:n]])          # [n, 16]
+        for s, frames, ends in cut:
+            n = frames.shape[0]
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
-            s.request.codes.extend(frames.cpu().unbind(0))
-            s.finishing = bool(f.any())  # noqa
+            s.request.codes.extend(frames.unbind(0))
+            s.finishing = ends
             s.pending = []
             groups[n, here].append((s, frames))
         codec = self.speech_tokenizer.decoder
@@ -454,17 +553,12 @@ class EngineWorker:
             if shared:
                 s.target = max(shared) - self.frame
 
-    def _nothing_after(self, ready: list[Sequence], flags: torch.Tensor) -> bool:
-        """Every running sequence ends with the chunks of `ready` (their end flags are in `flags`, their pending
-        frames' in order) and none waits: nothing is left to generate beside their decode."""
-        if self.scheduler.waiting or len(ready) != len(self.scheduler.running):
+    def _nothing_after(self, cut: list) -> bool:
+        """Every running sequence ends with the chunks `cut` ((seq, frames, ends with it)) and none waits: nothing is
+        left to generate beside their decode."""
+        if self.scheduler.waiting or len(cut) != len(self.scheduler.running):
             return False
-        o = 0
-        for s in ready:
-            if not bool(flags[o:o + len(s.pending)].any()):
-                return False
-            o += len(s.pending)
-        return True
+        return all(ends for _, _, ends in cut)
 
     @contextlib.contextmanager
     def _all_threads(self):
@@ -495,7 +589,7 @@ class EngineWorker:
             seq.status = Status.FINISHED
             self.codec.finish(seq, item)
             return
-        seq.decoder_state = None
+        drop_state(seq)
         seq.finish() if item is None else seq.finish(item)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
