@@ -217,6 +217,80 @@ class ModelRunner:
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
 
+    def check_prompt(self, prompt: Prompt) -> None:
+        """TTSError when `prompt` does not fit a row (too long for the cache, or its text track too long)."""
+        L = prompt.prefill.shape[0]
+        if L + 2 > self.max_len:
+            raise TTSError(f"the prompt is too long ({L} positions; this engine holds {self.max_len}). "
+                           "Use a shorter text or reference clip.")
+        n = prompt.trailing.shape[0]
+        if n > self.trailing.shape[1]:
+            raise TTSError(f"the text is too long for one request ({n} tokens after the first; the limit is "
+                           f"{self.trailing.shape[1]}). Split it into sentences.")
+
+    @torch.inference_mode()
+    def prefill_batch(self, rows: list[int], prompts: list[Prompt], params: list[SamplingParams]) -> torch.Tensor:
+        """`prefill` of several new sequences in one talker call: their prompts (ragged) right-padded to the longest
+        and run together, each row attending to its own positions only (the padding's keys land past a row's end,
+        where its frames overwrite them before any read). With a prefix cache, each row's voice prefix is copied
+        from it (or run alone and kept, as in `prefill`) and the rest of all rows is one call from each row's own
+        start. Every prompt must pass `check_prompt`. Returns done [B] (bool, on device)."""
+        if len(rows) == 1:
+            return self.prefill(rows[0], prompts[0], params[0])
+        for p in prompts:
+            self.check_prompt(p)
+        B = len(rows)
+        xs = [p.prefill.to(self.dtype) for p in prompts]
+        Ls = [x.shape[0] for x in xs]
+        pc = self.prefix_cache
+        starts = [p.prefix_len if pc is not None and pc.enabled and 0 < p.prefix_len < L else 0
+                  for p, L in zip(prompts, Ls)]
+        T = max(L - P for L, P in zip(Ls, starts))
+        if max(P + T for P in starts) > self.max_len:   # (the padding would run past the cache: one at a time)
+            return torch.cat([self.prefill(r, p, q) for r, p, q in zip(rows, prompts, params)])
+        for row, p, q in zip(rows, prompts, params):
+            self._set_trailing(row, p.trailing)
+            self._write_params(row, q)
+        for row, x, P in zip(rows, xs, starts):
+            if P:
+                self._prefix_into(row, x, P)
+        x = torch.zeros(B, T, xs[0].shape[1], dtype=self.dtype, device=self.device)
+        for i, (xi, P) in enumerate(zip(xs, starts)):
+            x[i, :Ls[i] - P] = xi[P:]
+        r = torch.tensor(rows, device=self.device)
+        start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        cache_rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else r
+        same = len(set(starts)) == 1
+        hs = self.talker.model.run(x, self.cache, cache_rows, start, max(Ls), write_start=starts[0] if same else None)
+        last = torch.tensor([L - P - 1 for L, P in zip(Ls, starts)], device=self.device)
+        h = hs[torch.arange(B, device=self.device), last]
+        logits = self.talker.codec_head(h).float()
+        L_t = torch.tensor(Ls, dtype=torch.long, device=self.device)
+        self.pos[r] = L_t
+        for row, L in zip(rows, Ls):
+            self.host_len[row] = L
+        self.step[r] = 0
+        self.seen[r] = False
+        self.max_new[r] = torch.tensor([min(q.max_new_tokens, self.max_len - L + 1) for q, L in zip(params, Ls)],
+                                       dtype=torch.long, device=self.device)
+        rp = self.rp.select(r, host_facts(params))
+        c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
+        return self._after_c0(r, h, c0)
+
+    def _prefix_into(self, row: int, x: torch.Tensor, P: int) -> None:
+        """The voice prefix x[:P] of a prompt into cache row `row`: copied from the prefix cache, else run alone
+        (as `_prefill_talker` runs it) and kept."""
+        pc = self.prefix_cache
+        key = pc.key(x[:P])
+        kv = pc.get(key)
+        if kv is not None:
+            self.cache.k[:, row, :, :P] = kv[0]
+            self.cache.v[:, row, :, :P] = kv[1]
+            return
+        self.talker.model.run(x[None, :P], self.cache, slice(row, row + 1),
+                              torch.zeros(1, dtype=torch.long, device=self.device), P, write_start=0)
+        pc.put(key, self.cache.k[:, row, :, :P], self.cache.v[:, row, :, :P])
+
     def _prefill_talker(self, row: int, x: torch.Tensor, prefix_len: int):
         """The talker over a prompt's input embeddings x [L, D] into cache row `row` (positions 0..L-1) -> (hidden,
         logits) of the last position. With a prefix cache the first `prefix_len` positions (the voice's part,

@@ -47,6 +47,9 @@ from tts_engine.engine.scheduler import Scheduler, Sequence, Status
 from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
+# a step's prefill batch while streams run: about one frame's time at batch 64 on a GPU for the 0.6B model (a batch's
+# prompts are ~100-300 positions each); on a CPU a frame holds far fewer, but there requests rarely arrive together
+PREFILL_TOKENS_PER_STEP = 2048
 
 
 class EngineWorker:
@@ -76,6 +79,9 @@ class EngineWorker:
         self.between_frames = None
         self.codec_pool: CodecStatePool | None = None   # every running stream's codec decoder state, one row each
         self._pipelined: bool | None = None   # None: `pipelined` decides by the device
+        self._unprefilled: list[Sequence] = []   # admitted, prompt not run yet (the next steps' prefill batches)
+        # prompt positions prefilled per step while other streams run (the rest wait a frame); all when none runs
+        self.prefill_tokens_per_step = PREFILL_TOKENS_PER_STEP
         self._inflight = None   # pipelined: (sequences, ModelRunner.read_back handle) of the frame still running
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
@@ -206,12 +212,12 @@ class EngineWorker:
         for seq in list(self.scheduler.running):
             if seq.cancelled.is_set() or seq.codec_error is not None:
                 self._end(seq, seq.codec_error if self.codec is None else None)
-        for seq in self.scheduler.admit():
-            try:
-                self._prefill(seq)
-            except Exception as e:
-                self._fail(seq, e)
+        self._unprefilled += self.scheduler.admit()
+        if self._unprefilled:
+            self._prefill_some()
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        if self._unprefilled:
+            active = [s for s in active if s not in self._unprefilled]
         if self.pipelined:
             return self._step_pipelined(active)
         if not active:
@@ -313,14 +319,68 @@ class EngineWorker:
         if last:
             self._emit(last)     # cut at the flag, and ended
 
+    def _prefill_some(self) -> None:
+        """Prefill the admitted sequences waiting for it, together (`ModelRunner.prefill_batch`): all of them when no
+        other stream runs, else as many as fit `prefill_tokens_per_step` prompt positions (at least one), so that
+        running streams wait about one frame for it; the rest go in the next steps' batches."""
+        waiting = [s for s in self._unprefilled if s.status is Status.RUNNING]
+        others = len(self.scheduler.running) > len(waiting)
+        batch, used = [], 0
+        for s in waiting:
+            n = s.request.prompt.prefill.shape[0]
+            if batch and others and used + n > self.prefill_tokens_per_step:
+                break
+            batch.append(s)
+            used += n
+        self._unprefilled = waiting[len(batch):]
+        if len(batch) == 1:
+            try:
+                self._prefill(batch[0])
+            except Exception as e:
+                self._fail(batch[0], e)
+            return
+        ready = []
+        for s in batch:
+            try:
+                self.runner.check_prompt(s.request.prompt)
+                self._prepare(s)
+                ready.append(s)
+            except Exception as e:
+                self._fail(s, e)
+        if not ready:
+            return
+        try:
+            self.runner.prefill_batch([s.row for s in ready], [s.request.prompt for s in ready],
+                                      [s.request.params for s in ready])
+        except Exception as e:   # one at a time, so that a bad request fails alone
+            log.warning("batched prefill of %d requests failed (%s); one at a time", len(ready), e)
+            for s in list(ready):
+                try:
+                    self.runner.prefill(s.row, s.request.prompt, s.request.params)
+                except Exception as e1:
+                    ready.remove(s)
+                    self._fail(s, e1)
+        for s in ready:
+            self._started(s)
+
     def _prefill(self, seq: Sequence) -> None:
+        req = seq.request
+        self._prepare(seq)
+        self.runner.prefill(seq.row, req.prompt, req.params)
+        self._started(seq)
+
+    def _prepare(self, seq: Sequence) -> None:
+        """A new stream's codec decoder state (primed with an ICL reference's codes)."""
         req = seq.request
         codec = self.speech_tokenizer.decoder
         if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
             seq.decoder_state = self._pool_row(codec, self._primed_state(req.ref_codes, codec))
         else:
             seq.decoder_state = self._pool_row(codec)
-        self.runner.prefill(seq.row, req.prompt, req.params)
+
+    def _started(self, seq: Sequence) -> None:
+        """A prefilled stream's chunk schedule; a request for at most one codebook-0 id ends here."""
+        req = seq.request
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
         seq.pending = []
