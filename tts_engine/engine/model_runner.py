@@ -10,7 +10,9 @@ Row r of each tensor belongs to one sequence (a cache slot). Born here, freed he
   trailing [R, cap, D], trailing_len [R]  the text track fed alongside generated frames
   params (RowParams over all R rows)   each row's sampling settings and seed
 The host mirrors only what it can know without asking the device (each row's length), so a frame runs
-with no host synchronisation; the caller reads the `done` flags once per emitted chunk.
+with no host synchronisation; the caller learns a frame's codes and `done` flags from one copy (`read_back`: pinned
+and event-gated on a GPU, read while the device runs the next frame). `prefill_batch` runs the prompts of requests
+admitted together in one call.
 
 A frame is two halves: `complete` (the code predictor draws codebooks 1..15 of the current frame) and `advance`
 (the talker consumes the frame and draws the next codebook-0 id); `decode` is the two in a row. `frame(b, read_len)`

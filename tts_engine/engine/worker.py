@@ -4,8 +4,12 @@ Each iteration is one frame boundary:
   1. drop cancelled sequences (their rows are free again within one frame),
   2. admit waiting sequences into free rows and prefill them (newcomers join the running batch),
   3. decode one frame for every running sequence in one batched call,
-  4. for sequences whose chunk is complete: one host read of their end-of-speech flags (the only sync in the
-     loop), then a codec decode batched across them, and their audio goes to their output queues.
+  4. the frame's codes and end flags reach the host in one copy (`ModelRunner.read_back`); for sequences whose
+     chunk is complete or ended: a codec decode batched across them (their decoder states rows of one
+     `codec.state_pool.CodecStatePool`), and their audio goes to their output queues.
+Newcomers admitted together are prefilled in one batch (`ModelRunner.prefill_batch`), at most
+`prefill_tokens_per_step` prompt positions per step while other streams run. On a GPU the host runs one frame
+behind the device (`pipelined`): step 3 launches the next frame before step 4 handles the previous one.
 An exception while serving one sequence fails that sequence only.
 
 With `overlap_codec` on (`codec_thread.CodecThread`), step 4 hands the codes of every chunk but a sequence's first
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import traceback
@@ -50,6 +55,7 @@ log = logging.getLogger("tts_engine")
 # a step's prefill batch while streams run: about one frame's time at batch 64 on a GPU for the 0.6B model (a batch's
 # prompts are ~100-300 positions each); on a CPU a frame holds far fewer, but there requests rarely arrive together
 PREFILL_TOKENS_PER_STEP = 2048
+_ROW = operator.attrgetter("row")
 
 
 class EngineWorker:
@@ -418,7 +424,7 @@ class EngineWorker:
     def _decode(self, active: list[Sequence], box: dict | None = None) -> float:
         """One frame for every sequence in `active`; -> seconds spent between the halves (decoding chunks) of a
         split frame, else 0. box: filled by a split frame's hand-over (`_between_halves`)."""
-        active.sort(key=lambda s: s.row)
+        active.sort(key=_ROW)
         rows = [s.row for s in active]
         box = {} if box is None else box
         self.frame += 1
@@ -450,8 +456,8 @@ class EngineWorker:
             self._after_halves(active, done)
             return box.get("s", 0.0)
         step = self.runner.read_back(codes, done).wait()   # the frame's one device-to-host copy
-        for i, s in enumerate(active):
-            s.pending.append(step[i])
+        for s, f in zip(active, step):
+            s.pending.append(f)
         box["ends"] = np.flatnonzero(step[:, 16]).tolist()
         return 0.0
 
@@ -482,7 +488,7 @@ class EngineWorker:
 
     def _launch(self, active: list[Sequence]):
         """Start one frame for every sequence in `active` -> (the sequences, its read-back), not waited for."""
-        active.sort(key=lambda s: s.row)
+        active.sort(key=_ROW)
         if active:
             deferred_trials.mark_busy()
         self.frame += 1
@@ -541,12 +547,21 @@ class EngineWorker:
         """Decode (or hand to the codec thread) the pending frames of `ready` as chunks, cut at an end flag.
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
-        cut = []   # (seq, its chunk's frames [n, 16] on the host, ends with it)
+        # every ready row's pending frames in one block [sum k, 17] (codes, end flag): one copy and one split for
+        # all of them, not one per sequence
+        block = np.stack([f for s in ready for f in s.pending])
+        codes = torch.from_numpy(block[:, :16])
+        frame_rows = codes.unbind(0)                                      # each frame's [16] (for `Request.codes`)
+        firsts = block[:, 16].nonzero()[0].tolist()                       # the frames that end their stream
+        cut, o, e = [], 0, 0   # cut: (seq, its chunk's frames [n, 16] on the host, their rows, ends with it)
         for s in ready:
-            pending = np.stack(s.pending)                                  # [k, 17]: codes, end flag
-            ends = np.flatnonzero(pending[:, 16])
-            n = int(ends[0]) + 1 if ends.size else len(pending)
-            cut.append((s, torch.from_numpy(pending[:n, :16].copy()), bool(ends.size)))
+            k = len(s.pending)
+            while e < len(firsts) and firsts[e] < o:
+                e += 1
+            ends = e < len(firsts) and firsts[e] < o + k
+            n = firsts[e] - o + 1 if ends else k
+            cut.append((s, codes[o:o + n], frame_rows[o:o + n], ends))
+            o += k
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
         rows, choice, where = len(self.scheduler.running), self.codec_choice, None
@@ -556,10 +571,10 @@ class EngineWorker:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
-        for s, frames, ends in cut:
+        for s, frames, frame_rows, ends in cut:
             n = frames.shape[0]
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
-            s.request.codes.extend(frames.unbind(0))
+            s.request.codes.extend(frame_rows)
             s.finishing = ends
             s.pending = []
             groups[n, here].append((s, frames))
@@ -614,11 +629,11 @@ class EngineWorker:
                 s.target = max(shared) - self.frame
 
     def _nothing_after(self, cut: list) -> bool:
-        """Every running sequence ends with the chunks `cut` ((seq, frames, ends with it)) and none waits: nothing is
+        """Every running sequence ends with the chunks `cut` ((seq, frames, ..., ends with it)) and none waits: nothing is
         left to generate beside their decode."""
         if self.scheduler.waiting or len(cut) != len(self.scheduler.running):
             return False
-        return all(ends for _, _, ends in cut)
+        return all(c[-1] for c in cut)
 
     @contextlib.contextmanager
     def _all_threads(self):
