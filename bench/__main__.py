@@ -14,6 +14,8 @@ BENCHMARKS = {
               "(also `speed --peers`)"),
     "check": ("bench.check", "does the fast path work here? CUDA graphs (CPU: the bucketed step) against eager, "
               "same codes"),
+    "host": ("bench.host", "the engine's host work per frame (scheduler, bookkeeping, chunks, codec hand-off, "
+             "emission) with a stand-in model and codec, at each batch size"),
     "census": ("bench.census", "kernel launches per frame of the GPU's path (counted on a CPU, or a CUDA replay "
                "profiled)"),
     "gpu_frame": ("bench.gpu_frame", "the fused GPU frame against the eager frame: codes, ms per frame with and "

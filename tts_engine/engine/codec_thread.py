@@ -35,17 +35,43 @@ _STOP = object()
 
 
 def decode_group(codec, items: list) -> None:
-    """Decode [(seq, frames [n, 16])] (all with the same n) as one batch through `codec.decode_step`, advance each
-    sequence's decoder state, and put each row's audio (float32 [n*1920]) on its sequence's output queue. Used by
-    the worker (first chunks, or every chunk when there is no codec thread) and by the codec thread. Raises what
-    the decode raises; the caller fails the group's sequences."""
+    """Decode [(seq, frames [n, 16])] (all with the same n; host or device tensors) as one batch through
+    `codec.decode_step`, advance each sequence's decoder state, and put each row's audio (float32 [n*1920]) on its
+    sequence's output queue. Used by the worker (first chunks, or every chunk when there is no codec thread) and by
+    the codec thread. The states are rows of one `CodecStatePool` (the engine's: one gather and one write-back per
+    decode, whatever the batch) or standalone `CodecDecoderState`s (joined and split here). Raises what the decode
+    raises; the caller fails the group's sequences."""
     states = [s.decoder_state for s, _ in items]
+    frames = torch.stack([f for _, f in items]).transpose(1, 2)                        # [G, 16, n]
+    pool = getattr(states[0], "pool", None)
+    if pool is not None and all(getattr(st, "pool", None) is pool for st in states):
+        device = pool.state.pos.device
+        wav = pool.decode(codec, [st.slot for st in states], frames.to(device, non_blocking=True))
+        _put_audio(items, wav)
+        return
+    if any(getattr(st, "pool", None) is not None for st in states):   # (streams of two pools: each on its own)
+        for item in items:
+            decode_group(codec, [item])
+        return
     state = states[0] if len(states) == 1 else type(states[0]).concat(states)
-    wav = codec.decode_step(torch.stack([f for _, f in items]).transpose(1, 2), state)   # [G, n*1920]
-    audio = wav.float().cpu().numpy()
+    wav = codec.decode_step(frames.to(state.pos.device, non_blocking=True), state)   # [G, n*1920]
     for i, (s, _) in enumerate(items):
         s.decoder_state = state if len(items) == 1 else state.select(torch.tensor([i], device=wav.device))
+    _put_audio(items, wav)
+
+
+def _put_audio(items: list, wav: torch.Tensor) -> None:
+    """Each row of `wav` [G, samples] to its sequence's output queue (one device-to-host copy for the group)."""
+    audio = wav.float().cpu().numpy()
+    for i, (s, _) in enumerate(items):
         s.out.put(np.ascontiguousarray(audio[i]))
+
+
+def drop_state(seq) -> None:
+    """A sequence that ends gives its decoder state back (its pool slot is free again)."""
+    st, seq.decoder_state = seq.decoder_state, None
+    if getattr(st, "pool", None) is not None:
+        st.free()
 
 
 class CodecThread:
@@ -178,7 +204,7 @@ class CodecThread:
                 self.wake.set()
 
     def _finish(self, seq, item) -> None:
-        seq.decoder_state = None
+        drop_state(seq)
         if item is None and seq.codec_error is not None:
             item = seq.codec_error
         seq.finish() if item is None else seq.finish(item)

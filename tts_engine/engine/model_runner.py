@@ -10,7 +10,9 @@ Row r of each tensor belongs to one sequence (a cache slot). Born here, freed he
   trailing [R, cap, D], trailing_len [R]  the text track fed alongside generated frames
   params (RowParams over all R rows)   each row's sampling settings and seed
 The host mirrors only what it can know without asking the device (each row's length), so a frame runs
-with no host synchronisation; the caller reads the `done` flags once per emitted chunk.
+with no host synchronisation; the caller learns a frame's codes and `done` flags from one copy (`read_back`: pinned
+and event-gated on a GPU, read while the device runs the next frame). `prefill_batch` runs the prompts of requests
+admitted together in one call.
 
 A frame is two halves: `complete` (the code predictor draws codebooks 1..15 of the current frame) and `advance`
 (the talker consumes the frame and draws the next codebook-0 id); `decode` is the two in a row. `frame(b, read_len)`
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import numpy as np
 import torch
 
 from tts_engine.errors import TTSError
@@ -39,6 +42,24 @@ GRAPH_TOP_K_CAP = 64   # the captured sampler scores this many candidates; large
 _GENERAL = {"any_sample": True, "k_max": GRAPH_TOP_K_CAP, "any_top_p": True}
 GENERAL_FACTS = {"c0": _GENERAL, "sub": _GENERAL}
 log = logging.getLogger("tts_engine")
+READ_BACK_SLOTS = 4   # pinned host buffers in turn: a frame's copy is read within the next frame or two
+
+
+class ReadBack:
+    """What the host learns from one frame: a handle whose `wait()` gives int64 [B, 17] (the frame's 16 codes per
+    row, then its end flag as 0/1), as a numpy array the caller owns. On a GPU the copy went out non-blocking into a
+    pinned buffer behind an event, so `wait()` blocks only until that copy is done (the device may already run the
+    next frame); elsewhere the array is there at once."""
+    __slots__ = ("_array", "_event", "_host")
+
+    def __init__(self, array=None, event=None, host=None):
+        self._array, self._event, self._host = array, event, host
+
+    def wait(self) -> np.ndarray:
+        if self._array is None:
+            self._event.synchronize()
+            self._array = self._host.numpy().copy()   # (the pinned slot is reused a few frames later)
+        return self._array
 
 
 class ModelRunner:
@@ -82,6 +103,8 @@ class ModelRunner:
         # Record) or a {"path", "how", "why"} dict}, written by whatever attaches a path (the backend, the engine's
         # CUDA graphs, `disable_graphs`); `TTSEngine.paths()` lists them
         self.path_entries: dict = {}
+        self._staging = None   # GPU: [rows, 17] int64 on the device and READ_BACK_SLOTS pinned host copies of it
+        self._slot = 0
         # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
         self.backend = None
         self.talker_step = None                # the talker step in one call
@@ -95,6 +118,32 @@ class ModelRunner:
             log.warning("CUDA graphs turned off, serving on the eager path from now on: %s", reason)
         self.graphs = None
         self.path_entries["frame"] = {"path": "eager", "how": "fell back", "why": reason}
+
+    # --- what the host reads of a frame ---------------------------------------------------------------------------
+    def read_back(self, codes: torch.Tensor, done: torch.Tensor | None = None) -> ReadBack:
+        """Start the copy of a frame's codes [B, 16] and end flags [B] (None: not known yet, read as 0) to the host:
+        one device-to-host copy for the frame, into a pinned buffer behind an event on a GPU (nothing waits here);
+        -> its `ReadBack`."""
+        B = codes.shape[0]
+        if self.device.type != "cuda":
+            out = np.zeros((B, 17), dtype=np.int64)
+            out[:, :16] = codes.numpy()
+            if done is not None:
+                out[:, 16] = done.numpy()
+            return ReadBack(out)
+        if self._staging is None:
+            self._staging = (torch.zeros(self.rows, 17, dtype=torch.long, device=self.device),
+                             [torch.zeros(self.rows, 17, dtype=torch.long).pin_memory()
+                              for _ in range(READ_BACK_SLOTS)])
+        dev, hosts = self._staging
+        dev[:B, :16].copy_(codes)
+        dev[:B, 16].copy_(done) if done is not None else dev[:B, 16].zero_()
+        host = hosts[self._slot][:B]
+        self._slot = (self._slot + 1) % READ_BACK_SLOTS
+        host.copy_(dev[:B], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return ReadBack(host=host, event=event)
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _host_facts(self, b: int, general: bool) -> dict:
@@ -169,6 +218,80 @@ class ModelRunner:
         rp = self.rp.select(slice(row, row + 1), host_facts([params]))
         c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
         return self._after_c0(r, h, c0)
+
+    def check_prompt(self, prompt: Prompt) -> None:
+        """TTSError when `prompt` does not fit a row (too long for the cache, or its text track too long)."""
+        L = prompt.prefill.shape[0]
+        if L + 2 > self.max_len:
+            raise TTSError(f"the prompt is too long ({L} positions; this engine holds {self.max_len}). "
+                           "Use a shorter text or reference clip.")
+        n = prompt.trailing.shape[0]
+        if n > self.trailing.shape[1]:
+            raise TTSError(f"the text is too long for one request ({n} tokens after the first; the limit is "
+                           f"{self.trailing.shape[1]}). Split it into sentences.")
+
+    @torch.inference_mode()
+    def prefill_batch(self, rows: list[int], prompts: list[Prompt], params: list[SamplingParams]) -> torch.Tensor:
+        """`prefill` of several new sequences in one talker call: their prompts (ragged) right-padded to the longest
+        and run together, each row attending to its own positions only (the padding's keys land past a row's end,
+        where its frames overwrite them before any read). With a prefix cache, each row's voice prefix is copied
+        from it (or run alone and kept, as in `prefill`) and the rest of all rows is one call from each row's own
+        start. Every prompt must pass `check_prompt`. Returns done [B] (bool, on device)."""
+        if len(rows) == 1:
+            return self.prefill(rows[0], prompts[0], params[0])
+        for p in prompts:
+            self.check_prompt(p)
+        B = len(rows)
+        xs = [p.prefill.to(self.dtype) for p in prompts]
+        Ls = [x.shape[0] for x in xs]
+        pc = self.prefix_cache
+        starts = [p.prefix_len if pc is not None and pc.enabled and 0 < p.prefix_len < L else 0
+                  for p, L in zip(prompts, Ls)]
+        T = max(L - P for L, P in zip(Ls, starts))
+        if max(P + T for P in starts) > self.max_len:   # (the padding would run past the cache: one at a time)
+            return torch.cat([self.prefill(r, p, q) for r, p, q in zip(rows, prompts, params)])
+        for row, p, q in zip(rows, prompts, params):
+            self._set_trailing(row, p.trailing)
+            self._write_params(row, q)
+        for row, x, P in zip(rows, xs, starts):
+            if P:
+                self._prefix_into(row, x, P)
+        x = torch.zeros(B, T, xs[0].shape[1], dtype=self.dtype, device=self.device)
+        for i, (xi, P) in enumerate(zip(xs, starts)):
+            x[i, :Ls[i] - P] = xi[P:]
+        r = torch.tensor(rows, device=self.device)
+        start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        cache_rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else r
+        same = len(set(starts)) == 1
+        hs = self.talker.model.run(x, self.cache, cache_rows, start, max(Ls), write_start=starts[0] if same else None)
+        last = torch.tensor([L - P - 1 for L, P in zip(Ls, starts)], device=self.device)
+        h = hs[torch.arange(B, device=self.device), last]
+        logits = self.talker.codec_head(h).float()
+        L_t = torch.tensor(Ls, dtype=torch.long, device=self.device)
+        self.pos[r] = L_t
+        for row, L in zip(rows, Ls):
+            self.host_len[row] = L
+        self.step[r] = 0
+        self.seen[r] = False
+        self.max_new[r] = torch.tensor([min(q.max_new_tokens, self.max_len - L + 1) for q, L in zip(params, Ls)],
+                                       dtype=torch.long, device=self.device)
+        rp = self.rp.select(r, host_facts(params))
+        c0 = self.c0_proc(logits, self.seen[r], self.step[r], rp)
+        return self._after_c0(r, h, c0)
+
+    def _prefix_into(self, row: int, x: torch.Tensor, P: int) -> None:
+        """The voice prefix x[:P] of a prompt into cache row `row`: copied from the prefix cache, else run alone
+        (as `_prefill_talker` runs it) and kept."""
+        pc = self.prefix_cache
+        key = pc.key(x[:P])
+        kv = pc.get(key)
+        if kv is not None:
+            self.cache.k[:, row, :, :P] = kv[0]
+            self.cache.v[:, row, :, :P] = kv[1]
+            return
+        self.talker.model.run(x[None, :P], self.cache, slice(row, row + 1),
+                              torch.zeros(1, dtype=torch.long, device=self.device), P, write_start=0)
+        pc.put(key, self.cache.k[:, row, :, :P], self.cache.v[:, row, :, :P])
 
     def _prefill_talker(self, row: int, x: torch.Tensor, prefix_len: int):
         """The talker over a prompt's input embeddings x [L, D] into cache row `row` (positions 0..L-1) -> (hidden,
@@ -248,15 +371,16 @@ class ModelRunner:
         return done
 
     def _read_len(self, rows: list[int]) -> int:
-        """Talker cache positions a step of `rows` reads (the longest row's, with the new frame)."""
-        read_len = max(self.host_len[i] for i in rows) + 1
-        if read_len > self.max_len:
-            raise RuntimeError("talker cache overflow")  # unreachable: max_new bounds the length
-        return read_len
+        """Talker cache positions a step of `rows` reads (the longest row's, with the new frame). max_new bounds a
+        row's length; a row whose end the host has not read yet (`EngineWorker.pipelined`) may run one frame past
+        it, at its last position (the device clamps `pos`), so the read stops at the cache's end."""
+        return min(max(map(self.host_len.__getitem__, rows)) + 1, self.max_len)
 
     def _grown(self, rows: list[int]) -> None:
+        hl, cap = self.host_len, self.max_len
         for i in rows:
-            self.host_len[i] += 1
+            if hl[i] < cap:
+                hl[i] += 1
 
     def _hand_over(self, codes: torch.Tensor) -> None:
         """on_frame_codes(codes), in the backend's `outside_step_scope` (on a CPU: oneDNN as it is outside every

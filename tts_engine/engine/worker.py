@@ -4,8 +4,12 @@ Each iteration is one frame boundary:
   1. drop cancelled sequences (their rows are free again within one frame),
   2. admit waiting sequences into free rows and prefill them (newcomers join the running batch),
   3. decode one frame for every running sequence in one batched call,
-  4. for sequences whose chunk is complete: one host read of their end-of-speech flags (the only sync in the
-     loop), then a codec decode batched across them, and their audio goes to their output queues.
+  4. the frame's codes and end flags reach the host in one copy (`ModelRunner.read_back`); for sequences whose
+     chunk is complete or ended: a codec decode batched across them (their decoder states rows of one
+     `codec.state_pool.CodecStatePool`), and their audio goes to their output queues.
+Newcomers admitted together are prefilled in one batch (`ModelRunner.prefill_batch`), at most
+`prefill_tokens_per_step` prompt positions per step while other streams run. On a GPU the host runs one frame
+behind the device (`pipelined`): step 3 launches the next frame before step 4 handles the previous one.
 An exception while serving one sequence fails that sequence only.
 
 With `overlap_codec` on (`codec_thread.CodecThread`), step 4 hands the codes of every chunk but a sequence's first
@@ -29,22 +33,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import traceback
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from tts_engine.errors import TTSError
 from tts_engine.cpu import deferred_trials
 from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
-from tts_engine.engine.codec_thread import CodecThread, decode_group
+from tts_engine.codec.state_pool import CodecStatePool
+from tts_engine.engine.codec_thread import CodecThread, decode_group, drop_state
 from tts_engine.engine.model_runner import ModelRunner
 from tts_engine.engine.scheduler import Scheduler, Sequence, Status
 from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
 
 log = logging.getLogger("tts_engine")
+# a step's prefill batch while streams run: about one frame's time at batch 64 on a GPU for the 0.6B model (a batch's
+# prompts are ~100-300 positions each); on a CPU a frame holds far fewer, but there requests rarely arrive together
+PREFILL_TOKENS_PER_STEP = 2048
+_ROW = operator.attrgetter("row")
 
 
 class EngineWorker:
@@ -72,6 +83,12 @@ class EngineWorker:
         # poll(no_row_held) -> done, called in this engine's thread at each frame boundary until it says done
         # (cpu_build.attach_later: the CPU fast paths, once our library's background build has loaded it)
         self.between_frames = None
+        self.codec_pool: CodecStatePool | None = None   # every running stream's codec decoder state, one row each
+        self._pipelined: bool | None = None   # None: `pipelined` decides by the device
+        self._unprefilled: list[Sequence] = []   # admitted, prompt not run yet (the next steps' prefill batches)
+        # prompt positions prefilled per step while other streams run (the rest wait a frame); all when none runs
+        self.prefill_tokens_per_step = PREFILL_TOKENS_PER_STEP
+        self._inflight = None   # pipelined: (sequences, ModelRunner.read_back handle) of the frame still running
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -201,12 +218,14 @@ class EngineWorker:
         for seq in list(self.scheduler.running):
             if seq.cancelled.is_set() or seq.codec_error is not None:
                 self._end(seq, seq.codec_error if self.codec is None else None)
-        for seq in self.scheduler.admit():
-            try:
-                self._prefill(seq)
-            except Exception as e:
-                self._fail(seq, e)
+        self._unprefilled += self.scheduler.admit()
+        if self._unprefilled:
+            self._prefill_some()
         active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        if self._unprefilled:
+            active = [s for s in active if s not in self._unprefilled]
+        if self.pipelined:
+            return self._step_pipelined(active)
         if not active:
             return
         deferred_trials.mark_busy()   # (trials deferred from the start wait for a quiet moment)
@@ -220,6 +239,10 @@ class EngineWorker:
         if self.codec_choice is not None:
             self.codec_choice.record_frame(n_active, busy, spent)
         ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
+        for i in box.get("ends", ()):   # (whole frames: rows whose frame was their last go out now)
+            s = active[i]
+            if s.status is Status.RUNNING and len(s.pending) < s.target:
+                ready.append(s)
         if ready:
             self._emit(ready)
         if g is not None:
@@ -262,9 +285,10 @@ class EngineWorker:
         talker step of these rows follows): a decode that raises marks its rows' `codec_error`."""
         t0 = box["t_in"] = time.perf_counter()
         box["codes"] = codes
-        unknown = torch.zeros((), dtype=torch.bool)
+        step = self.runner.read_back(codes).wait()   # [B, 17]: the codes, and 0 (the end flags come later)
+        box["step"] = step
         for i, s in enumerate(active):
-            s.pending.append((codes[i], unknown))
+            s.pending.append(step[i])
         full = [s for s in active if len(s.pending) >= s.target]
         if full:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
             self._emit(full, defer_failures=True)
@@ -281,15 +305,15 @@ class EngineWorker:
         """After a split frame's talker step: a row whose frame was its last ends now (its pending frames emitted,
         cut there); a row whose chunk decode failed ends with that error."""
         last, ends = [], []
-        flags = done.cpu()
+        flags = done.cpu().numpy()   # (the one read of the frame; its codes came between the halves)
         for i, s in enumerate(active):
             if s.status is not Status.RUNNING:
                 continue
             if s.codec_error is not None:
                 ends.append(s)
-            elif bool(flags[i]):
+            elif flags[i]:
                 if s.pending:
-                    s.pending[-1] = (s.pending[-1][0], done[i])
+                    s.pending[-1][16] = 1   # (this frame's row of its step: the row's own)
                     last.append(s)
                 else:            # its last chunk went out between the halves
                     ends.append(s)
@@ -301,19 +325,90 @@ class EngineWorker:
         if last:
             self._emit(last)     # cut at the flag, and ended
 
+    def _prefill_some(self) -> None:
+        """Prefill the admitted sequences waiting for it, together (`ModelRunner.prefill_batch`): all of them when no
+        other stream runs, else as many as fit `prefill_tokens_per_step` prompt positions (at least one), so that
+        running streams wait about one frame for it; the rest go in the next steps' batches."""
+        waiting = [s for s in self._unprefilled if s.status is Status.RUNNING]
+        others = len(self.scheduler.running) > len(waiting)
+        batch, used = [], 0
+        for s in waiting:
+            n = s.request.prompt.prefill.shape[0]
+            if batch and others and used + n > self.prefill_tokens_per_step:
+                break
+            batch.append(s)
+            used += n
+        self._unprefilled = waiting[len(batch):]
+        if len(batch) == 1:
+            try:
+                self._prefill(batch[0])
+            except Exception as e:
+                self._fail(batch[0], e)
+            return
+        ready = []
+        for s in batch:
+            try:
+                self.runner.check_prompt(s.request.prompt)
+                self._prepare(s)
+                ready.append(s)
+            except Exception as e:
+                self._fail(s, e)
+        if not ready:
+            return
+        try:
+            self.runner.prefill_batch([s.row for s in ready], [s.request.prompt for s in ready],
+                                      [s.request.params for s in ready])
+        except Exception as e:   # one at a time, so that a bad request fails alone
+            log.warning("batched prefill of %d requests failed (%s); one at a time", len(ready), e)
+            for s in list(ready):
+                try:
+                    self.runner.prefill(s.row, s.request.prompt, s.request.params)
+                except Exception as e1:
+                    ready.remove(s)
+                    self._fail(s, e1)
+        for s in ready:
+            self._started(s)
+
     def _prefill(self, seq: Sequence) -> None:
+        req = seq.request
+        self._prepare(seq)
+        self.runner.prefill(seq.row, req.prompt, req.params)
+        self._started(seq)
+
+    def _prepare(self, seq: Sequence) -> None:
+        """A new stream's codec decoder state (primed with an ICL reference's codes)."""
         req = seq.request
         codec = self.speech_tokenizer.decoder
         if req.ref_codes is not None:  # ICL: prime the decoder with the reference audio's codes
-            seq.decoder_state = self._primed_state(req.ref_codes, codec)
+            seq.decoder_state = self._pool_row(codec, self._primed_state(req.ref_codes, codec))
         else:
-            seq.decoder_state = codec.init_state(1, self.runner.device)   # (the codec's own dtype)
-        self.runner.prefill(seq.row, req.prompt, req.params)
+            seq.decoder_state = self._pool_row(codec)
+
+    def _started(self, seq: Sequence) -> None:
+        """A prefilled stream's chunk schedule; a request for at most one codebook-0 id ends here."""
+        req = seq.request
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
         seq.pending = []
         if req.params.max_new_tokens <= 1:  # the first drawn id is never completed into a frame
             self._end(seq)
+
+    def _pool_row(self, codec, init=None):
+        """A row of the codec state pool for a new stream, holding `init` (a one-row state) or the empty state."""
+        template = init if init is not None else self._codec_template(codec)
+        pool = self.codec_pool
+        if pool is None or not pool.matches(template):
+            if pool is not None and pool.live:   # (the decoder changed dtype mid-run: a pool for the new streams)
+                log.info("codec decoder state: a new pool for %s", template.k.dtype)
+            pool = self.codec_pool = CodecStatePool(template, rows=max(2, self.runner.rows))
+        return pool.alloc(init)
+
+    def _codec_template(self, codec):
+        key = (id(codec), codec.pre_conv.conv.weight.dtype, codec.pre_conv.conv.weight.device)
+        cached = getattr(self, "_template", None)
+        if cached is None or cached[0] != key:
+            cached = self._template = (key, codec.init_state(1, self.runner.device))
+        return cached[1]
 
     def _primed_state(self, ref_codes: torch.Tensor, codec):
         """The decoder state after `ref_codes` [T, 16]: a copy of the cached one when these codes were seen."""
@@ -329,7 +424,7 @@ class EngineWorker:
     def _decode(self, active: list[Sequence], box: dict | None = None) -> float:
         """One frame for every sequence in `active`; -> seconds spent between the halves (decoding chunks) of a
         split frame, else 0. box: filled by a split frame's hand-over (`_between_halves`)."""
-        active.sort(key=lambda s: s.row)
+        active.sort(key=_ROW)
         rows = [s.row for s in active]
         box = {} if box is None else box
         self.frame += 1
@@ -349,9 +444,10 @@ class EngineWorker:
             for s in active:
                 try:
                     c, d = self.runner.decode([s.row])
-                    s.pending.append((c[0], d[0]))
+                    s.pending.append(self.runner.read_back(c, d).wait()[0])
                 except Exception as e:
                     self._fail(s, e)
+            box["ends"] = [i for i, s in enumerate(active) if s.status is Status.RUNNING and s.pending[-1][16]]
             return 0.0
         finally:
             self.runner.on_frame_codes = None
@@ -359,9 +455,77 @@ class EngineWorker:
         if "codes" in box:
             self._after_halves(active, done)
             return box.get("s", 0.0)
-        for i, s in enumerate(active):
-            s.pending.append((codes[i], done[i]))
+        step = self.runner.read_back(codes, done).wait()   # the frame's one device-to-host copy
+        for s, f in zip(active, step):
+            s.pending.append(f)
+        box["ends"] = np.flatnonzero(step[:, 16]).tolist()
         return 0.0
+
+    # --- pipelined: the host one frame behind the device ---------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        """Whole frames with the host one frame behind the device (default on a GPU): each step launches the next
+        frame of every running row, then reads the previous frame's codes and end flags (one pinned, event-gated
+        copy, `ModelRunner.read_back`) and does its host work (chunks, the codec, endings) while the device runs the
+        new frame. A row whose end flag is read has run one frame past its end (that frame is dropped). Settable;
+        off: each frame's results are read right after it (on a CPU nothing runs ahead, so waiting costs nothing
+        and a chunk goes out one frame sooner)."""
+        if self._pipelined is not None:
+            return self._pipelined
+        return self.runner.device.type == "cuda" and not self.split_frames
+
+    @pipelined.setter
+    def pipelined(self, on: bool | None) -> None:
+        self._pipelined = on
+
+    def _step_pipelined(self, active: list[Sequence]) -> None:
+        launched = self._launch(active) if active else None
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            self._land(*prev)
+        if active:
+            self.steps += 1
+
+    def _launch(self, active: list[Sequence]):
+        """Start one frame for every sequence in `active` -> (the sequences, its read-back), not waited for."""
+        active.sort(key=_ROW)
+        if active:
+            deferred_trials.mark_busy()
+        self.frame += 1
+        try:
+            codes, done = self.runner.decode([s.row for s in active])
+        except Exception:
+            if len(active) == 1:
+                self._fail(active[0], _exc()[1])
+                return None
+            ok, cs, ds = [], [], []
+            for s in active:   # isolate the failing request: each row alone (a row's state advances on success)
+                try:
+                    c, d = self.runner.decode([s.row])
+                except Exception as e:
+                    self._fail(s, e)
+                    continue
+                ok.append(s)
+                cs.append(c)
+                ds.append(d)
+            if not ok:
+                return None
+            active, codes, done = ok, torch.cat(cs), torch.cat(ds)
+        return list(active), self.runner.read_back(codes, done)
+
+    def _land(self, seqs: list[Sequence], handle) -> None:
+        """The host's part of a frame launched earlier: its codes and flags join the rows' pending frames, and the
+        chunks now complete (or ended) go out."""
+        step = handle.wait()
+        ends = set(np.flatnonzero(step[:, 16]).tolist())
+        ready = []
+        for i, s in enumerate(seqs):
+            if s.status is Status.RUNNING:
+                s.pending.append(step[i])
+                if len(s.pending) >= s.target or i in ends:
+                    ready.append(s)
+        if ready:
+            self._emit(ready)
 
     def _advance_alone(self, active: list[Sequence], codes: torch.Tensor, exc: BaseException) -> None:
         """The talker step of a split frame raised for the batch: run it row by row; a row that fails again ends
@@ -384,25 +548,35 @@ class EngineWorker:
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
         ready = self.scheduler.by_deadline(ready)   # the listeners holding the least audio decode first
-        flags = torch.cat([torch.stack([d for _, d in s.pending]) for s in ready]).cpu()   # the one sync
+        # every ready row's pending frames in one block [sum k, 17] (codes, end flag): one copy and one split for
+        # all of them, not one per sequence
+        block = np.stack([f for s in ready for f in s.pending])
+        codes = torch.from_numpy(block[:, :16])
+        frame_rows = codes.unbind(0)                                      # each frame's [16] (for `Request.codes`)
+        firsts = block[:, 16].nonzero()[0].tolist()                       # the frames that end their stream
+        cut, o, e = [], 0, 0   # cut: (seq, its chunk's frames [n, 16] on the host, their rows, ends with it)
+        for s in ready:
+            k = len(s.pending)
+            while e < len(firsts) and firsts[e] < o:
+                e += 1
+            ends = e < len(firsts) and firsts[e] < o + k
+            n = firsts[e] - o + 1 if ends else k
+            cut.append((s, codes[o:o + n], frame_rows[o:o + n], ends))
+            o += k
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
         rows, choice, where = len(self.scheduler.running), self.codec_choice, None
         if choice is not None and self.codec is not None:
             where = choice.choose(rows, self.codec.busy)
-            if self._nothing_after(ready, flags) and not self.codec.busy:
+            if self._nothing_after(cut) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
         groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
-        o = 0
-        for s in ready:
-            f = flags[o:o + len(s.pending)]
-            o += len(s.pending)
-            n = int(f.nonzero()[0, 0]) + 1 if bool(f.any()) else len(f)
-            frames = torch.stack([c for c, _ in s.pending[:n]])          # [n, 16]
+        for s, frames, frame_rows, ends in cut:
+            n = frames.shape[0]
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
-            s.request.codes.extend(frames.cpu().unbind(0))
-            s.finishing = bool(f.any())  # noqa
+            s.request.codes.extend(frame_rows)
+            s.finishing = ends
             s.pending = []
             groups[n, here].append((s, frames))
         codec = self.speech_tokenizer.decoder
@@ -455,17 +629,12 @@ class EngineWorker:
             if shared:
                 s.target = max(shared) - self.frame
 
-    def _nothing_after(self, ready: list[Sequence], flags: torch.Tensor) -> bool:
-        """Every running sequence ends with the chunks of `ready` (their end flags are in `flags`, their pending
-        frames' in order) and none waits: nothing is left to generate beside their decode."""
-        if self.scheduler.waiting or len(ready) != len(self.scheduler.running):
+    def _nothing_after(self, cut: list) -> bool:
+        """Every running sequence ends with the chunks `cut` ((seq, frames, ..., ends with it)) and none waits: nothing is
+        left to generate beside their decode."""
+        if self.scheduler.waiting or len(cut) != len(self.scheduler.running):
             return False
-        o = 0
-        for s in ready:
-            if not bool(flags[o:o + len(s.pending)].any()):
-                return False
-            o += len(s.pending)
-        return True
+        return all(c[-1] for c in cut)
 
     @contextlib.contextmanager
     def _all_threads(self):
@@ -496,7 +665,7 @@ class EngineWorker:
             seq.status = Status.FINISHED
             self.codec.finish(seq, item)
             return
-        seq.decoder_state = None
+        drop_state(seq)
         seq.finish() if item is None else seq.finish(item)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
