@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from tts_engine import EngineBusyError, TTSError
 
 from server import audio_formats
+from serving import text_prep
 from serving.busy_line import LINE as BUSY_LINE
 from serving.limits import Limits
 from server.text_stream import GRANULARITIES, SentenceStream
@@ -74,6 +75,14 @@ class Sentence:
     error: str | None = None
     busy: bool = False              # the engine's queue was full: it waits in the busy line when its turn comes
     total_sentences: int | None = None   # set on the end-of-utterance marker instead of text
+    # what the model reads (serving/text_prep.py): the runs between the sentence's pause tags, each in its spoken
+    # form (dictionary, numbers read out) with the silence after it, and the silence before the first
+    say: list = field(default_factory=list)
+    lead_s: float = 0.0
+
+    @property
+    def first(self) -> str:
+        return self.say[0][0] if self.say else self.text
 
 
 def _message(e: BaseException) -> str:
@@ -222,6 +231,16 @@ class SpeechSocket:
         max_new = min(req.max_new_tokens or self.limits.max_new_tokens, self.limits.max_new_tokens)
         kw = dict(language=req.language or "auto", instruct=req.instructions if engine.supports_instruct else None,
                   seed=req.seed, max_new_tokens=max_new)
+        own = getattr(req, "lexicon", None)
+        try:   # the session's pronunciation dictionary over the server's, and whether numbers are read out
+            if own is not None and len(own) > text_prep.REQUEST_LEXICON_MAX:
+                raise TTSError(f"lexicon has {len(own)} entries; a session's own is at most "
+                               f"{text_prep.REQUEST_LEXICON_MAX}")
+            lexicon = text_prep.Lexicon.merged(text_prep.server_lexicon(), text_prep.parse_lexicon(own, "lexicon"))
+        except TTSError as e:
+            await self._error(f"invalid session config: {_message(e)}")
+            return False
+        self.text_options = (lexicon, getattr(req, "read_numbers", None) is not False)
         self.config = cfg
         self.setup = (engine, voice, kw, fmt, stream_audio)
         chars = self.limits.max_text_chars if granularity == "none" else min(SENTENCE_CHARS,
@@ -235,7 +254,13 @@ class SpeechSocket:
                               "send more after some audio has come back")
             return False
         engine, voice, kw, fmt, stream_audio = self.setup
-        self.pending.append(Sentence(self.utterance, self.sentence, text, engine, voice, kw, fmt, stream_audio))
+        s = Sentence(self.utterance, self.sentence, text, engine, voice, kw, fmt, stream_audio)
+        try:   # pause tags ([pause 0.5s], <break time="500ms"/>), the dictionary, numbers read out
+            prep = text_prep.prepare(text, kw.get("language"), *self.text_options, ssml=True)
+            s.say, s.lead_s = [(g.spoken, g.pause_s or 0.0) for g in prep.segments], prep.lead_s
+        except TTSError as e:
+            s.error = str(e)
+        self.pending.append(s)
         self.sentence += 1
         await self._submit_ahead()
         self.changed.set()
@@ -251,7 +276,7 @@ class SpeechSocket:
                     break                   # it waits in the busy line: nothing after it overtakes it
                 if s.stream is None and s.error is None:
                     try:
-                        s.stream = await run_in_threadpool(s.engine.stream, s.text, voice=s.voice, **s.kw)
+                        s.stream = await run_in_threadpool(s.engine.stream, s.first, voice=s.voice, **s.kw)
                         if self.cancelled:
                             s.stream.cancel()
                     except EngineBusyError:
@@ -276,7 +301,7 @@ class SpeechSocket:
             ticket = BUSY_LINE.join(s.engine)
             try:
                 while not self.cancelled:
-                    submit = lambda: s.engine.stream(s.text, voice=s.voice, **s.kw)
+                    submit = lambda: s.engine.stream(s.first, voice=s.voice, **s.kw)
                     try:
                         s.stream = await run_in_threadpool(BUSY_LINE.try_submit, ticket, submit)
                     except TTSError as e:
@@ -335,17 +360,34 @@ class SpeechSocket:
             await self._error(f"sentence {s.index}: {s.error}")
         else:
             first = True
+
+            async def out(chunk):
+                nonlocal first, total
+                if not s.stream_audio:
+                    parts.append(chunk)
+                    return
+                data = audio_formats.to_int16(chunk).tobytes()
+                if first and s.fmt == "wav":
+                    data = audio_formats.streaming_wav_header() + data
+                first = False
+                await self.ws.send_bytes(data)
+                total += len(data)
+
+            def silence(seconds: float):
+                return np.zeros(int(round(seconds * audio_formats.SAMPLE_RATE)), np.float32)
+
             try:
-                while (chunk := await run_in_threadpool(next, s.stream, _DONE)) is not _DONE:
-                    if not s.stream_audio:
-                        parts.append(chunk)
-                        continue
-                    data = audio_formats.to_int16(chunk).tobytes()
-                    if first and s.fmt == "wav":
-                        data = audio_formats.streaming_wav_header() + data
-                    first = False
-                    await self.ws.send_bytes(data)
-                    total += len(data)
+                if s.lead_s:
+                    await out(silence(s.lead_s))
+                for k, (said, pause) in enumerate(s.say or [(s.text, 0.0)]):
+                    stream = s.stream if k == 0 else await run_in_threadpool(s.engine.stream, said, voice=s.voice,
+                                                                             **s.kw)
+                    if k:
+                        s.stream = stream   # (cancelled with the session)
+                    while (chunk := await run_in_threadpool(next, stream, _DONE)) is not _DONE:
+                        await out(chunk)
+                    if pause:
+                        await out(silence(pause))
             except TTSError as e:
                 failed = True
                 await self._error(f"sentence {s.index}: {e}")

@@ -38,6 +38,7 @@ import soundfile as sf
 from tts_engine import TTSError, cache_paths
 
 from serving.subtitles import Cue, to_srt, to_vtt
+from serving.text_prep import split_pauses
 
 log = logging.getLogger("qwen3_tts_live")
 
@@ -354,15 +355,25 @@ class Settings:
 
 def segments_of(chapter: Chapter, split: Callable[[str], list[str]], speak_title: bool = True) -> list[Segment]:
     """A chapter's segments: its title (if spoken), then each paragraph's sentence groups (`split`, the page's
-    `chunk_text`); the pause after each is the paragraph pause at a paragraph's end."""
+    `chunk_text`); the pause after each is the paragraph pause at a paragraph's end, or what a pause tag in the text
+    asks for (serving/text_prep.py; a bad tag raises TextPrepError, a clear message). Segments keep the text as
+    written (subtitles, the job's list); what the model reads is made from it at render time."""
     segs: list[Segment] = []
     if speak_title and chapter.title.strip():
         segs += [Segment(t, SENTENCE_PAUSE_S) for t in split(chapter.title)]
         if segs:
             segs[-1].pause_after = TITLE_PAUSE_S
     for para in chapter.paragraphs:
-        pieces = [Segment(t, SENTENCE_PAUSE_S) for t in split(para)]
-        if pieces:
+        pieces = []
+        for run, pause in split_pauses(para):   # a pause tag ([pause 1s]) gives exactly its silence after its run
+            got = [Segment(t, SENTENCE_PAUSE_S) for t in split(run)] if run.strip() else []
+            if pause is not None:
+                if got:
+                    got[-1].pause_after = pause
+                elif pieces:
+                    pieces[-1].pause_after += pause
+            pieces += got
+        if pieces and pieces[-1].pause_after == SENTENCE_PAUSE_S:
             pieces[-1].pause_after = PARAGRAPH_PAUSE_S
         segs += pieces
     if not segs:

@@ -311,3 +311,16 @@ def test_edited_chapter_list_with_a_voice_per_chapter(served, tmp_path):
     with pytest.raises(Exception, match="(?i)unknown voice"):
         client.predict(text="", chapters={"headers": L.TABLE_HEADERS, "data": [["A", "nobody", "Hi."]]},
                        job_id="", **KW, api_name="/audiobook")
+
+
+def test_pause_tags_in_a_book_give_their_silence_and_bad_ones_a_message():
+    """A pause tag inside a chapter's paragraph is exactly the pause after its run (serving/text_prep.py's tags, as
+    in every text field); the segments keep the written text; a bad tag is refused with a clear message."""
+    from serving.text_prep import TextPrepError
+
+    ch = L.Chapter("One", ["Hello there. [pause 1.5s] The next part.", "Last paragraph [pause 250ms]"])
+    segs = L.segments_of(ch, lambda t: [t.strip()], speak_title=False)
+    assert [(s.text, s.pause_after) for s in segs] == [
+        ("Hello there.", 1.5), ("The next part.", L.PARAGRAPH_PAUSE_S), ("Last paragraph", 0.25)]
+    with pytest.raises(TextPrepError, match="pause"):
+        L.segments_of(L.Chapter("Two", ["Wait [pause 99s] here."]), lambda t: [t], speak_title=False)

@@ -353,3 +353,33 @@ def test_a_socket_takes_one_of_its_clients_places(server):
             pass
         assert time.time() < deadline, "the places were not given back"
         time.sleep(0.1)
+
+
+def test_pause_tags_the_dictionary_and_numbers_in_a_session(server):
+    """What the page and /v1/audio/speech read (serving/text_prep.py), the socket reads too: a pause tag gives exactly
+    its silence, the session's dictionary and number reading change what the engine is asked to say (not the
+    sentence text reported back), and a bad tag is a non-fatal error for its sentence."""
+    from server.audio_formats import to_int16
+    from serving import text_prep
+
+    url, registry = server
+    engine = registry.get("custom_voice")
+    with connect(url) as ws:
+        send(ws, type="session.config", voice="ryan", response_format="pcm", stream_audio=True, max_new_tokens=6,
+             seed=7, language="english", lexicon={"Qwen": "chwen"})
+        send(ws, type="input.text", text="Qwen costs 5 dollars. [pause 1s] Again.")
+        send(ws, type="input.done")
+        got = sentences(collect(ws))
+        send(ws, type="input.text", text="Wait [pause 99s] here.")
+        send(ws, type="input.done")
+        bad = collect(ws)
+    said = text_prep.prepare("Qwen costs 5 dollars.", "english", text_prep.Lexicon({"Qwen": "chwen"})).spoken
+    assert "chwen" in said and "five" in said
+    assert [s["start"]["sentence_text"] for s in got] == ["Qwen costs 5 dollars.", "[pause 1s] Again."]
+    alone = [to_int16(engine.synthesize(t, voice="ryan", seed=7, max_new_tokens=6, language="english")).tobytes()
+             for t in (said, "Again.")]
+    assert got[0]["audio"] == alone[0]
+    silence = bytes(2 * 24000)
+    assert got[1]["audio"] == silence + alone[1]
+    errors = [m for m in bad if isinstance(m, dict) and m["type"] == "error"]
+    assert errors and "pause" in errors[0]["message"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from serving import dubbing, longform
+from serving import dubbing, longform, text_prep
 from serving.subtitles import cues_from_spans, parse_srt, to_srt, to_vtt
 from tts_engine import TTSError
 
@@ -182,6 +182,10 @@ class LongformHandler:
     def _render_parts(self, job: longform.Job, todo: list[tuple[int, int]], session, request, live_token: str,
                       note: str):
         c, st = self.c, job.settings
+        # the session's dictionary and number reading; the take guard's length bound (a runaway segment is cut and
+        # flagged), without automatic redos: a book's segment is redone by hand (`/audiobook_redo`)
+        lexicon, read_out, guard = self.text_options(request)
+        guard = guard.with_options(retries=0, best_of=1)
         resolved = {}
         parts = []
         for k, (ci, si) in enumerate(todo):
@@ -193,11 +197,13 @@ class LongformHandler:
                     raise TTSError(f"chapter {ci + 1} ({ch.title}): {e}") from None
             role, v = resolved[ch.voice]
             sj = SpeechJob(text=ch.segments[si].text, voice=v, language=st.language, instruct=None,
-                           seed=job.seed_of(ci, si), sampling=st.sampling, max_new_tokens=st.max_new_tokens)
+                           seed=job.seed_of(ci, si), sampling=st.sampling, max_new_tokens=st.max_new_tokens,
+                           lexicon=lexicon, read_out=read_out, guard=guard)
             prev = todo[k - 1] if k else None
             pause = (job.chapters[prev[0]].segments[prev[1]].pause_after if prev and prev[0] == ci
                      else longform.TAIL_S + longform.LEAD_IN_S)
-            parts.append(Part(sj.text, self.models.engine(role), sj, pause, line=k))
+            said = text_prep.spoken_form(sj.text, st.language, lexicon, read_out).strip() or sj.text
+            parts.append(Part(said, self.models.engine(role), sj, pause, line=k))
         role0 = resolved[job.chapters[todo[0][0]].voice][0]
         job.state = "rendering"
         job.save()
