@@ -216,11 +216,12 @@ def decode_ref_audio(s: str, limits: Limits) -> bytes:
         raise APIError(400, "ref_audio is not valid base64", param="ref_audio") from None
 
 
-def install(app: FastAPI, registry: EngineRegistry, limits: Limits) -> None:
-    """Add the speech API routes and the OpenAI-shaped error handlers to `app`."""
+def install(app: FastAPI, registry: EngineRegistry, limits: Limits, take_guard: TakeGuard | None = None) -> None:
+    """Add the speech API routes and the OpenAI-shaped error handlers to `app`. take_guard: how every take is
+    checked (serving/take_guard.py; requests adjust it); default `TakeGuard.from_env()`."""
     slots = ClientSlots(limits.max_per_client)
     subtitles = SubtitleStore(limits.file_ttl_seconds)
-    take_guard = TakeGuard.from_env()     # every take checked (serving/take_guard.py); requests adjust it
+    take_guard = take_guard or TakeGuard.from_env()
     if isinstance(registry, EngineRegistry):    # uploaded voices: POST / DELETE /v1/audio/voices
         voices_api.install(app, registry, limits)
     # base64 grows uploads by 4/3; leave room for the rest of the JSON body

@@ -43,9 +43,10 @@ def serve(app, timeout: float = 30):
 
 
 @contextlib.contextmanager
-def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict | None = None):
+def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict | None = None, take_guard=None):
     """Our speech API on tiny random checkpoints of `roles`, on loopback. Yields (url, registry, checkpoints).
-    `voices`: VoiceStore arguments for uploaded voices (default: a `voices` folder under `folder`, no admin key)."""
+    `voices`: VoiceStore arguments for uploaded voices (default: a `voices` folder under `folder`, no admin key);
+    `take_guard`: the API's (default: the server's, from the environment)."""
     from fastapi import FastAPI
 
     from server.openai_api import install
@@ -58,7 +59,7 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
     registry = EngineRegistry(ck, device="cpu", offline_fallback=False, engine_kw=engine_kw)
     registry.uploaded = VoiceStore(**({"folder": folder / "voices", "admin_key": ""} | (voices or {})))
     app = FastAPI()
-    install(app, registry, limits)
+    install(app, registry, limits, take_guard=take_guard)
     try:
         with serve(app) as url:
             yield url, registry, ck

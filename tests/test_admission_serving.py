@@ -24,10 +24,14 @@ LONG = 3000         # frames: a tiny random checkpoint never ends its speech, so
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One row, one place in the queue, real-time admission."""
+    """One row, one place in the queue, real-time admission; no take guard (its length bound would end these
+    long-running requests, which stand for streams whose listeners are still listening)."""
+    from serving.take_guard import TakeGuard
+
     limits = Limits(max_text_chars=300, max_new_tokens=LONG, max_per_client=8)
     kw = {"max_batch": 1, "max_waiting": 1, "admission": "realtime"}
-    with tiny_api(tmp_path_factory.mktemp("adm"), ("custom_voice",), limits, engine_kw=kw) as (url, registry, _):
+    with tiny_api(tmp_path_factory.mktemp("adm"), ("custom_voice",), limits, engine_kw=kw,
+                  take_guard=TakeGuard(enabled=False)) as (url, registry, _):
         yield url, registry, registry.get("custom_voice")
 
 

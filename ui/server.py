@@ -23,7 +23,7 @@ def create_server(app, demo: gr.Blocks):
     from server.openai_api import install
 
     api = FastAPI(title="Qwen3-TTS Live")
-    install(api, app.models.registry, app.limits)
+    install(api, app.models.registry, app.limits, take_guard=app.take_guard)   # the page's guard, shared
     model_loader.install(api, app.models.loader)   # GET /live/models: the page's "models ready" indicator
     # GET/POST /live/{token}: the page's player's PCM stream (POST may start the click's generation), its JS files
     live_player.install(api, app.live, starter=app.early)
