@@ -121,8 +121,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the figures to this file")
     a = ap.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x.strip()]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)   # host work: one thread, as the worker's bookkeeping runs
-    results = [measure(r, a.frames, a.rounds, a.split) for r in rows]
+    try:
+        results = [measure(r, a.frames, a.rounds, a.split) for r in rows]
+    finally:
+        torch.set_num_threads(threads)   # (the caller's, where it runs in-process: tests)
     base = results[0]["cpu_ms"]
     print(f"# {command('host', argv)}")
     print(f"# device: {device_name(torch.device('cpu'))}; {load_average()}; "

@@ -125,16 +125,21 @@ class ModelRunner:
         one device-to-host copy for the frame, into a pinned buffer behind an event on a GPU (nothing waits here);
         -> its `ReadBack`."""
         B = codes.shape[0]
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or getattr(self, "_plain_read_back", False):
             out = np.zeros((B, 17), dtype=np.int64)
-            out[:, :16] = codes.numpy()
+            out[:, :16] = codes.cpu().numpy()
             if done is not None:
-                out[:, 16] = done.numpy()
+                out[:, 16] = done.cpu().numpy()
             return ReadBack(out)
         if self._staging is None:
-            self._staging = (torch.zeros(self.rows, 17, dtype=torch.long, device=self.device),
-                             [torch.zeros(self.rows, 17, dtype=torch.long).pin_memory()
-                              for _ in range(READ_BACK_SLOTS)])
+            try:
+                self._staging = (torch.zeros(self.rows, 17, dtype=torch.long, device=self.device),
+                                 [torch.zeros(self.rows, 17, dtype=torch.long).pin_memory()
+                                  for _ in range(READ_BACK_SLOTS)])
+            except RuntimeError as e:   # no pinned memory here (ZeroGPU's stand-in device before a GPU is granted)
+                log.info("tts_engine: frames read back without pinned memory: %s", f"{e}".splitlines()[0][:200])
+                self._plain_read_back = True
+                return self.read_back(codes, done)
         dev, hosts = self._staging
         dev[:B, :16].copy_(codes)
         dev[:B, 16].copy_(done) if done is not None else dev[:B, 16].zero_()
