@@ -28,7 +28,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Callable
 
 import numpy as np
@@ -95,13 +94,10 @@ SENTENCES = {
 # --- statistics (pure) ------------------------------------------------------------------------------------
 
 def binom_sf(k: int, n: int, p: float = 0.5) -> float:
-    """P(X >= k) for X ~ Binomial(n, p), exact (rational arithmetic for p = 1/2)."""
-    if k <= 0:
-        return 1.0
-    if k > n:
-        return 0.0
-    q = Fraction(p).limit_denominator(10**9)
-    return float(sum(math.comb(n, i) * q**i * (1 - q)**(n - i) for i in range(k, n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p) (scipy's exact binomial)."""
+    from scipy.stats import binom
+
+    return float(binom.sf(k - 1, n, p)) if k > 0 else 1.0
 
 
 def abx_p_value(correct: int, n: int) -> float:
@@ -112,22 +108,19 @@ def abx_p_value(correct: int, n: int) -> float:
 
 def sign_test_p(a: int, b: int) -> float:
     """Two-sided exact binomial (sign test) p-value of a preference split a : b (ties left out)."""
-    n = a + b
-    if n == 0:
-        return 1.0
-    k = max(a, b)
-    return min(1.0, 2.0 * binom_sf(k, n, 0.5))
+    from scipy.stats import binomtest
+
+    return float(binomtest(max(a, b), a + b, 0.5).pvalue) if a + b else 1.0
 
 
-def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+def wilson_interval(k: int, n: int) -> tuple[float, float]:
     """95 % Wilson score interval of a proportion k / n ((0, 1) when n = 0)."""
+    from scipy.stats import binomtest
+
     if n == 0:
         return 0.0, 1.0
-    ph = k / n
-    den = 1 + z * z / n
-    mid = (ph + z * z / (2 * n)) / den
-    half = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return max(0.0, float(ci.low)), min(1.0, float(ci.high))
 
 
 def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
