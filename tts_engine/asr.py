@@ -63,6 +63,16 @@ class Transcript:
     model: str
 
 
+def _clip(wav: np.ndarray, sr: int) -> np.ndarray:
+    """A clip as Whisper reads it: float32 mono at 16 kHz, its first MAX_SECONDS; an empty one is refused."""
+    from tts_engine.audio import resample
+
+    wav = np.asarray(wav, dtype=np.float32)
+    if wav.ndim != 1 or wav.size == 0:
+        raise TTSError("the clip to transcribe is empty")
+    return resample(wav, sr, SR)[: int(MAX_SECONDS * SR)]
+
+
 class Transcriber:
     def __init__(self, model: str = DEFAULT_ASR_MODEL, device: str | None = None, dtype=None,
                  max_new_tokens: int = 220):
@@ -104,16 +114,19 @@ class Transcriber:
         self._processor = processor
         log.info("ASR model %s loaded on %s in %.1f s", self.model_id, device, time.perf_counter() - t)
 
+    def _generate_kw(self, model, lang: str | None) -> dict:
+        """`generate`'s arguments: transcribe, in `lang` where the model knows languages; the prompt (start,
+        language, task, no-timestamps) and the words share the decoder's positions."""
+        room = int(getattr(model.config, "max_target_positions", 448)) - 5
+        kw = {"task": "transcribe", "max_new_tokens": max(1, min(self.max_new_tokens, room))}
+        if lang is not None and getattr(model.generation_config, "lang_to_id", None):
+            kw["language"] = lang
+        return kw
+
     def transcribe(self, wav: np.ndarray, sr: int, language: str | None = None) -> Transcript:
         """The words of a clip (float mono at any rate; the first 30 s). `language`: a Whisper language name or
         code ("english", "zh"), or None/"auto" to let the model detect it."""
-        from tts_engine.audio import resample
-
-        wav = np.asarray(wav, dtype=np.float32)
-        if wav.ndim != 1 or wav.size == 0:
-            raise TTSError("the clip to transcribe is empty")
-        wav = resample(wav, sr, SR)[: int(MAX_SECONDS * SR)]
-        lang = whisper_language(language)
+        wav, lang = _clip(wav, sr), whisper_language(language)
         with self._lock:
             self._load()
             import torch
@@ -122,11 +135,7 @@ class Transcriber:
             model, proc = self._model, self._processor
             feats = proc(wav, sampling_rate=SR, return_tensors="pt").input_features
             feats = feats.to(model.device, model.dtype)
-            # the prompt (start, language, task, no-timestamps) and the words share the decoder's positions
-            room = int(getattr(model.config, "max_target_positions", 448)) - 5
-            kw = {"task": "transcribe", "max_new_tokens": max(1, min(self.max_new_tokens, room))}
-            if lang is not None and getattr(model.generation_config, "lang_to_id", None):
-                kw["language"] = lang
+            kw = self._generate_kw(model, lang)
             try:
                 with torch.inference_mode():
                     ids = model.generate(feats, **kw)
@@ -140,13 +149,7 @@ class Transcriber:
         cross-attention by dynamic time warping (transformers' `return_token_timestamps`; the checkpoint's
         alignment heads, else every head of the decoder's second half, as openai-whisper does without them).
         Estimates, not measurements: label them so."""
-        from tts_engine.audio import resample
-
-        wav = np.asarray(wav, dtype=np.float32)
-        if wav.ndim != 1 or wav.size == 0:
-            raise TTSError("the clip to transcribe is empty")
-        wav = resample(wav, sr, SR)[: int(MAX_SECONDS * SR)]
-        lang = whisper_language(language)
+        wav, lang = _clip(wav, sr), whisper_language(language)
         with self._lock:
             self._load()
             import torch
@@ -158,10 +161,7 @@ class Transcriber:
             if not getattr(gc, "alignment_heads", None):
                 n, h = model.config.decoder_layers, model.config.decoder_attention_heads
                 gc.alignment_heads = [[layer, head] for layer in range(n // 2, n) for head in range(h)]
-            room = int(getattr(model.config, "max_target_positions", 448)) - 5
-            kw = {"task": "transcribe", "max_new_tokens": max(1, min(self.max_new_tokens, room))}
-            if lang is not None and getattr(gc, "lang_to_id", None):
-                kw["language"] = lang
+            kw = self._generate_kw(model, lang)
             try:
                 with torch.inference_mode():
                     out = model.generate(feats, attention_mask=inputs.attention_mask.to(model.device),
