@@ -68,10 +68,11 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
 
 
 @contextlib.contextmanager
-def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None):
+def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None, max_new_tokens: int = 600, **config):
     """The Gradio app on tiny random custom_voice and base checkpoints (0.6b shape, seed 0; no voice design),
     launched on a free loopback port and driven by gradio_client. before_build(app): called before the UI is built
-    (e.g. to wrap engines). Yields (app, client); closes both afterwards."""
+    (e.g. to wrap engines); `config`: more AppConfig fields (dtype, quantize, ...). Yields (app, client); closes both
+    afterwards."""
     from gradio_client import Client
 
     from serving.limits import Limits
@@ -82,7 +83,7 @@ def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None):
     ck = {r: str(make_tiny(folder / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
     ck["voice_design"] = ""
     app = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=folder / "cache",
-                           limits=Limits(max_text_chars=max_text_chars, max_new_tokens=600)))
+                           limits=Limits(max_text_chars=max_text_chars, max_new_tokens=max_new_tokens), **config))
     if before_build is not None:
         before_build(app)
     demo = app.build()

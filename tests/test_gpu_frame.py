@@ -368,12 +368,8 @@ def test_a_remembered_agreement_skips_the_checks_and_a_changed_key_runs_them(tin
     backend.uninstall(first)
 
 
-@torch.inference_mode()
-def test_a_remembered_disagreement_serves_eager_without_checking(runner, monkeypatch, tmp_path, caplog):
-    """A kernel that disagrees: eager, remembered; the next attach serves eager at once (no checks, no log line), its
-    entry "remembered" with the first reason; TTS_GPU_FRAME=check runs the checks again (now they pass: fused,
-    remembered in its place)."""
-    fresh_choices(monkeypatch, tmp_path)
+def disagreeing_silu_mul(monkeypatch):
+    """ops.silu_mul's Triton kernel made 1 % off its eager reference (the eager path untouched) -> the real one."""
     real = ops.silu_mul
 
     def wrong(gu, impl=None):
@@ -381,6 +377,16 @@ def test_a_remembered_disagreement_serves_eager_without_checking(runner, monkeyp
         return out if impl == "eager" or not ops.use_triton(gu, impl) else out * 1.01
 
     monkeypatch.setattr(ops, "silu_mul", wrong)
+    return real
+
+
+@torch.inference_mode()
+def test_a_remembered_disagreement_serves_eager_without_checking(runner, monkeypatch, tmp_path, caplog):
+    """A kernel that disagrees: eager, remembered; the next attach serves eager at once (no checks, no log line), its
+    entry "remembered" with the first reason; TTS_GPU_FRAME=check runs the checks again (now they pass: fused,
+    remembered in its place)."""
+    fresh_choices(monkeypatch, tmp_path)
+    real = disagreeing_silu_mul(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         status = backend.attach(runner, force_interpreter=True)
     assert status.entry()["how"] == "fell back" and len(caplog.records) == 1
@@ -427,13 +433,7 @@ def test_a_failure_that_may_not_repeat_is_not_remembered(runner, monkeypatch, tm
 @torch.inference_mode()
 def test_attach_falls_back_on_a_kernel_that_disagrees(runner, monkeypatch, caplog, tmp_path):
     fresh_choices(monkeypatch, tmp_path)
-    real = ops.silu_mul
-
-    def wrong(gu, impl=None):
-        out = real(gu, impl)
-        return out if impl == "eager" or not ops.use_triton(gu, impl) else out * 1.01
-
-    monkeypatch.setattr(ops, "silu_mul", wrong)
+    disagreeing_silu_mul(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="tts_engine"):
         status = backend.attach(runner, force_interpreter=True)
     assert status["gpu frame"].startswith("eager (AssertionError: silu_mul (talker) disagrees with eager"), status
