@@ -105,6 +105,7 @@ class ModelRunner:
         self.path_entries: dict = {}
         self._staging = None   # GPU: [rows, 17] int64 on the device and READ_BACK_SLOTS pinned host copies of it
         self._slot = 0
+        self._plain_read_back = False   # True where the device cannot pin host memory: a plain copy per frame
         # set by the backend where it attaches (engine/backends.py); these defaults are the plain path
         self.backend = None
         self.talker_step = None                # the talker step in one call
@@ -125,7 +126,7 @@ class ModelRunner:
         one device-to-host copy for the frame, into a pinned buffer behind an event on a GPU (nothing waits here);
         -> its `ReadBack`."""
         B = codes.shape[0]
-        if self.device.type != "cuda" or getattr(self, "_plain_read_back", False):
+        if self.device.type != "cuda" or self._plain_read_back:
             out = np.zeros((B, 17), dtype=np.int64)
             out[:, :16] = codes.cpu().numpy()
             if done is not None:
