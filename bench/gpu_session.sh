@@ -38,9 +38,10 @@ step() {   # step NAME SECONDS COMMAND...: one time-boxed step, its output in $R
 if [ "${DRY:-0}" = 1 ]; then
   ARCH=tiny; BIG=tiny; FRAMES=8; GF_FRAMES=2; BATCHES=1,4; CONC=1,4; INTERP=--interpret; DEV=(--device cpu)
   ZG_FRAMES=8; ZG_EAGER=4; CHECK_FRAMES=8; PREFILL=2,4; CODEC_ROWS=1,4; BURST=4; BURST_FRAMES=8
+  SERVING_ROUNDS=(--prefill-rounds 3 --codec-rounds 4)
 else
   ARCH=0.6b; BIG=1.7b; FRAMES=250; GF_FRAMES=32; BATCHES=1,4,64; CONC=1,4,16,64,128; INTERP=; DEV=()
-  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64; PREFILL=16,64; CODEC_ROWS=1,16,64; BURST=16,64; BURST_FRAMES=50
+  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64; PREFILL=16,64; CODEC_ROWS=1,16,64; BURST=16,64; BURST_FRAMES=50; SERVING_ROUNDS=()
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$log"
 fi
 $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" \
@@ -52,8 +53,8 @@ step gpu_frame 120 $PY -m bench gpu_frame --arch "$ARCH" --batches "$BATCHES" --
   --json "$RES/gpu_frame.json"
 # 1b. serving (issue 28): batched prefill eager against its CUDA graphs per bucket (ms p50/p99, same first ids) at
 #     16 and 64 prompts at once; the codec graph over a pool of streams, one copy of the state each way against two
-step gpu_serving 90 env TTS_GPU_FRAME=0 $PY -m bench gpu_frame --arch "$ARCH" --batches 1 --frames 0 \
-  --prefill "$PREFILL" --codec-rows "$CODEC_ROWS" $INTERP --json "$RES/gpu_serving.json"
+step gpu_serving 100 env TTS_GPU_FRAME=0 $PY -m bench gpu_frame --arch "$ARCH" --batches 1 --frames 0 \
+  --prefill "$PREFILL" --codec-rows "$CODEC_ROWS" "${SERVING_ROUNDS[@]}" $INTERP --json "$RES/gpu_serving.json"
 # 2. the kernel census: the CPU count of the GPU's frame beside the CUDA kernels of one captured replay
 step census 60 $PY -m bench census --arch "$ARCH" --batches "$BATCHES" --path both --gpu --json "$RES/census.json"
 # 3. one stream, 0.6B: x real time, first audio, ms per frame (the engine as the app runs it), quality vs fp32
