@@ -41,7 +41,8 @@ if [ "${DRY:-0}" = 1 ]; then
   SERVING_ROUNDS=(--prefill-rounds 3 --codec-rounds 4)
 else
   ARCH=0.6b; BIG=1.7b; FRAMES=250; GF_FRAMES=32; BATCHES=1,4,64; CONC=1,4,16,64,128; INTERP=; DEV=()
-  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64; PREFILL=16,64; CODEC_ROWS=1,16,64; BURST=16,64; BURST_FRAMES=50; SERVING_ROUNDS=()
+  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64; PREFILL=16,64; CODEC_ROWS=1,16,64; BURST=16,64; BURST_FRAMES=50
+  SERVING_ROUNDS=()
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$log"
 fi
 $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" \

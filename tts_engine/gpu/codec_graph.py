@@ -8,10 +8,11 @@ each shape is captured once and replayed.
 
 How a shape is served: on its first call it is captured into a static graph (inputs copied in, outputs copied out,
 so the caller's state objects stay their own; a `CodecStatePool`'s decode instead gathers its rows straight into the
-graph's inputs and writes the outputs straight back, `decode_pooled`: one copy of the state each way) and the graph and the eager step are run on the same input through the
-one measured-choice mechanism (`cpu.measured.MeasuredChoice`): the graph serves that shape when it gives the eager
-step's audio and state (within the dtype's rounding) and is faster; otherwise, or when the capture raises, the eager
-step serves that shape, with one log line. The verdict is remembered per machine (GPU, versions, dtype, the codec's
+graph's inputs and writes the outputs straight back, `decode_pooled`: one copy of the state each way) and the graph
+and the eager step are run on the same input through the one measured-choice mechanism
+(`cpu.measured.MeasuredChoice`): the graph serves that shape when it gives the eager step's audio and state (within
+the dtype's rounding) and is faster; otherwise, or when the capture raises, the eager step serves that shape, with one
+log line. The verdict is remembered per machine (GPU, versions, dtype, the codec's
 config, these sources, the shape): a later process (a restart, a ZeroGPU worker) captures without the trial. At
 most MAX_SHAPES shapes are captured (then eager). Graphs share one
 memory pool (they never run at once: a lock orders their use across the worker and codec threads).
