@@ -75,7 +75,12 @@ def test_buckets():
     assert prefill_graph.bucket(5, [1, 2, 4, 6]) == 6 and prefill_graph.bucket(7, [1, 2, 4, 6]) is None
 
 
-def test_requests_arriving_together_get_the_eager_codes_through_padded_buckets(engine, alone, graphs):
+def test_requests_arriving_together_get_the_eager_codes_through_padded_buckets(engine, alone, graphs, monkeypatch):
+    graphs.token_ladder = [64] + [n for n in graphs.token_ladder if n > 64]   # (coarse: these prompts get padded)
+    calls = []
+    real = PrefillGraphs._shape_of
+    monkeypatch.setattr(PrefillGraphs, "_shape_of", lambda self, x, *a: calls.append(tuple(x.shape[:2]))
+                        or real(self, x, *a))
     streams = [_open(engine, i) for i in range(5)]   # queued together: one prefill of 5 rows, bucket 6
     for s in streams:
         list(s)
@@ -83,7 +88,8 @@ def test_requests_arriving_together_get_the_eager_codes_through_padded_buckets(e
         assert torch.equal(s.codes, alone[i]), i
     assert graphs.calls[GRAPH] >= 1
     (b, T, R), = [k for k, s in graphs.shapes.items() if s is not None]
-    assert b == 6 and T % 8 == 0 and R >= T                         # a padding row went into a free cache row
+    assert calls == [(5, calls[0][1])] and calls[0][1] < T    # padded: a row into a free cache row, and positions
+    assert b == 6 and T == 64 and R >= calls[0][1]   # (the read length: the longest prompt's bucket)
     e = engine.paths()[prefill_graph.PART]
     assert e["path"] == "cuda graphs" and "6x" in e["why"] and e["how"] == f"forced by {prefill_graph.ENV}"
 
