@@ -2,7 +2,9 @@
 
 On a GPU: an engine that replays CUDA graphs (captured at start-up) and an engine that runs the very same padded
 bucket shapes eagerly (`cuda_graphs.EagerBuckets`) generate greedy codes for the same requests at batch 1 and
-batch 4; they must be identical. The plain eager path (exact lengths) is compared too and reported. Then the
+batch 4; they must be identical. The batched prefill too: the first engine's prefill replays its CUDA graph per
+bucket (`gpu.prefill_graph`, every bucket served by its graph), the second runs the same padded buckets eagerly.
+The plain eager path (exact lengths) is compared too and reported. Then the
 graphs' one-stream speed is printed. On a CPU there are no graphs: the bucketed path is checked against the
 exact eager path instead, and the eager speed is printed. Exit status 0 when every required check passed.
 """
@@ -19,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from tts_engine.engine.cuda_graphs import EagerBuckets
 from tts_engine.engine.engine import TTSEngine
+from tts_engine.gpu.prefill_graph import PrefillGraphs
 
 TEXTS = ["Ladies and gentlemen, please remain calm.", "The quick brown fox jumps over the lazy dog.",
          "A frame is eighty milliseconds of audio.", "Graphs and eager must agree on every code."]
@@ -146,12 +149,15 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
     bucketed = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=False, **kw)
     bucketed.speakers_for_check = eager.speakers_for_check
     bucketed.start_graphs(EagerBuckets(bucketed.runner))
+    bucketed.runner.prefill_graphs = PrefillGraphs(bucketed.runner, capture=False, mode="on")   # same buckets, eager
     fast = None
     if gpu:
         t0 = time.perf_counter()
         fast = TTSEngine.from_pretrained(ckpt, use_cuda_graphs=True, capture_graphs_at_start=True, **kw)
         fast.speakers_for_check = eager.speakers_for_check
         say(f"CUDA graphs: {_frame_path(fast)}; engine start {time.perf_counter() - t0:.1f} s")
+        if fast.runner.prefill_graphs is not None:
+            fast.runner.prefill_graphs.mode = "on"   # every prefill bucket served by its graph (still checked)
         if not fast.uses_cuda_graphs:
             say("FAIL: graphs could not be captured (the app would serve eagerly)")
             for line in host_crossings(fast.runner, 1, 64):
@@ -178,6 +184,10 @@ def run_check(ckpt: str, device: torch.device, dtype, frames: int, out=sys.stdou
             bad = _first_mismatch(same_shape, ref)
             say(f"batch {batch}: bucketed static step vs exact eager: " + ("identical" if bad is None else f"DIFFER ({bad})"))
             ok &= bad is None
+    if fast is not None and "prefill graphs" in fast.paths():
+        from tts_engine.cpu.measured import describe
+
+        say(f"prefill: {describe(fast.paths()['prefill graphs'])}")
     engine = fast if fast is not None and fast.uses_cuda_graphs else eager
     xrt, ms, first = _speed(engine, frames)
     path = "CUDA graphs" if engine is fast else "eager"

@@ -10,6 +10,13 @@ state (B rows whose caches hold --prompt random positions, greedy):
   - ms per frame of each, and with --graphs of each captured as a CUDA graph (cuda_graphs.GraphedFrames) and replayed;
   - the launches of one fused frame: Triton kernels + the other non-view aten ops (a dispatch counter; allocations
     not counted), beside the same count of the eager frame.
+With --prefill 16,64 (issue 28): for each B, B ragged prompts (random embeddings) prefilled together
+(`ModelRunner.prefill_batch`) eagerly and through the prefill's CUDA graphs per bucket (`gpu.prefill_graph`, forced on:
+captured and checked on the first call, timed apart), --prefill-rounds times each: ms per call p50/p99, the first
+codebook-0 ids equal, the hidden's relative error. With --codec-rows 1,16,64: the codec decoder of --arch (random
+weights) as a CUDA graph per shape over a `CodecStatePool` of that many streams, --codec-frames frames a decode: ms per
+decode with the pool's rows copied straight into and out of the graph (`decode_pooled`, one copy each way) against the
+state gathered, copied in, cloned out and written back (two copies each way), and eager; the audio compared.
 One JSON object on stdout (and in --json FILE). Kernel tests on the GPU: TTS_GPU_TEST_DEVICE=cuda pytest
 tests/test_gpu_kernels.py.
 
@@ -36,6 +43,11 @@ def _parse(argv):
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays of both frames")
     ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's interpreter on CPU tensors")
+    ap.add_argument("--prefill", default="", help="batch sizes of the batched prefill: eager against CUDA graphs")
+    ap.add_argument("--prefill-rounds", type=int, default=10)
+    ap.add_argument("--codec-rows", default="", help="streams of the codec decode: one copy against two, eager")
+    ap.add_argument("--codec-frames", type=int, default=4)
+    ap.add_argument("--codec-rounds", type=int, default=20)
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -185,6 +197,132 @@ def graph_ms(run, B: int, n: int):
     return codes, ms
 
 
+def _pcts(ms: list[float]) -> dict:
+    import numpy as np
+
+    return {"p50": round(float(np.percentile(ms, 50)), 3), "p99": round(float(np.percentile(ms, 99)), 3)}
+
+
+def prefill_section(run, B: int, rounds: int) -> dict:
+    """B ragged prompts prefilled together into rows 0..B-1, eagerly and through the prefill graphs (module doc)."""
+    import torch
+
+    from tts_engine.gpu.prefill_graph import GRAPH, PrefillGraphs
+    from tts_engine.model.prompt import Prompt
+    from tts_engine.model.sampling import SamplingParams
+
+    g = torch.Generator(device="cpu").manual_seed(100 + B)
+    D = run.hidden.shape[1]
+    lens = [24 + (7 * i) % 48 for i in range(B)]   # 24..71 positions: prompts of a sentence, ragged
+    prompts = [Prompt((torch.randn(L, D, generator=g) * 0.5).to(run.device, run.dtype),
+                      torch.zeros(0, D, device=run.device, dtype=run.dtype)) for L in lens]
+    params = [SamplingParams(do_sample=False, subtalker_dosample=False)] * B
+    rows = list(range(B))
+
+    def once():
+        for i in range(run.rows):
+            run.release(i)
+        _sync(run.device)
+        t0 = time.perf_counter()
+        run.prefill_batch(rows, prompts, params)
+        _sync(run.device)
+        return (time.perf_counter() - t0) * 1000
+
+    res: dict = {"prompt positions": f"{min(lens)}..{max(lens)}"}
+    run.prefill_graphs = None
+    res["eager ms"] = _pcts([once() for _ in range(rounds)])
+    c0_e, h_e = run.c0[:B].clone(), run.hidden[:B].float().clone()
+    pg = run.prefill_graphs = PrefillGraphs(run, capture=run.device.type == "cuda", mode="on",
+                                            follow_frame_graphs=False)
+    res["graph first call ms (capture + check)"] = round(once(), 1)
+    res["graph ms"] = _pcts([once() for _ in range(rounds)])
+    res["served by a graph"] = f"{pg.calls[GRAPH]} of {pg.calls[GRAPH] + pg.calls['eager']} stack calls"
+    res["buckets"] = pg.entry()["why"]
+    c0_g, h_g = run.c0[:B], run.hidden[:B].float()
+    res["first ids equal"] = f"{int((c0_e == c0_g).sum())}/{B}"
+    res["hidden rel. error"] = float(f"{float((h_g - h_e).norm() / h_e.norm().clamp_min(1e-12)):.2e}")
+    res["speed-up p50"] = round(res["eager ms"]["p50"] / max(res["graph ms"]["p50"], 1e-9), 2)
+    run.prefill_graphs = None
+    for i in range(run.rows):
+        run.release(i)
+    return res
+
+
+def codec_section(arch: str, dtype, device, rows_list: list[int], frames: int, rounds: int, frame=None) -> dict:
+    """The codec decode per shape as a CUDA graph over a pool of streams: one copy of the state each way against two
+    (module doc); with `frame` (queues one frame replay), the codec's own CUDA stream against the frames' stream
+    (`gpu.codec_stream`: measured, remembered for the engines this machine starts next)."""
+    import torch
+
+    from tts_engine.codec.decoder import CodecDecoder, CodecDecoderConfig
+    from tts_engine.codec.state_pool import CodecStatePool
+    from tts_engine.gpu import codec_graph
+    from tts_engine.tiny import tiny_speech_tokenizer_config
+
+    os.environ[codec_graph.ENV] = "1"   # each shape captured and checked, no timing trial: timed here
+    torch.manual_seed(0)
+    cfg = CodecDecoderConfig.from_dict(tiny_speech_tokenizer_config("tiny" if arch in ("tiny", "small") else arch)
+                                       ["decoder_config"])
+    dec = CodecDecoder(cfg).to(device, dtype).eval()
+    dec.fast_step = graphs = codec_graph.CodecGraphs(dec, capture=device.type == "cuda")
+    out: dict = {"device work": "graph" if device.type == "cuda" else "eager on the static buffers (no CUDA)"}
+    g = torch.Generator(device="cpu").manual_seed(7)
+    with torch.inference_mode():
+        for R in rows_list:
+            pool = CodecStatePool(dec.init_state(1), rows=R)
+            slots = [pool.alloc().slot for _ in range(R)][::-1]   # (a gather out of order, as streams come and go)
+            codes = torch.randint(0, cfg.codebook_size, (R, 16, frames), generator=g).to(device)
+            saved = pool.read(slots)
+
+            def one_copy():
+                return pool.decode(dec, slots, codes)
+
+            def two_copies():
+                st = pool.read(slots)
+                wav = dec.decode_step(codes, st)
+                pool.write(slots, st)
+                return wav
+
+            def eager():
+                st = pool.read(slots)
+                wav = dec.decode_step_eager(codes, st)
+                pool.write(slots, st)
+                return wav
+
+            res: dict = {}
+            wavs = {}
+            for name, fn in (("one copy", one_copy), ("two copies", two_copies), ("eager", eager)):
+                pool.write(slots, saved)
+                wavs[name] = fn().float()   # (the first call of a shape captures it)
+                ms = []
+                for _ in range(rounds):
+                    pool.write(slots, saved)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    ms.append((time.perf_counter() - t0) * 1000)
+                res[f"{name} ms"] = _pcts(ms)
+            for name in ("two copies", "eager"):
+                d = float((wavs["one copy"] - wavs[name]).abs().max())
+                res[f"audio max diff vs {name}"] = float(f"{d:.2e}")
+            res["one copy saves ms p50"] = round(res["two copies ms"]["p50"] - res["one copy ms"]["p50"], 3)
+            out[f"{R} streams x {frames} frames"] = res
+        if frame is not None:
+            from tts_engine.cpu.measured import describe
+            from tts_engine.gpu import codec_stream
+
+            def on_codec_thread():   # (inference mode is per thread)
+                with torch.inference_mode():
+                    pool.decode(dec, slots, codes).float().cpu()
+
+            cs = codec_stream.CodecStream()
+            ms = cs.measure(device, frame, on_codec_thread, frames=4, rounds=max(3, rounds // 4))
+            out["codec stream"] = {f"ms, a {R}-stream decode beside 4 frames": ms, "chosen": describe(cs.entry())}
+    out["codec graphs"] = graphs.record()["why"]
+    return out
+
+
 def main(argv=None) -> int:
     args = _parse(argv if argv is not None else sys.argv[1:])
     if args.interpret:
@@ -203,14 +341,15 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     out["device"] = torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)"
     batches = [int(b) for b in args.batches.split(",")]
+    prefill = [int(b) for b in args.prefill.split(",") if b]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    run = build_runner(args.arch, dtype, dev, max(batches), args.max_len)
+    run = build_runner(args.arch, dtype, dev, max(batches + prefill), args.max_len)
     with torch.inference_mode():
         status = backend.attach(run, force_interpreter=args.interpret and not cuda)
         out.update(status)
         frame = getattr(run, "gpu_frame", None)
         out["batches"] = {}
-        for B in batches:
+        for B in batches if args.frames > 0 else []:   # (--frames 0: the prefill and codec sections only)
             res: dict = {}
             prepare(run, B, args.prompt)
             s = snapshot(run)
@@ -239,6 +378,27 @@ def main(argv=None) -> int:
                     res["graph codes equal (first frame)"] = f"{int((g_e == g_f).sum())}/{g_e.numel()}"
                     res["real time (fused graph, 12.5 frames/s)"] = round(1000 / 12.5 / res["fused graph ms/frame"], 1)
             out["batches"][B] = res
+        if prefill:
+            backend.uninstall(run)   # (the prefill is the stack's own call: the fused frame plays no part)
+            out["prefill"] = {}
+            for B in prefill:
+                out["prefill"][B] = prefill_section(run, B, args.prefill_rounds)
+                print(f"prefill {B}: {out['prefill'][B]}", file=sys.stderr, flush=True)
+    if args.codec_rows:
+        replay = None
+        if cuda:   # the frames the codec's own stream would run beside: a CUDA graph of 16 rows
+            from tts_engine.engine.cuda_graphs import GraphedFrames
+
+            Bf = min(16, run.rows)
+            gf, read_len = GraphedFrames(run), args.prompt + 3 * Bf + 1
+            with torch.inference_mode():
+                prepare(run, Bf, args.prompt)
+                gf.run(Bf, read_len)
+
+            def replay():
+                gf.run(Bf, read_len)
+        out["codec"] = codec_section(args.arch, dtype, dev, [int(r) for r in args.codec_rows.split(",")],
+                                     args.codec_frames, args.codec_rounds, replay)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -37,10 +37,12 @@ step() {   # step NAME SECONDS COMMAND...: one time-boxed step, its output in $R
 
 if [ "${DRY:-0}" = 1 ]; then
   ARCH=tiny; BIG=tiny; FRAMES=8; GF_FRAMES=2; BATCHES=1,4; CONC=1,4; INTERP=--interpret; DEV=(--device cpu)
-  ZG_FRAMES=8; ZG_EAGER=4; CHECK_FRAMES=8
+  ZG_FRAMES=8; ZG_EAGER=4; CHECK_FRAMES=8; PREFILL=2,4; CODEC_ROWS=1,4; BURST=4; BURST_FRAMES=8
+  SERVING_ROUNDS=(--prefill-rounds 3 --codec-rounds 4)
 else
   ARCH=0.6b; BIG=1.7b; FRAMES=250; GF_FRAMES=32; BATCHES=1,4,64; CONC=1,4,16,64,128; INTERP=; DEV=()
-  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64
+  ZG_FRAMES=100; ZG_EAGER=16; CHECK_FRAMES=64; PREFILL=16,64; CODEC_ROWS=1,16,64; BURST=16,64; BURST_FRAMES=50
+  SERVING_ROUNDS=()
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$log"
 fi
 $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])" \
@@ -50,6 +52,10 @@ $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.versi
 # 1. the fused frame against the eager frame: codes, ms per frame eager / fused / both as CUDA graphs, launches
 step gpu_frame 120 $PY -m bench gpu_frame --arch "$ARCH" --batches "$BATCHES" --frames "$GF_FRAMES" --graphs $INTERP \
   --json "$RES/gpu_frame.json"
+# 1b. serving (issue 28): batched prefill eager against its CUDA graphs per bucket (ms p50/p99, same first ids) at
+#     16 and 64 prompts at once; the codec graph over a pool of streams, one copy of the state each way against two
+step gpu_serving 100 env TTS_GPU_FRAME=0 $PY -m bench gpu_frame --arch "$ARCH" --batches 1 --frames 0 \
+  --prefill "$PREFILL" --codec-rows "$CODEC_ROWS" "${SERVING_ROUNDS[@]}" $INTERP --json "$RES/gpu_serving.json"
 # 2. the kernel census: the CPU count of the GPU's frame beside the CUDA kernels of one captured replay
 step census 60 $PY -m bench census --arch "$ARCH" --batches "$BATCHES" --path both --gpu --json "$RES/census.json"
 # 3. one stream, 0.6B: x real time, first audio, ms per frame (the engine as the app runs it), quality vs fp32
@@ -61,7 +67,15 @@ step zerogpu 90 $PY -m bench zerogpu --arch "$ARCH" --frames "$ZG_FRAMES" --eage
 # 5. many streams (issue 28): audio-s/s, per-stream x real time, first audio p50/p99
 step speed_many 150 $PY -m bench speed --arch "$ARCH" --concurrency "$CONC" --frames "$FRAMES" --no-official \
   --quality-frames 0 "${DEV[@]}" --out "$RES/speed.md"
-# 6. the engine's own check: CUDA graphs against eager buckets, greedy codes at batch 1 and 4
+# 5b. bursts (issue 28): first audio p50/p99 with 16 and 64 arriving at once, prefill through its CUDA graphs (the
+#     default) and eager (TTS_PREFILL_GRAPHS=0); each burst twice: the first captures and measures a bucket's graph
+#     on first use, the second is what a warm server serves
+step speed_burst 90 $PY -m bench speed --arch "$ARCH" --concurrency "$BURST,$BURST" --frames "$BURST_FRAMES" \
+  --no-official --quality-frames 0 "${DEV[@]}" --out "$RES/speed.md"
+step speed_burst_eager_prefill 90 env TTS_PREFILL_GRAPHS=0 $PY -m bench speed --arch "$ARCH" \
+  --concurrency "$BURST,$BURST" --frames "$BURST_FRAMES" --no-official --quality-frames 0 "${DEV[@]}" \
+  --out "$RES/speed.md"
+# 6. the engine's own check: CUDA graphs against eager buckets, greedy codes at batch 1 and 4 (prefill graphs too)
 step check 90 $PY -m bench check --arch "$ARCH" --frames "$CHECK_FRAMES" "${DEV[@]}"
 # 7. one stream, 1.7B
 step speed_one_big 90 $PY -m bench speed --arch "$BIG" --concurrency 1 --frames "$FRAMES" --no-official \

@@ -262,14 +262,53 @@ def build_pair(ctx, anchor, size, ids):
     return model, fq, info
 
 
+def sweep_batches(ctx, anchor, build, make_call, measured) -> None:
+    """The loop both batch workers run: per model size of --models, `build(size) -> (state, info)` (its build row, or
+    its error row); then per B of --batches, `make_call(state, b) -> call(frames)` timed by the anchor's `timed_runs`
+    (--frames, warmed up at `warm_frames`) and `measured(out, runs) -> (frames per row, samples per row, the library's
+    own seconds per run or [])` -> its batch row; the time budget, error rows and memory release around each."""
+    a = ctx.args
+    n = a.frames
+    wf = anchor.warm_frames(ctx, 16)
+    for size in a.models.split(","):
+        if ctx.time_left() < 30:
+            ctx.add(anchor.skipped_row(size, "batch", None, f"time budget ({ctx.time_left():.0f}s left)"))
+            continue
+        try:
+            state, info = build(size)
+            ctx.add({"model": size, "mode": "build", **info})
+        except Exception as e:  # noqa: BLE001
+            ctx.add(anchor.err_row(size, "build", None, e))
+            continue
+        for b in [int(x) for x in a.batches.split(",") if x]:
+            if ctx.time_left() < 20:
+                ctx.add(anchor.skipped_row(size, "batch", b, f"time budget ({ctx.time_left():.0f}s left)"))
+                continue
+            call = None
+            try:
+                call = make_call(state, b)
+                base = ctx.mem_reset()
+                walls, out, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), n / wf)
+                if not walls:
+                    ctx.add(anchor.skipped_row(size, "batch", b, note))
+                    continue
+                frames, samples, lib_s = measured(out, len(walls))
+                ctx.add(batch_row(ctx, anchor, size, b, n, walls, lib_s, frames, samples, base, note))
+            except Exception as e:  # noqa: BLE001
+                ctx.add(anchor.err_row(size, "batch", b, e))
+            finally:
+                call = None            # (what a call holds, e.g. a batched model and its graphs, goes with it)
+                anchor.release(ctx)
+        state = None
+        anchor.release(ctx)
+
+
 def worker_batch(ctx, anchor):
     """faster-qwen3-tts-batch: generate_voice_clone_batch with B identical requests, B in --batches."""
     import faster_qwen3_tts_batch.batched_generate as bg
     from faster_qwen3_tts_batch import BatchedFasterQwen3TTS
 
     a = ctx.args
-    n = a.frames
-    wf = anchor.warm_frames(ctx, 16)
     ids = anchor.fake_text_ids(a.text_tokens).to(ctx.device)
     lib = []
     original = bg.batched_fast_generate
@@ -281,51 +320,30 @@ def worker_batch(ctx, anchor):
         return res
 
     bg.batched_fast_generate = timed_generate
-    for size in a.models.split(","):
-        if ctx.time_left() < 30:
-            ctx.add(anchor.skipped_row(size, "batch", None, f"time budget ({ctx.time_left():.0f}s left)"))
-            continue
-        try:
-            model, fq, info = build_pair(ctx, anchor, size, ids)
-            vcp = anchor.voice_prompt(ctx, model, 1)
-            with_voice_prompt(fq, vcp)
-            ctx.add({"model": size, "mode": "build", **info})
-        except Exception as e:  # noqa: BLE001
-            ctx.add(anchor.err_row(size, "build", None, e))
-            continue
-        req = {"text": "fixed text (ids come from FixedProcessor)", "language": "english", "ref_audio": None,
-               "ref_text": ""}
-        for b in [int(x) for x in a.batches.split(",") if x]:
-            if ctx.time_left() < 20:
-                ctx.add(anchor.skipped_row(size, "batch", b, f"time budget ({ctx.time_left():.0f}s left)"))
-                continue
-            bm = None
-            try:
-                bm = BatchedFasterQwen3TTS(fq, max_batch_size=b, max_seq_len=a.batch_max_seq_len)
+    req = {"text": "fixed text (ids come from FixedProcessor)", "language": "english", "ref_audio": None,
+           "ref_text": ""}
 
-                def call(frames):
-                    return bm.generate_voice_clone_batch(
-                        [dict(req) for _ in range(b)], max_new_tokens=frames, min_new_tokens=2, temperature=0.9,
-                        top_k=50, top_p=1.0, do_sample=True, repetition_penalty=1.05, xvec_only=True,
-                        non_streaming_mode=False, append_silence=False)
+    def build(size):
+        model, fq, info = build_pair(ctx, anchor, size, ids)
+        with_voice_prompt(fq, anchor.voice_prompt(ctx, model, 1))
+        return (model, fq), info
 
-                base = ctx.mem_reset()
-                lib.clear()
-                walls, out, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), n / wf)
-                if not walls:
-                    ctx.add(anchor.skipped_row(size, "batch", b, note))
-                    continue
-                timed = lib[-len(walls):]
-                samples = [int(sum(len(x) for x in arrays)) for arrays, _ in out]
-                frames = [s // SAMPLES_PER_FRAME for s in samples]
-                ctx.add(batch_row(ctx, anchor, size, b, n, walls, timed, frames, samples, base, note))
-            except Exception as e:  # noqa: BLE001
-                ctx.add(anchor.err_row(size, "batch", b, e))
-            finally:
-                bm = None
-                anchor.release(ctx)
-        model = fq = None
-        anchor.release(ctx)
+    def make_call(state, b):
+        bm = BatchedFasterQwen3TTS(state[1], max_batch_size=b, max_seq_len=a.batch_max_seq_len)
+        lib.clear()
+
+        def call(frames):
+            return bm.generate_voice_clone_batch(
+                [dict(req) for _ in range(b)], max_new_tokens=frames, min_new_tokens=2, temperature=0.9,
+                top_k=50, top_p=1.0, do_sample=True, repetition_penalty=1.05, xvec_only=True,
+                non_streaming_mode=False, append_silence=False)
+        return call
+
+    def measured(out, runs):
+        samples = [int(sum(len(x) for x in arrays)) for arrays, _ in out]
+        return [s // SAMPLES_PER_FRAME for s in samples], samples, lib[-runs:]
+
+    sweep_batches(ctx, anchor, build, make_call, measured)
 
 
 def worker_triton_batch(ctx, anchor):
@@ -333,55 +351,38 @@ def worker_triton_batch(ctx, anchor):
     from qwen3_tts_triton import TritonFasterRunner
 
     a = ctx.args
-    n = a.frames
-    wf = anchor.warm_frames(ctx, 16)
     ids = anchor.fake_text_ids(a.text_tokens).to(ctx.device)
-    for size in a.models.split(","):
-        if ctx.time_left() < 30:
-            ctx.add(anchor.skipped_row(size, "batch", None, f"time budget ({ctx.time_left():.0f}s left)"))
-            continue
-        try:
-            model, fq, info = build_pair(ctx, anchor, size, ids)
-            tcfg = model.config.talker_config
-            tcfg.spk_id = {SPEAKER: SPEAKER_ID}
-            tcfg.spk_is_dialect = {SPEAKER: False}
-            model.supported_speakers = tcfg.spk_id.keys()     # what the model's __init__ reads from the config
-            runner = TritonFasterRunner(device=str(fq.device), dtype=ctx.dtype, patch_range=a.patch_range)
-            runner.model = fq        # what load_model's FasterQwen3TTS.from_pretrained would have set
-            info.update(patch_triton(fq, runner.patch_range))
-            ctx.add({"model": size, "mode": "build", **info})
-        except Exception as e:  # noqa: BLE001
-            ctx.add(anchor.err_row(size, "build", None, e))
-            continue
-        lib = []
-        for b in [int(x) for x in a.batches.split(",") if x]:
-            if ctx.time_left() < 20:
-                ctx.add(anchor.skipped_row(size, "batch", b, f"time budget ({ctx.time_left():.0f}s left)"))
-                continue
-            try:
-                def call(frames):
-                    res = runner.generate_batch(["fixed text"] * b, language="english", speaker=SPEAKER,
-                                                batch_size=b, max_new_tokens=frames, min_new_tokens=2,
-                                                repetition_penalty=1.05, temperature=0.9, top_k=50, top_p=1.0,
-                                                max_seq_len=a.batch_max_seq_len, bucket=True)
-                    lib.append(res["wall_s"])
-                    return res
+    lib = []
 
-                base = ctx.mem_reset()
-                lib.clear()
-                walls, res, note = anchor.timed_runs(ctx, lambda: call(n), lambda: call(wf), n / wf)
-                if not walls:
-                    ctx.add(anchor.skipped_row(size, "batch", b, note))
-                    continue
-                frames = [int(r["codec_steps"]) for r in res["results"]]
-                samples = [int(len(r["audio"])) for r in res["results"]]
-                ctx.add(batch_row(ctx, anchor, size, b, n, walls, lib[-len(walls):], frames, samples, base, note))
-            except Exception as e:  # noqa: BLE001
-                ctx.add(anchor.err_row(size, "batch", b, e))
-            finally:
-                anchor.release(ctx)     # the runner keeps each B's graphs until it is dropped after the last B
-        runner = model = fq = None
-        anchor.release(ctx)
+    def build(size):
+        model, fq, info = build_pair(ctx, anchor, size, ids)
+        tcfg = model.config.talker_config
+        tcfg.spk_id = {SPEAKER: SPEAKER_ID}
+        tcfg.spk_is_dialect = {SPEAKER: False}
+        model.supported_speakers = tcfg.spk_id.keys()     # what the model's __init__ reads from the config
+        runner = TritonFasterRunner(device=str(fq.device), dtype=ctx.dtype, patch_range=a.patch_range)
+        runner.model = fq        # what load_model's FasterQwen3TTS.from_pretrained would have set
+        info.update(patch_triton(fq, runner.patch_range))
+        return (runner, model, fq), info   # (the runner keeps each B's graphs until it is dropped after the last B)
+
+    def make_call(state, b):
+        runner = state[0]
+        lib.clear()
+
+        def call(frames):
+            res = runner.generate_batch(["fixed text"] * b, language="english", speaker=SPEAKER,
+                                        batch_size=b, max_new_tokens=frames, min_new_tokens=2,
+                                        repetition_penalty=1.05, temperature=0.9, top_k=50, top_p=1.0,
+                                        max_seq_len=a.batch_max_seq_len, bucket=True)
+            lib.append(res["wall_s"])
+            return res
+        return call
+
+    def measured(res, runs):
+        frames = [int(r["codec_steps"]) for r in res["results"]]
+        return frames, [int(len(r["audio"])) for r in res["results"]], lib[-runs:]
+
+    sweep_batches(ctx, anchor, build, make_call, measured)
 
 
 def run_worker(args) -> int:

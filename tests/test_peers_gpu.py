@@ -100,3 +100,38 @@ def test_the_dry_run_measures_an_engine_end_to_end(tmp_path):
     assert [x["batch"] for x in rows] == [1, 2] and all(x["frames_ok"] for x in rows)
     assert d["meta"]["tiny"] and d["env"]["batch 0.6B"]["versions"]["faster-qwen3-tts-batch"] == "0.2.0"
     assert out.with_suffix(".md").read_text() == peers_gpu.markdown(d)
+
+
+def test_the_batch_workers_loop_builds_times_and_reports_each_batch():
+    """`sweep_batches`, the loop both batch workers share, on stand-ins: a build per model size, a timed call per
+    batch size, the rows in order; a build that raises gives its error row and no batch rows, a call that raises its
+    error row; memory released after every batch and every size."""
+    import types
+
+    rows, released = [], []
+    ctx = types.SimpleNamespace(args=types.SimpleNamespace(frames=8, models="0.6B,1.7B", batches="1,4"),
+                                time_left=lambda: 100.0, add=rows.append, mem_reset=lambda: 0,
+                                mem_peak=lambda base: (1.0, 0.5))
+    anchor = types.SimpleNamespace(
+        warm_frames=lambda ctx, n: 2, release=lambda ctx: released.append(1),
+        skipped_row=lambda *a: {"skipped": a}, err_row=lambda size, mode, b, e: {"model": size, "mode": mode,
+                                                                                 "batch": b, "error": str(e)},
+        timed_runs=lambda ctx, run, warm, ratio: (warm(), [0.5, 0.4], [run(), run()], "")[1:],
+        summarize=lambda walls, n, b: {"median_s": sorted(walls)[len(walls) // 2]})
+
+    def build(size):
+        if size == "1.7B":
+            raise RuntimeError("no room")
+        return {"size": size}, {"build_s": 1.0}
+
+    def make_call(state, b):
+        if b == 4:
+            return lambda frames: (_ for _ in ()).throw(RuntimeError("out of memory"))
+        return lambda frames: [frames] * b
+
+    peers_gpu.sweep_batches(ctx, anchor, build, make_call,
+                            lambda out, runs: (out[-1], [f * peers_gpu.SAMPLES_PER_FRAME for f in out[-1]], [0.3]))
+    assert [(r.get("model"), r.get("mode"), r.get("batch")) for r in rows] == [
+        ("0.6B", "build", None), ("0.6B", "batch", 1), ("0.6B", "batch", 4), ("1.7B", "build", None)]
+    assert rows[1]["frames_ok"] and rows[1]["codes_s"] == 0.3 and "out of memory" in rows[2]["error"]
+    assert "no room" in rows[3]["error"] and len(released) == 3

@@ -103,6 +103,17 @@ class CodecStatePool:
                 f = [t.index_select(d, idx) for t, d in zip(self._fields(self.state), self._dims(self.state))]
         return CodecDecoderState(f[:-3], f[-3], f[-2], f[-1])
 
+    def read_into(self, slots: list[int], dst: CodecDecoderState) -> None:
+        """The states of `slots`, in order, copied into `dst` (a batched state of as many rows, e.g. a CUDA graph's
+        static inputs): one copy per history tensor, no state made between."""
+        with self._lock:
+            idx = self._index(slots)
+            for t, o, d in zip(self._fields(self.state), self._fields(dst), self._dims(self.state)):
+                if isinstance(idx, slice):
+                    o.copy_(t[idx] if d == 0 else t[:, idx])
+                else:
+                    torch.index_select(t, d, idx, out=o)
+
     def _write(self, slots: list[int], st: CodecDecoderState) -> None:
         idx = self._index(slots)
         for t, s, d in zip(self._fields(self.state), self._fields(st), self._dims(self.state)):
@@ -118,7 +129,12 @@ class CodecStatePool:
 
     def decode(self, codec, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         """`codec.decode_step(codes [G, 16, n], the states of slots)` with the advanced states written back (only
-        when the decode succeeded) -> waveform [G, n * samples per frame]."""
+        when the decode succeeded) -> waveform [G, n * samples per frame]. A fast step that reads and writes the rows
+        itself (`decode_pooled`: a CUDA graph's static state) serves where it can."""
+        pooled = getattr(getattr(codec, "fast_step", None), "decode_pooled", None)
+        wav = pooled(codes, self, slots) if pooled is not None else None
+        if wav is not None:
+            return wav
         st = self.read(slots)
         wav = codec.decode_step(codes, st)
         self.write(slots, st)

@@ -95,6 +95,7 @@ class ModelRunner:
         self.c0_proc = C0Processor(V, eos_id, min_new_tokens=2, device=self.device)
         self.row_index = torch.arange(rows, device=self.device)
         self.graphs = None   # GraphedFrames on CUDA (set by the engine), else None
+        self.prefill_graphs = None   # gpu.prefill_graph.PrefillGraphs on CUDA (set by its backend), else None
         # eager only: `decode` calls on_frame_codes(codes [B, 16]) once the frame's codes are complete, before the
         # talker step (inside `outside_step_scope`); the worker decodes completed chunks there
         self.on_frame_codes = None
@@ -269,7 +270,8 @@ class ModelRunner:
         start = torch.tensor(starts, dtype=torch.long, device=self.device)
         cache_rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else r
         same = len(set(starts)) == 1
-        hs = self.talker.model.run(x, self.cache, cache_rows, start, max(Ls), write_start=starts[0] if same else None)
+        stack = self.talker.model if self.prefill_graphs is None else self.prefill_graphs   # (GPU: graphed buckets)
+        hs = stack.run(x, self.cache, cache_rows, start, max(Ls), write_start=starts[0] if same else None)
         last = torch.tensor([L - P - 1 for L, P in zip(Ls, starts)], device=self.device)
         h = hs[torch.arange(B, device=self.device), last]
         logits = self.talker.codec_head(h).float()

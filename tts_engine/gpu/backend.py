@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from tts_engine.cpu.measured import MeasuredChoice, describe
-from tts_engine.gpu import ops, variants
+from tts_engine.gpu import ops, prefill_graph, variants
 from tts_engine.gpu.frame import FusedFrame
 
 log = logging.getLogger("tts_engine")
@@ -157,6 +157,18 @@ def _where(runner, interp: bool) -> str:
 
 
 def attach(runner, force_interpreter: bool = False, force: bool | None = None) -> GpuBackend:
+    """The GPU's fast paths on `runner`: the fused frame (`attach_frame`) and, on CUDA, the batched prefill's CUDA
+    graphs per bucket (`prefill_graph.attach`: `runner.prefill_graphs`, captured on first use while the engine's frame
+    graphs serve) -> the fused frame's status. Never raises."""
+    out = attach_frame(runner, force_interpreter, force)
+    try:
+        prefill_graph.attach(runner)
+    except Exception as e:   # noqa: BLE001 - the eager prefill serves
+        log.warning("tts_engine: prefill CUDA graphs not attached, the eager prefill serves: %s", _why(e))
+    return out
+
+
+def attach_frame(runner, force_interpreter: bool = False, force: bool | None = None) -> GpuBackend:
     """Install the fused frame on `runner` where it runs and agrees with eager (checked now, or remembered from an
     earlier check with the same `verdict_key`) -> {"gpu frame": status, ...}. Never raises. force_interpreter (alias
     `force`, as bench/census.py calls it): on a CPU too, through Triton's interpreter (switched on for this process,

@@ -7,10 +7,12 @@ H200 an eager call cost ~120 ms whatever its size, launch-bound, more than the f
 each shape is captured once and replayed.
 
 How a shape is served: on its first call it is captured into a static graph (inputs copied in, outputs copied out,
-so the caller's state objects stay their own) and the graph and the eager step are run on the same input through the
-one measured-choice mechanism (`cpu.measured.MeasuredChoice`): the graph serves that shape when it gives the eager
-step's audio and state (within the dtype's rounding) and is faster; otherwise, or when the capture raises, the eager
-step serves that shape, with one log line. The verdict is remembered per machine (GPU, versions, dtype, the codec's
+so the caller's state objects stay their own; a `CodecStatePool`'s decode instead gathers its rows straight into the
+graph's inputs and writes the outputs straight back, `decode_pooled`: one copy of the state each way) and the graph
+and the eager step are run on the same input through the one measured-choice mechanism
+(`cpu.measured.MeasuredChoice`): the graph serves that shape when it gives the eager step's audio and state (within
+the dtype's rounding) and is faster; otherwise, or when the capture raises, the eager step serves that shape, with one
+log line. The verdict is remembered per machine (GPU, versions, dtype, the codec's
 config, these sources, the shape): a later process (a restart, a ZeroGPU worker) captures without the trial. At
 most MAX_SHAPES shapes are captured (then eager). Graphs share one
 memory pool (they never run at once: a lock orders their use across the worker and codec threads).
@@ -32,6 +34,7 @@ import torch
 
 from tts_engine.cpu.measured import (DEFAULT, FELL_BACK, MEASURED, REMEMBERED, MeasuredChoice, forced_by, note,
                                      setting)
+from tts_engine.gpu import codec_stream
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_CODEC_GRAPHS"
@@ -91,22 +94,28 @@ class _Graph:
             self.wav = decoder.decode_step_eager(self.codes, out)
         self.state_out = out
 
-    def run(self, codes: torch.Tensor, state) -> torch.Tensor:
-        """The step on `codes` [B, 16, n], advancing `state` (its fields replaced by new tensors, as the eager step
-        does) -> audio [B, n * 1920] (a new tensor)."""
+    def replay(self, codes: torch.Tensor) -> torch.Tensor:
+        """The step on `codes` [B, 16, n] from the static input state (`state_in`, filled by the caller) -> audio
+        [B, n * 1920] (a new tensor); the advanced state is in `state_out` (static buffers, until the next replay)."""
         self.codes.copy_(codes)
-        for dst, src in zip(_state_tensors(self.state_in), _state_tensors(state)):
-            dst.copy_(src)
         if self.graph is None:
             s = self.state_in
             self.state_out = type(s)(list(s.convs), s.k, s.v, s.pos)
             self.wav = self.decoder.decode_step_eager(self.codes, self.state_out)
         else:
             self.graph.replay()
+        return self.wav.clone()
+
+    def run(self, codes: torch.Tensor, state) -> torch.Tensor:
+        """The step on `codes` [B, 16, n], advancing `state` (its fields replaced by new tensors, as the eager step
+        does) -> audio [B, n * 1920] (a new tensor)."""
+        for dst, src in zip(_state_tensors(self.state_in), _state_tensors(state)):
+            dst.copy_(src)
+        wav = self.replay(codes)
         o = self.state_out
         state.convs, state.k, state.v, state.pos = [c.clone() for c in o.convs], o.k.clone(), o.v.clone(), \
             o.pos.clone()
-        return self.wav.clone()
+        return wav
 
 
 class CodecGraphs:
@@ -125,6 +134,7 @@ class CodecGraphs:
         self.pool = None
         self.pid = os.getpid()
         self.lock = threading.RLock()
+        self.stream = codec_stream.shared()   # where its decodes run: the frames' CUDA stream or their own (measured)
 
     def __call__(self, codes: torch.Tensor, state) -> torch.Tensor:
         dec = self.decoder
@@ -138,15 +148,47 @@ class CodecGraphs:
                 return self._first(key, codes, state)
             g = self.shapes[key]
             if g is None:
-                return dec.decode_step_eager(codes, state)
+                with self.stream.scope(codes.device):   # (its own CUDA stream where that measured faster)
+                    return dec.decode_step_eager(codes, state)
             try:
-                return g.run(codes, state)
+                with self.stream.scope(codes.device):
+                    return g.run(codes, state)
             except Exception as e:   # noqa: BLE001 - never a failed decode for it: eager from now on for this shape
                 self.shapes[key] = None
                 self._why(key, FELL_BACK, f"replay raised {type(e).__name__}: {e}")
                 log.warning("tts_engine: codec CUDA graph %dx%d not used, eager from now on: %s", *key,
                             self.whys[key])
                 return dec.decode_step_eager(codes, state)
+
+    def decode_pooled(self, codes: torch.Tensor, pool, slots: list[int]) -> torch.Tensor | None:
+        """`CodecStatePool.decode`'s step where a graph serves its shape (rows x frames): the pool's rows `slots`
+        gathered straight into the graph's static input state, the graph replayed, its static output state written
+        straight back into the pool's rows: one copy of the state each way (rather than a gathered state copied in,
+        the outputs cloned out, then written back) -> audio [G, n * 1920]. None where no graph serves this shape (not
+        captured yet, measured eager, off, not on CUDA): the pool then decodes through `decode_step` as usual (a
+        shape's first call is measured there). A replay that raises turns the shape eager (one log line) and gives
+        None, the pool's rows untouched where the gather or the replay raised."""
+        if self.mode == "off" or (self.capture and (not codes.is_cuda or torch.cuda.is_current_stream_capturing())):
+            return None
+        with self.lock:
+            if self.pid != os.getpid():
+                return None   # (`__call__` starts the shapes over in a forked process)
+            key = (len(slots), codes.shape[-1])
+            g = self.shapes.get(key)
+            if g is None:
+                return None
+            try:
+                with self.stream.scope(codes.device):
+                    pool.read_into(slots, g.state_in)
+                    wav = g.replay(codes)
+                    pool.write(slots, g.state_out)
+                return wav
+            except Exception as e:   # noqa: BLE001 - never a failed decode for it: eager from now on for this shape
+                self.shapes[key] = None
+                self._why(key, FELL_BACK, f"replay raised {type(e).__name__}: {e}")
+                log.warning("tts_engine: codec CUDA graph %dx%d not used, eager from now on: %s", *key,
+                            self.whys[key])
+                return None
 
     def _first(self, key, codes, state):
         dec = self.decoder
