@@ -64,8 +64,29 @@ def test_roles_load_in_order_and_requests_wait_for_them():
     assert loader.wait("voice_design") is True          # never queued here: no wait
     steps.release["base"].set()
     assert _until(lambda: loader.snapshot()["ready"])
-    assert steps.order == ["custom_voice", "custom_voice:warm", "base", "base:warm"]
+    # the request waiting for CustomVoice started at once instead of behind a warm-up; nobody waited for Base
+    assert steps.order == ["custom_voice", "base", "base:warm"]
     assert loader.summary() == "✅ Models ready: CustomVoice, Base"
+
+
+def test_the_warm_up_runs_only_where_no_request_waits_for_the_model():
+    """The warm-up synthesis is for a later click's latency only: a model nobody waits for is warmed up before it
+    is ready; where a request is waiting when the weights are in, it is skipped and that request goes first."""
+    steps = Steps()
+    loader = ModelLoader(steps.load, steps.warm)
+    steps.release["base"].set()
+    loader.start(["base"])
+    assert _until(lambda: loader.roles["base"].stage == READY)   # (nobody waits for it)
+    assert steps.order == ["base", "base:warm"] and loader.roles["base"].stage == READY
+    loader.start(["custom_voice"])
+    assert _until(lambda: loader.roles["custom_voice"].stage == "loading the weights")
+    t = threading.Thread(target=lambda: loader.wait("custom_voice", timeout=10))
+    t.start()
+    assert _until(lambda: loader.awaited("custom_voice"))
+    steps.release["custom_voice"].set()
+    t.join(5)
+    assert not t.is_alive() and loader.roles["custom_voice"].stage == READY
+    assert steps.order == ["base", "base:warm", "custom_voice"] and not loader.awaited("custom_voice")
 
 
 def test_a_failure_is_reported_and_does_not_block():
