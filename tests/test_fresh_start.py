@@ -231,3 +231,47 @@ def test_verdicts_wait_for_a_boundary_with_no_row_held(fresh):
     assert fresh.wait(60)
     assert b.poll(False) is False and applied == []
     assert b.poll(True) is True and applied == [7] and not b.waiting()
+
+
+def test_an_engine_holding_a_request_counts_as_busy(fresh, monkeypatch):
+    """A prompt being prefilled serves no frame yet: an engine that holds a request (`watch`: the CPU backend's probe
+    of its runner's rows) keeps the deferred trials from starting, and stops one under way at its next check."""
+    monkeypatch.setattr(deferred_trials, "_probes", [])
+    held, runs, kept = [True], [], []
+    deferred_trials.watch(lambda: held[0])
+    fresh.mark_busy()
+
+    def measure():
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            held[0] = True                               # a request came: its prefill runs, no frame yet
+        fresh.check()
+        return len(runs)
+
+    fresh.defer("held", measure, kept.append)
+    time.sleep(fresh.QUIET_S + 0.5)
+    assert runs == [] and fresh.pending() == ["held"]    # not while a request is held
+    held[0] = False
+    assert _until(lambda: len(runs) == 1)
+    time.sleep(fresh.QUIET_S + 0.3)
+    assert len(runs) == 1                                # stopped, and not again while the request is held
+    held[0] = False
+    assert fresh.wait(30) and kept == [2]
+    deferred_trials.watch(lambda: None)                  # an engine that is gone is no longer asked
+    fresh.quiet_for()
+    assert len(deferred_trials._probes) == 1
+
+
+def test_the_cpu_backend_watches_its_runner(fresh, tiny_cv_folder, monkeypatch):
+    monkeypatch.setattr(deferred_trials, "_probes", [])
+    engine = _engine(tiny_cv_folder)
+    try:
+        probe = deferred_trials._probes[-1]
+        assert probe() is False
+        stream = engine.stream("Hello there.", voice=engine.speakers[0], seed=1, max_new_tokens=64)
+        next(iter(stream))
+        assert probe() is True                           # a row is held while the request runs
+        stream.cancel()
+        assert _until(lambda: probe() is False)
+    finally:
+        engine.close()

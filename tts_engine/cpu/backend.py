@@ -102,6 +102,7 @@ class CpuBackend:
 
         self.runner = runner
         self.deferred = deferred_trials.AtBoundary()
+        deferred_trials.watch(_holds_a_row(runner))   # (a request being prefilled stops the deferred trials too)
         talker = runner.talker
         runner.backend = self   # (from here on the runner's steps run in `step_scope`)
         self.gemv_rows = ATEN_GEMV_MAX_ROWS if runner.dtype == torch.bfloat16 else 0
@@ -301,6 +302,19 @@ class CpuBackend:
         governor = ThreadGovernor(threads, matmul_option=mm is not None)
         entries["threads"] = governor
         return governor, mm
+
+
+def _holds_a_row(runner):
+    """() -> whether `runner` holds a request now (a row's sampling settings are written at the start of its
+    prefill and cleared at its release), None once the runner is gone: `deferred_trials.watch`'s probe."""
+    import weakref
+
+    ref = weakref.ref(runner)
+
+    def probe():
+        r = ref()
+        return None if r is None else any(p is not None for p in r.params)
+    return probe
 
 
 # --- hooks of model/ and codec/ ---------------------------------------------------------------------------------------

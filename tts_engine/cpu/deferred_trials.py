@@ -14,7 +14,8 @@ A request that comes while a job times stops it at its next `check()` (the timin
 CPU goes back to the request at once); the job runs again at the next quiet moment.
 
 "While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs (and the kernel table at
-every timing); a job starts once the process has served its first frame (an engine that is still loading times its
+every timing), and an engine that holds a request (a prompt being prefilled, a cache row held: `watch`) counts as
+busy too; a job starts once the process has served its first frame (an engine that is still loading times its
 own choices: nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
 it runs again at the next quiet moment (RETRIES times at most; then it is left for the next start, one log line).
 An engine's own paths (the fused stacks, the predictor frame, the talker step: `AtBoundary`) take the same road, ahead
@@ -49,13 +50,42 @@ class Interrupted(Exception):
 
 
 _local = threading.local()   # .started: when this thread's deferred job started (None outside one)
+_probes: list = []           # () -> True / False / None: an engine holds a request now / not / the engine is gone
+
+
+def watch(probe) -> None:
+    """Count an engine as busy whenever probe() is true (the CPU backend: a cache row of its runner is held, from the
+    start of a prefill on); probe() None: the engine is gone, no longer asked."""
+    with _lock:
+        _probes.append(probe)
+
+
+def _note_engaged() -> None:
+    """An engine holding a request now counts as a frame-free busy moment (`mark_busy(frame=False)`)."""
+    with _lock:
+        probes = list(_probes)
+    for p in probes:
+        try:
+            got = p()
+        except Exception:   # noqa: BLE001 - a probe that fails says nothing
+            continue
+        if got is None:
+            with _lock:
+                if p in _probes:
+                    _probes.remove(p)
+        elif got:
+            _state["last_busy"] = time.monotonic()
+            return
 
 
 def check() -> None:
     """Between two timings of a trial: inside a deferred job, raise `Interrupted` once an engine served a frame since
-    the job started; anywhere else nothing (the load-time trials call the same loops)."""
+    the job started or holds a request now; anywhere else nothing (the load-time trials call the same loops)."""
     t0 = getattr(_local, "started", None)
-    if t0 is not None and _state["last_busy"] >= t0:
+    if t0 is None:
+        return
+    _note_engaged()
+    if _state["last_busy"] >= t0:
         raise Interrupted
 
 
@@ -74,8 +104,11 @@ def mark_busy(frame: bool = True) -> None:
 
 
 def quiet_for() -> float:
-    """Seconds since the last frame or timing (0 before the first frame: the start is not over)."""
-    return time.monotonic() - _state["last_busy"] if _state["served"] else 0.0
+    """Seconds since the last frame, timing or request held (0 before the first frame: the start is not over)."""
+    if not _state["served"]:
+        return 0.0
+    _note_engaged()
+    return time.monotonic() - _state["last_busy"]
 
 
 def defer(name: str, measure: Callable[[], object], commit: Callable[[object], None],
@@ -147,6 +180,7 @@ def _one(name: str, measure, commit) -> None:
             return
         finally:
             _local.started = None
+        _note_engaged()   # (a request that came since the last check: its prefill may not have reached a frame yet)
         if _state["last_busy"] < t0:
             try:
                 commit(got)
