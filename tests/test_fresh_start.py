@@ -19,7 +19,8 @@ from tts_engine.cpu import deferred_trials, fused_step, measured, predictor_fram
 from test_cpu_ext_kernels import built
 
 PARTS = ("talker stack", "predictor stack", "predictor frame", "talker step")
-DEFAULTS = {"talker stack": "fused", "predictor stack": "fused", "predictor frame": "frame", "talker step": "step"}
+DEFAULTS = {"talker stack": "fused", "predictor stack": "fused", "predictor frame": "frame-team",
+            "talker step": "step"}
 TRIAL = "tts-deferred-trials"   # the deferred trials' thread
 
 
@@ -147,7 +148,8 @@ def test_a_verdict_against_the_default_switches_the_path_at_a_free_frame_boundar
 
 def test_a_request_during_a_deferred_trial_is_served_as_without_it(fresh, tiny_cv_folder, monkeypatch, caplog):
     """A request that comes while a deferred trial times runs beside it and gets the audio of the same paths forced
-    on with no trial at all; the trial's run is thrown away at its next check and run again when idle."""
+    on with no trial at all (the forced predictor frame splits its threads, the default runs as one team: the same
+    codes); the trial's run is thrown away at its next check and run again when idle."""
     for env in (fused_step.ENV, predictor_frame.ENV, talker_step.ENV):
         monkeypatch.setenv(env, "1")
     forced = _engine(tiny_cv_folder)

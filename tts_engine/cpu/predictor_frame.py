@@ -24,7 +24,7 @@ Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
                   goes first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
                   faster by median serves from then on, remembered per machine and model shape in the cache folder
                   (`$TTS_CACHE_DIR/predictor_frame/`). At a fresh bounded start (`deferred_trials`) only CHECK_FRAMES
-                  frames of the loop and "frame" run at load, as the agreement check: "frame" serves as the default
+                  frames of the loop and "frame-team" run at load, as the agreement check: "frame-team" serves as the default
                   ("measurement pending"), and the timed trial of the three runs while idle on a scratch cache
                   (`deferred_trial`); its verdict is remembered and applied at a frame boundary with no row held.
   1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests), its threads as
@@ -61,6 +61,9 @@ SOURCE = Path(__file__).parent / "csrc" / "predictor_frame.cpp"
 MAX_ROWS = fused_step.MAX_ENTRIES // 2   # the first pass has two entries a row
 TRIAL_FRAMES = 4                         # timed (loop, frame) pairs before choosing
 CHECK_FRAMES = 2                         # a bounded fresh start: (loop, frame) frames run at load as the check only
+# a bounded fresh start serves this until timed: the whole frame in one parallel region, fastest at the 0.6B shape in 6
+# of the 7 trials remembered on the 2-vCPU Zen 4 here (a thread the OS takes away holds back only its chunk)
+DEFAULT_PATH = "frame-team"
 MIN_AGREE = 0.5                          # first-codebook codes of the two paths that must agree in the trial
 
 
@@ -338,10 +341,10 @@ class PredictorFrame:
         loop, the frame with one parallel region per matmul ("frame", split) and the whole frame in one
         ("frame-team", claim; the same as split where the call gets one thread); the two frames must give the same
         codes (they compute the same numbers), else the team one is dropped; `agree` counts the first codebook's
-        agreement of "frame" with the loop -> ({path: codes}, the path whose codes stand for the frame). Raises
+        agreement of "frame" (else "frame-team") with the loop -> ({path: codes}, the path whose codes stand for the frame). Raises
         where a path raises."""
         n = len(choice.times["loop"])
-        paths = ["loop", "frame"] + (["frame-team"] if "frame-team" in choice.times else [])
+        paths = [p for p in CANDIDATES if p in choice.times]
         paths = paths[n % len(paths):] + paths[:n % len(paths)]
         res = {}
         for which in paths:
@@ -350,7 +353,7 @@ class PredictorFrame:
                                       self.TEAM if which == "frame-team" else 0))
         if "frame-team" in res and not torch.equal(res["frame-team"], res["frame"]):
             choice.drop("frame-team", "the frame in one parallel region gave other codes than the split frame")
-        same = res["frame"][:, 1] == res["loop"][:, 1]
+        same = res["frame" if "frame" in res else "frame-team"][:, 1] == res["loop"][:, 1]
         agree[0] += int(same.sum())
         agree[1] += same.numel()
         return res, paths[-1] if paths[-1] != "frame-team" or "frame-team" in choice.times else "loop"
@@ -370,12 +373,12 @@ class PredictorFrame:
                              note=f"first codebook agreeing {rate:.0%}")
 
     def check_at_load(self, inputs, cache, loop) -> bool:
-        """A bounded fresh start: CHECK_FRAMES frames of the Python loop and "frame" on `inputs` (h, c0, frame_idx,
-        rp) in `cache` (the predictor's scratch; loop: () -> the loop's codes on the same), as the agreement check
-        only; agreeing, "frame" serves as the default while the timing waits (-> True), else the loop, one log line
-        (-> False)."""
+        """A bounded fresh start: CHECK_FRAMES frames of the Python loop and "frame-team" on `inputs` (h, c0,
+        frame_idx, rp) in `cache` (the predictor's scratch; loop: () -> the loop's codes on the same), as the
+        agreement check only; agreeing, "frame-team" (DEFAULT) serves as the default while the timing waits
+        (-> True), else the loop, one log line (-> False)."""
         twin, agree = self.choice.twin(), [0, 0]
-        twin.times.pop("frame-team")   # (the default is the split frame; the team one is checked in the trial)
+        twin.times.pop("frame")   # (the split frame, with the same codes bit for bit, is compared in the trial)
         try:
             for _ in range(CHECK_FRAMES):
                 self._round(twin, agree, *inputs, cache, loop)
@@ -386,9 +389,9 @@ class PredictorFrame:
         if rate < MIN_AGREE:
             self.disable(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
             return False
-        self.choice.serve_until_measured("frame", f"checked against the Python loop at load (first codebook "
-                                                  f"agreeing {rate:.0%} in {CHECK_FRAMES} frames)")
-        self.team = 0
+        self.choice.serve_until_measured(DEFAULT_PATH, f"checked against the Python loop at load (first codebook "
+                                                       f"agreeing {rate:.0%} in {CHECK_FRAMES} frames)")
+        self.team = self._team_of(DEFAULT_PATH)
         return True
 
     def deferred_trial(self, inputs, cache, loop) -> MeasuredChoice:
