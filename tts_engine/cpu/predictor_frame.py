@@ -351,7 +351,7 @@ class PredictorFrame:
             res[which] = (choice.time(which, loop) if which == "loop" else
                           choice.time(which, self._frame, h, c0, frame_idx, rp, cache,
                                       self.TEAM if which == "frame-team" else 0))
-        if "frame-team" in res and not torch.equal(res["frame-team"], res["frame"]):
+        if "frame-team" in res and "frame" in res and not torch.equal(res["frame-team"], res["frame"]):
             choice.drop("frame-team", "the frame in one parallel region gave other codes than the split frame")
         same = res["frame" if "frame" in res else "frame-team"][:, 1] == res["loop"][:, 1]
         agree[0] += int(same.sum())
