@@ -50,10 +50,14 @@ TRIALS = (
     ("codec conv timing", "tts_engine.cpu.codec_dtype", "_measure", "codec conv choice"),
     ("codec int8 quality", "tts_engine.cpu.codec_dtype", "int8_quality", "codec conv choice"),
     ("codec int8 threshold", "tts_engine.cpu.codec_int8_threshold", "apply", "codec conv choice"),
-    ("fused step trial", "tts_engine.cpu.fused_step", "FusedStep._measure", ""),
-    ("predictor frame trial", "tts_engine.cpu.predictor_frame", "PredictorFrame._decide", ""),
-    ("talker step trial", "tts_engine.cpu.talker_step", "TalkerStep.measure", ""),
+    ("fused step trial (at load)", "tts_engine.cpu.fused_step", "FusedStep._measure", ""),
+    ("fused step check (at load; timing deferred)", "tts_engine.cpu.fused_step", "FusedStep._check_at_load", ""),
+    ("predictor frame trial or check (at load)", "tts_engine.cpu.backend", "CpuBackend._measure_predictor_frame", ""),
+    ("talker step attach: trial or check (at load)", "tts_engine.cpu.backend", "CpuBackend._attach_talker_step", ""),
     ("warm-up synthesis", "ui.roles", "Models.warm_up", ""),
+    ("fused step trial, deferred (idle)", "tts_engine.cpu.fused_step", "FusedStep._deferred_trial", ""),
+    ("predictor frame trial, deferred (idle)", "tts_engine.cpu.predictor_frame", "PredictorFrame.deferred_trial", ""),
+    ("talker step trial, deferred (idle)", "tts_engine.cpu.talker_step", "TalkerStep.deferred_trial", ""),
     ("trials deferred to idle time (after the answers)", "tts_engine.cpu.deferred_trials", "_run", ""),
 )
 MODEL_LOADED = "model loaded (weights, quantised)"

@@ -1,7 +1,9 @@
 """Models load in the background while the page is already served: `ModelLoader` loads the engines of some roles
 one after another in a thread (weights, then one short warm-up synthesis), says where each one stands (for the
 status line and the page's "models ready" indicator), and lets a request that needs a role still loading wait for
-it (`wait`), so it starts as soon as that model is ready.
+it (`wait`), so it starts as soon as that model is ready. The warm-up is only for a later click's latency (nothing
+needs it to be right): where a request is already waiting when the weights are in, it is skipped, and that request
+starts at once (it warms the engine itself).
 
 The page learns the state from `GET /live/models` (JSON), which `assets/model_state.js` polls while anything
 loads and writes into the element `#model-state` (see `STATE_HTML`)."""
@@ -109,11 +111,16 @@ class ModelLoader:
             self._cond.notify_all()
         try:
             self._load(job.role)
-            self._set(job, WARMING)
-            try:
-                self._warm_up(job.role)
-            except Exception as e:   # a failed warm-up leaves a usable engine: the first request is slower
-                log.warning("%s warm-up failed (%s: %s); serving anyway", ROLE_LABEL[job.role], type(e).__name__, e)
+            if self.awaited(job.role):
+                log.info("%s warm-up skipped: a request is waiting for the model, it starts now",
+                         ROLE_LABEL[job.role])
+            else:
+                self._set(job, WARMING)
+                try:
+                    self._warm_up(job.role)
+                except Exception as e:   # a failed warm-up leaves a usable engine: the first request is slower
+                    log.warning("%s warm-up failed (%s: %s); serving anyway", ROLE_LABEL[job.role], type(e).__name__,
+                                e)
             self._set(job, READY)
             log.info("%s model ready in %.1f s", ROLE_LABEL[job.role], job.seconds())
         except Exception as e:
@@ -155,6 +162,11 @@ class ModelLoader:
         with self._cond:
             role = self._waiting.get(thread_id) if thread_id is not None else None
             return self.roles.get(role) if role else None
+
+    def awaited(self, role: str) -> bool:
+        """A request is waiting for `role` right now (`wait`)."""
+        with self._cond:
+            return role in self._waiting.values()
 
     def busy(self, role: str) -> bool:
         with self._cond:

@@ -80,6 +80,14 @@ def prepare_role(role: str, checkpoint: str, cfg: AppConfig) -> RoleInfo:
                     hidden_size=info.hidden_size, size=info.size)
 
 
+def _others(engine, mine: int) -> bool:
+    """Requests in `engine` besides `mine` of this thread's own (running or waiting); False where the engine does not
+    say (a stand-in)."""
+    load_state = getattr(engine, "load_state", None)
+    state = load_state() if load_state is not None else {}
+    return state.get("running", 0) + state.get("waiting", 0) > mine
+
+
 class Models:
     """The roles this server runs and their engines: loaded in the background (`load_in_background`, the
     `loader` says where each stands) or else on first use."""
@@ -245,16 +253,28 @@ class Models:
         self.loader.load_now(list(self.roles))
 
     def warm_up(self, role: str) -> None:
-        """One short synthesis on a loaded engine: the first real request then starts warm."""
+        """One short synthesis on a loaded engine, streamed as the page streams (first chunks of one frame): a later
+        first request then starts warm. Only for latency, so it yields to real requests: none starts while one is
+        already in the engine (the API's requests wait for the engine itself, not for the loader), and one that
+        comes meanwhile cuts it short at the next chunk."""
         t = time.perf_counter()
         eng = self.registry.get(role)
+        if _others(eng, 0):
+            log.info("%s warm-up skipped: a request is already in the engine", ROLE_LABEL[role])
+            return
         voice = None
         if role == "custom_voice":   # the page's default voice (ui/layout.py): its prompt prefix is then cached
             voice = "ryan" if "ryan" in eng.speakers else eng.speakers[0]
         elif role == "base":
             voice = eng.voice_from_embedding(np.ones(eng.hidden_size, np.float32))
-        eng.synthesize("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,
-                       seed=0, max_new_tokens=8)
+        stream = eng.stream("Hello.", voice=voice, instruct="A calm voice." if role == "voice_design" else None,
+                            seed=0, max_new_tokens=8, first_chunk_frames=(1, 1))
+        for _ in stream:
+            if _others(eng, 1):
+                stream.cancel()
+                log.info("%s warm-up cut short after %.1f s: a request came", ROLE_LABEL[role],
+                         time.perf_counter() - t)
+                return
         log.info("%s warmed up in %.1f s", ROLE_LABEL[role], time.perf_counter() - t)
 
     def close(self) -> None:

@@ -9,6 +9,10 @@ it for a runner on a CPU). In this order, each step falling back to the plain Py
   3. each decoder stack's decode step in one C++ call (`fused_step`), its trial run now;
   4. the code predictor's 15 passes of a frame in one call (`predictor_frame`), its trial run now on random inputs;
   5. the talker's whole step in one call (`talker_step`), its trial run now on row 0;
+     (3-5 at a fresh bounded start, `deferred_trials.bounded()`: only their agreement checks run now, the fast path
+     serves as the default, and the timed trials run while idle on scratch state (`deferred_trials.AtBoundary`);
+     each verdict is remembered and applied by the engine's thread at a frame boundary with no row held,
+     `between_frames`)
   6. optionally, one-row predictor passes through a compiled graph (`compiled_predictor`);
   7. the thread governor's "matmul" option: every linear layer's forward wrapped (`threads.serial_between_matmuls`);
      the governor itself goes to the engine's worker (`thread_governor`);
@@ -85,16 +89,20 @@ class CpuBackend:
         self.gemv_rows = 0             # steps of up to this many rows run with oneDNN off (`aten_bf16_gemv`)
         self.governor = None           # threads.ThreadGovernor for the worker (None: the process's threads)
         self.matmul_threads = None     # threads.MatmulThreads wrapped around the linear layers (governor's option)
-        self.between_frames = None     # poll(no_row_held) -> done: attaches our kernels once a background build ends
+        self.between_frames = None     # poll(no_row_held) -> done: the worker calls it at its frame boundaries
+        self.deferred = None           # deferred_trials.AtBoundary: this runner's trials deferred to idle time
+        self._build_poll = None        # cpu_build.attach_later's poll: our kernels once a background build ends
 
     # --- attach -----------------------------------------------------------------------------------------------------
     def attach(self, runner) -> "CpuBackend":
         """Give `runner` its CPU fast paths (see the module's docstring); never raises. Sets on the runner:
         `talker_step`, `step_scope`, and an entry per part in `path_entries`."""
-        from tts_engine.cpu import compiled_predictor, cpu_build
+        from tts_engine.cpu import compiled_predictor, cpu_build, deferred_trials
         from tts_engine.cpu.measured import DEFAULT, Record
 
         self.runner = runner
+        self.deferred = deferred_trials.AtBoundary()
+        deferred_trials.watch(_holds_a_row(runner))   # (a request being prefilled stops the deferred trials too)
         talker = runner.talker
         runner.backend = self   # (from here on the runner's steps run in `step_scope`)
         self.gemv_rows = ATEN_GEMV_MAX_ROWS if runner.dtype == torch.bfloat16 else 0
@@ -103,8 +111,11 @@ class CpuBackend:
             talker.fuse_projections()   # fewer calls per frame; fp32 keeps the official layout (parity)
         self.attach_kernels(runner)
         # where the library is still building in the background: the same three parts once it is loaded, at a frame
-        # boundary with no row held (the engine's worker calls `between_frames`)
-        self.between_frames = cpu_build.attach_later(runner, attach=self.attach_kernels)
+        # boundary with no row held (the engine's worker calls `between_frames`); there too the deferred trials'
+        # verdicts are applied
+        self._build_poll = cpu_build.attach_later(runner, attach=self.attach_kernels)
+        if self._build_poll is not None or self.deferred.waiting():
+            self.between_frames = self._between_frames
         want = self.compile_predictor_wanted
         if want if want is not None else compiled_predictor.wanted():
             self.compile_predictor(runner)
@@ -118,16 +129,41 @@ class CpuBackend:
         return self
 
     def attach_kernels(self, runner) -> None:
-        """The parts that run in our C++ library, each with its trial now: each decoder stack's step in one call, the
-        predictor's frame in one call, the talker's step in one call (each off, with its reason, where the library is
-        not loaded)."""
-        from tts_engine.cpu import fused_step, predictor_frame
+        """The parts that run in our C++ library, each with its trial now (at a fresh bounded start: its agreement
+        check now, its timing deferred): each decoder stack's step in one call, the predictor's frame in one call,
+        the talker's step in one call (each off, with its reason, where the library is not loaded)."""
+        from tts_engine.cpu import deferred_trials, fused_step, predictor_frame
 
+        later = self.deferred.defer if deferred_trials.bounded() else None
         with self.step_scope(1):   # the fused step's trial times the eager path as a one-row step runs it
-            runner.path_entries.update(fused_step.attach(runner.talker))
+            runner.path_entries.update(fused_step.attach(runner.talker, later=later))
         runner.path_entries.update(predictor_frame.attach(runner.talker))
-        self._measure_predictor_frame(runner)
-        self._attach_talker_step(runner)
+        self._measure_predictor_frame(runner, later)
+        self._attach_talker_step(runner, later)
+
+    def _between_frames(self, no_row_held: bool) -> bool:
+        """The worker's poll at each frame boundary (`between_frames`): our kernels once a background build ends,
+        then the verdicts of the deferred trials, applied with no row held -> True once nothing is left to do."""
+        if self._build_poll is not None and self._build_poll(no_row_held):
+            self._build_poll = None
+        return self.deferred.poll(no_row_held) and self._build_poll is None
+
+    def scratch_runner(self, runner):
+        """A runner of the same model whose rows no request holds, with no fast paths of its own (the model's hooks
+        serve it as they serve `runner`): the state the deferred trials time on, in their own thread. Its predictor
+        cache has `runner`'s shape (a compiled predictor pass is not compiled again for another).
+
+        The deferred trials run outside `step_scope`: its oneDNN switch is process-wide, and a request served beside
+        a trial (its prefill above all) would take the other bf16 kernel, so its audio would depend on the trial.
+        Timed with oneDNN as the process has it, a 1-2 row bf16 reference (eager layers, a head) can only look
+        slower than it serves: a verdict for the reference holds, and `TTS_START_TRIALS=all` times it as served."""
+        from tts_engine.cpu import talker_step
+
+        scratch = type(runner)(runner.talker, runner.tts_pad, rows=1,
+                               max_len=talker_step.TRIAL_POS + talker_step.TRIAL_PAIRS + 1, eos_id=runner.eos_id,
+                               fast_paths=False)
+        scratch.cp_cache = runner.talker.code_predictor.new_cache(runner.rows, runner.device, runner.dtype)
+        return scratch
 
     def step_scope(self, rows: int):
         """What a frame step of `rows` rows runs inside (`ModelRunner.step_scope`): oneDNN off for 1-2 bf16 rows."""
@@ -139,12 +175,17 @@ class CpuBackend:
         return onednn_as_outside()
 
     @torch.inference_mode()
-    def _measure_predictor_frame(self, runner) -> None:
+    def _measure_predictor_frame(self, runner, later=None) -> None:
         """Run the predictor frame's trial (`PredictorFrame`, state "trial": both paths timed on the same input, the
         choice remembered) now, on random inputs in row 0 of the predictor's cache (every frame rewrites the
-        positions it reads, so nothing stays behind), as a one-row frame runs. Never raises."""
+        positions it reads, so nothing stays behind), as a one-row frame runs. later (a bounded fresh start): only
+        its agreement check now (`PredictorFrame.check_at_load`), the timed trial to `later`, on a scratch
+        runner's predictor cache. Never raises."""
         frame = getattr(runner.talker.code_predictor, "frame", None)
-        if frame is None or frame.state != "trial" or not frame.takes(1):
+        if frame is None or frame.state != "trial":
+            return
+        if not frame.takes(1):   # (its fused stack does not serve: nothing to time)
+            frame.choice.default("loop", "the code predictor's fused step does not serve")
             return
         g = torch.Generator().manual_seed(0)
         D, V = runner.hidden.shape[1], runner.talker.cfg.vocab_size
@@ -154,6 +195,12 @@ class CpuBackend:
         rp = runner.default_params(1)
         try:
             with self.step_scope(1):
+                if later is not None:
+                    if frame.check_at_load((h, c0, frame_idx, rp), runner.cp_cache,
+                                           lambda: runner._predict_residuals_loop(h, c0, frame_idx, rp)):
+                        later("code predictor frame", lambda: self._predictor_frame_trial(runner, frame, h, c0),
+                              frame.verdict)
+                    return
                 while frame.state == "trial":
                     frame.run(h, c0, frame_idx, rp, runner.cp_cache,
                               lambda: runner._predict_residuals_loop(h, c0, frame_idx, rp))
@@ -161,9 +208,20 @@ class CpuBackend:
             frame.disable(f"{type(e).__name__}: {e}")
 
     @torch.inference_mode()
-    def _attach_talker_step(self, runner) -> None:
+    def _predictor_frame_trial(self, runner, frame, h, c0):
+        """The predictor frame's timed trial while idle (the trials' thread), on a scratch runner's predictor cache
+        -> its twin choice, decided or fallen back."""
+        scratch = self.scratch_runner(runner)
+        frame_idx = torch.zeros(1, dtype=torch.long)
+        rp = scratch.default_params(1)
+        return frame.deferred_trial((h, c0, frame_idx, rp), scratch.cp_cache,
+                                    lambda: scratch._predict_residuals_loop(h, c0, frame_idx, rp))
+
+    @torch.inference_mode()
+    def _attach_talker_step(self, runner, later=None) -> None:
         """Attach `talker_step.TalkerStep` where it runs and run its trial (`TalkerStep.measure`, on row 0 before any
-        request holds it). Never raises."""
+        request holds it). later (a bounded fresh start): only its agreement check on row 0 now
+        (`TalkerStep.check_at_load`), the timed trial to `later`, on a scratch runner's row. Never raises."""
         from tts_engine.cpu import talker_step
 
         runner.talker_step, runner.path_entries["talker step"] = talker_step.attach(runner)
@@ -175,7 +233,21 @@ class CpuBackend:
             return runner._advance_python(r, slice(0, 1), rp, int(runner.pos[0]) + 1, codes)
 
         with self.step_scope(1):
-            step.measure(runner, runner.default_params(1), python_step)
+            if later is None:
+                step.measure(runner, runner.default_params(1), python_step)
+            elif step.check_at_load(runner, runner.default_params(1), python_step):
+                later("talker step in one call", lambda: self._talker_step_trial(runner, step), step.verdict)
+
+    @torch.inference_mode()
+    def _talker_step_trial(self, runner, step):
+        """The talker step's timed trial while idle (the trials' thread), on row 0 of a scratch runner -> its twin
+        choice, decided or fallen back."""
+        scratch = self.scratch_runner(runner)
+
+        def python_step(r, rp, codes):
+            return scratch._advance_python(r, slice(0, 1), rp, int(scratch.pos[0]) + 1, codes)
+
+        return step.deferred_trial(scratch, scratch.default_params(1), python_step)
 
     def compile_predictor(self, runner) -> str:
         """Serve one-row code-predictor passes through a compiled graph (`compiled_predictor`), compiled now as a
@@ -230,6 +302,19 @@ class CpuBackend:
         governor = ThreadGovernor(threads, matmul_option=mm is not None)
         entries["threads"] = governor
         return governor, mm
+
+
+def _holds_a_row(runner):
+    """() -> whether `runner` holds a request now (a row's sampling settings are written at the start of its
+    prefill and cleared at its release), None once the runner is gone: `deferred_trials.watch`'s probe."""
+    import weakref
+
+    ref = weakref.ref(runner)
+
+    def probe():
+        r = ref()
+        return None if r is None else any(p is not None for p in r.params)
+    return probe
 
 
 # --- hooks of model/ and codec/ ---------------------------------------------------------------------------------------

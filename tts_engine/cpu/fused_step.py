@@ -22,7 +22,10 @@ Chosen by measuring, never assumed (`TTS_FUSED_STEP`):
                   request sees the trial: a lossy engine's first request decodes as its later ones). The choice is
                   remembered per machine (kernel table's machine key: CPU model and flags, torch, threads, our
                   kernels) and stack in the cache folder (`$TTS_CACHE_DIR/fused_step/`), so a later start does not
-                  measure again.
+                  measure again. At a fresh bounded start (`deferred_trials`, TTS_START_TRIALS=bounded, attached by
+                  the CPU backend) only CHECK_PAIRS pairs run at load, untimed, as the agreement check: the fused
+                  step serves as the default ("measurement pending"), and the timed trial runs on its own scratch
+                  cache while idle; its verdict is remembered and applied at a frame boundary with no row held.
   1 / on          fused wherever it runs, without timing (benchmarks' A/B, tests).
   0 / off         never.
 Any failure (no compiler, a build error, an unsupported layer or CPU path, an exception or a refused input later)
@@ -52,6 +55,7 @@ SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
 MAX_ENTRIES = 16        # (row, position) entries per call: decode batches; more is a prefill (eager)
 MAX_T = 2               # positions per row per call (the predictor's first pass has 2)
 TRIAL_PAIRS = 4         # timed (eager, fused) pairs per stack before choosing
+CHECK_PAIRS = 1         # a bounded fresh start: (eager, fused) pairs run at load as the agreement check only
 TRIAL_POS = 32          # the trial's calls write positions TRIAL_POS.. of its scratch cache (attention over ~32 keys)
 MIN_COS = 0.99          # the two paths' hidden states must agree at least this well (a bug detector, not quality)
 LAYER_FIELDS = 12       # fused_step.cpp LayerField
@@ -288,7 +292,9 @@ class FusedStep:
     `measured.MeasuredChoice`, part "<name> stack") holds the answer and its record; state: "on", "off" ("trial"
     only while it measures)."""
 
-    def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False):
+    def __init__(self, plan: StackPlan, name: str, threads_switch=None, force: bool = False, later=None):
+        """later: where nothing is remembered, the trial's timing goes there (`deferred_trials.AtBoundary.defer`:
+        a bounded fresh start) after the agreement check at load; None: the whole trial now."""
         self.plan, self.name = plan, name
         self.threads_switch = threads_switch   # () -> threads.MatmulThreads or None (the governor's "matmul" option)
         self.min_cos = 1.0
@@ -305,7 +311,10 @@ class FusedStep:
         if force:
             self.choice.force("fused")
         elif not self.choice.recall():
-            self._measure()
+            if later is None:
+                self._measure()
+            elif self._check_at_load():
+                later(f"fused {name} step", self._deferred_trial, self._verdict)
 
     @property
     def state(self) -> str:
@@ -362,13 +371,18 @@ class FusedStep:
         return out.view(B, T, D)
 
     def _measure(self) -> None:
-        """The trial (module doc): TRIAL_PAIRS one-position calls of one row on a private scratch cache, both paths
-        on the same random input each, alternating which goes first (`MeasuredChoice.trial`) -> state "on" or
-        "off". No engine cache and no request sees it."""
+        """The trial (module doc), now: TRIAL_PAIRS pairs timed, then the faster serves -> state "on" or "off"."""
+        if self._run_trial(self.choice, TRIAL_PAIRS):
+            self._decide()
+
+    def _run_trial(self, choice: MeasuredChoice, pairs: int) -> bool:
+        """`pairs` one-position calls of one row on a private scratch cache, both paths on the same random input
+        each, alternating which goes first (`MeasuredChoice.trial`, timed into `choice`; a disagreement makes it
+        fall back) -> whether the fused path is still a candidate. No engine cache and no request sees it."""
         stack = self.plan.stack
         cfg, dtype = stack.cfg, stack.norm.weight.dtype
         g = torch.Generator().manual_seed(0)
-        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, TRIAL_POS + TRIAL_PAIRS, cfg.head_dim,
+        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, TRIAL_POS + pairs, cfg.head_dim,
                         "cpu", dtype)
         for t in (cache.k, cache.v):   # earlier positions' keys and values: something to attend to
             t.copy_(torch.randn(t.shape, generator=g))
@@ -380,8 +394,30 @@ class FusedStep:
         run = {"eager": lambda x, start, pos: stack._run_eager(x, cache, slice(0, 1), start, pos + 1, None, None),
                "fused": lambda x, start, pos: self._fused(x, cache, slice(0, 1), start)}
         with torch.inference_mode():
-            if self.choice.trial(run, TRIAL_PAIRS, inputs, self._check):
-                self._decide()
+            return choice.trial(run, pairs, inputs, self._check)
+
+    def _check_at_load(self) -> bool:
+        """A bounded fresh start: CHECK_PAIRS pairs as the agreement check only; agreeing, the fused step serves as
+        the default while its timing waits (-> True), else it falls back (one log line) -> False."""
+        twin = self.choice.twin()
+        if not self._run_trial(twin, CHECK_PAIRS):
+            self.choice.take(twin)
+            return False
+        self.choice.serve_until_measured("fused", f"checked against eager at load (hidden cos {self.min_cos:.5f})")
+        return True
+
+    def _deferred_trial(self) -> MeasuredChoice:
+        """The timed trial while idle (`deferred_trials`, the trials' thread): on its own scratch cache, into a twin
+        of the choice -> the twin, decided (or fallen back)."""
+        twin = self.choice.twin()
+        if self._run_trial(twin, TRIAL_PAIRS):
+            twin.decide(note=f"per call, hidden cos >= {self.min_cos:.5f}, measured while idle")
+        return twin
+
+    def _verdict(self, twin: MeasuredChoice):
+        """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
+        self.choice.remember_verdict(twin)
+        return lambda: self.choice.take(twin)
 
     def _check(self, eager: torch.Tensor, fused: torch.Tensor) -> str | None:
         """Why the fused hidden states do not agree with the eager ones (cosine < MIN_COS: a bug detector), or None."""
@@ -398,10 +434,11 @@ class FusedStep:
         self.choice.fall_back(why)
 
 
-def attach(talker) -> dict[str, MeasuredChoice | Record]:
+def attach(talker, later=None) -> dict[str, MeasuredChoice | Record]:
     """Give the talker's and the code predictor's stacks a `FusedStep` where they are quantised W8A8 / W4A8 or bf16
     on a CPU and the fused library runs here -> {"talker stack": .., "predictor stack": ..}: the step's choice, or
-    the record of why there is none (`ModelRunner.path_entries`). Never raises."""
+    the record of why there is none (`ModelRunner.path_entries`). later: where a trial's timing goes at a bounded
+    fresh start (`FusedStep`). Never raises."""
     out = {}
     mode = setting()
     stacks = {"talker": talker.model, "predictor": talker.code_predictor.model}
@@ -417,7 +454,8 @@ def attach(talker) -> dict[str, MeasuredChoice | Record]:
         try:
             plan = StackPlan(stack)
             library()
-            stack.fused = FusedStep(plan, name, lambda: getattr(talker, "_matmul_threads", None), force=mode == "on")
+            stack.fused = FusedStep(plan, name, lambda: getattr(talker, "_matmul_threads", None), force=mode == "on",
+                                    later=later)
             out[part] = stack.fused.choice
         except Exception as e:   # not a quantised stack, no compiler, ...: eager, one line
             why = one_line(f"{type(e).__name__}: {e}")

@@ -5,7 +5,9 @@ chosen, how and why (`Record`) that `TTSEngine.paths()` lists.
 How a choice comes (`Record.how`):
   "measured now"        timed here and now (and remembered);
   "remembered"          measured on an earlier start of this machine: read from the cache folder;
-  "default"             nothing to measure (the path cannot run here, tuning is off, or a default that is not timed);
+  "default"             nothing to measure (the path cannot run here, tuning is off, or a default that is not timed),
+                        or, at a fresh bounded start, the path expected to win, checked against the reference, while
+                        its timing waits for an idle moment ("... measurement pending": `serve_until_measured`);
   "forced by TTS_X"     the environment variable that forces it (0/off/no/false: the reference, 1/on/yes/true: the
                         fast path; anything else, or unset: auto);
   "fell back"           the fast path failed (a build error, a refused input, an exception, results that disagree
@@ -35,10 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tts_engine.cache_paths import choices_root
+from tts_engine.cpu import deferred_trials
 
 log = logging.getLogger("tts_engine")
 
 MEASURED, REMEMBERED, DEFAULT, FELL_BACK, MEASURING = "measured now", "remembered", "default", "fell back", "measuring"
+PENDING = "measurement pending (timed while idle)"   # the end of a default's reason while its deferred trial waits
 
 
 def forced_by(env: str) -> str:
@@ -199,6 +203,35 @@ class MeasuredChoice:
         """Serve `candidate` without timing, for `why` (nothing to measure)."""
         self._set(candidate, DEFAULT, why)
 
+    def serve_until_measured(self, candidate: str, why: str) -> None:
+        """Serve `candidate` (the path expected to win, already checked against the reference: `why` says how) as the
+        default while its timing is deferred to an idle moment (`deferred_trials`); the record says so."""
+        self.default(candidate, f"{why}; {PENDING}")
+        log.info("tts_engine: %s: %s serves until it is timed while idle (%s; %s=all times it at load)", self.label,
+                 candidate, why, deferred_trials.ENV)
+
+    def twin(self) -> "MeasuredChoice":
+        """A choice between the same candidates that remembers nothing and serves nothing: the timings and verdict of
+        a deferred trial, taken over by this one once applied (`take`)."""
+        return MeasuredChoice(self.name, self.candidates, label=self.label, fallback=self.fallback)
+
+    def take(self, twin: "MeasuredChoice") -> bool:
+        """Serve what `twin` (this choice's deferred trial) decided: its candidate and record, or the reference where
+        it fell back; nothing where this one fell back meanwhile (the first failure stands) or twin decided
+        nothing -> whether anything changed."""
+        if self.record.how == FELL_BACK or twin.chosen is None:
+            return False
+        self.times.clear()
+        self.times.update(twin.times)   # (in place: owners keep a reference to it)
+        self._set(twin.chosen, twin.record.how, twin.record.why)   # (a fallback: the reference; twin logged it)
+        return True
+
+    def remember_verdict(self, twin: "MeasuredChoice") -> None:
+        """Remember under this choice's key what `twin` measured (a fallback is not remembered, as in `trial`)."""
+        f = self.file
+        if f is not None and twin.chosen is not None and twin.record.how == MEASURED:
+            remember(f, self.key, twin.chosen, twin.record.why)
+
     def recall(self) -> bool:
         """Take the answer measured before for this key, if any -> whether there was one."""
         f = self.file
@@ -225,6 +258,7 @@ class MeasuredChoice:
         reference are left to `decide` between."""
         names = [self.reference] + [c for c in run if c != self.reference]
         for i in range(rounds):
+            deferred_trials.check()   # (a deferred trial: a request stops it here, between two rounds)
             args = inputs(i)
             order = names[i % len(names):] + names[:i % len(names)]
             got = {}

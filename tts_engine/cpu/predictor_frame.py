@@ -23,7 +23,10 @@ Chosen by measuring, as the fused step (`TTS_PREDICTOR_FRAME`):
                   logits, so both give the same codes up to the rounding differences above), timed, alternating which
                   goes first; the first codebook's codes must mostly agree (a bug detector), else the path is off; the
                   faster by median serves from then on, remembered per machine and model shape in the cache folder
-                  (`$TTS_CACHE_DIR/predictor_frame/`).
+                  (`$TTS_CACHE_DIR/predictor_frame/`). At a fresh bounded start (`deferred_trials`) only CHECK_FRAMES
+                  frames of the loop and "frame-team" run at load, as the agreement check: "frame-team" serves as the default
+                  ("measurement pending"), and the timed trial of the three runs while idle on a scratch cache
+                  (`deferred_trial`); its verdict is remembered and applied at a frame boundary with no row held.
   1 / on          whenever the predictor's fused step serves (benchmarks' A/B, tests), its threads as
                   TTS_FUSED_TEAM says (`set_team`).
 
@@ -45,6 +48,7 @@ from pathlib import Path
 import torch
 
 from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import deferred_trials
 from tts_engine.cpu import fused_step
 from tts_engine.cpu import measured
 from tts_engine.cpu.measured import DEFAULT, FELL_BACK, MeasuredChoice, Record, forced_by, one_line
@@ -56,6 +60,10 @@ PART = "predictor frame"                 # its entry in TTSEngine.paths()
 SOURCE = Path(__file__).parent / "csrc" / "predictor_frame.cpp"
 MAX_ROWS = fused_step.MAX_ENTRIES // 2   # the first pass has two entries a row
 TRIAL_FRAMES = 4                         # timed (loop, frame) pairs before choosing
+CHECK_FRAMES = 2                         # a bounded fresh start: (loop, frame) frames run at load as the check only
+# a bounded fresh start serves this until timed: the whole frame in one parallel region, fastest at the 0.6B shape in 6
+# of the 7 trials remembered on the 2-vCPU Zen 4 here (a thread the OS takes away holds back only its chunk)
+DEFAULT_PATH = "frame-team"
 MIN_AGREE = 0.5                          # first-codebook codes of the two paths that must agree in the trial
 
 
@@ -318,39 +326,99 @@ class PredictorFrame:
         return self.plan.run(h, c0, frame_idx, rp, cache, team=team)
 
     def _trial(self, h, c0, frame_idx, rp, cache, loop):
-        """Each path once on this frame's input, the order rotating: the Python loop, the frame with one parallel
-        region per matmul ("frame", split) and the whole frame in one ("frame-team", claim; the same as split where
-        the call gets one thread); the two frames must give the same codes (they compute the same numbers), else
-        the team one is dropped."""
-        n = len(self.times["loop"])
-        paths = ["loop", "frame"] + (["frame-team"] if "frame-team" in self.times else [])
-        paths = paths[n % len(paths):] + paths[:n % len(paths)]
+        """One frame of the trial at load (`_round`); the last path's codes, decided after TRIAL_FRAMES frames."""
         try:
-            res = {}
-            for which in paths:
-                res[which] = (self.choice.time(which, loop) if which == "loop" else
-                              self.choice.time(which, self._frame, h, c0, frame_idx, rp, cache,
-                                               self.TEAM if which == "frame-team" else 0))
+            res, last = self._round(self.choice, self.agree, h, c0, frame_idx, rp, cache, loop)
         except Exception as e:
             self.disable(f"{type(e).__name__}: {e}")
             return loop()
-        if "frame-team" in res and not torch.equal(res["frame-team"], res["frame"]):
-            self.choice.drop("frame-team", "the frame in one parallel region gave other codes than the split frame")
-        same = res["frame"][:, 1] == res["loop"][:, 1]
-        self.agree[0] += int(same.sum())
-        self.agree[1] += same.numel()
         if len(self.times["frame"]) >= TRIAL_FRAMES:
             self._decide()
-        return res[paths[-1]] if paths[-1] != "frame-team" or "frame-team" in self.times else res["loop"]
+        return res[last]
+
+    def _round(self, choice: MeasuredChoice, agree: list, h, c0, frame_idx, rp, cache, loop):
+        """Each path of `choice` once on this frame's input, the order rotating, timed into `choice`: the Python
+        loop, the frame with one parallel region per matmul ("frame", split) and the whole frame in one
+        ("frame-team", claim; the same as split where the call gets one thread); the two frames must give the same
+        codes (they compute the same numbers), else the team one is dropped; `agree` counts the first codebook's
+        agreement of "frame" (else "frame-team") with the loop -> ({path: codes}, the path whose codes stand for the frame). Raises
+        where a path raises."""
+        n = len(choice.times["loop"])
+        paths = [p for p in CANDIDATES if p in choice.times]
+        paths = paths[n % len(paths):] + paths[:n % len(paths)]
+        res = {}
+        for which in paths:
+            res[which] = (choice.time(which, loop) if which == "loop" else
+                          choice.time(which, self._frame, h, c0, frame_idx, rp, cache,
+                                      self.TEAM if which == "frame-team" else 0))
+        if "frame-team" in res and "frame" in res and not torch.equal(res["frame-team"], res["frame"]):
+            choice.drop("frame-team", "the frame in one parallel region gave other codes than the split frame")
+        same = res["frame" if "frame" in res else "frame-team"][:, 1] == res["loop"][:, 1]
+        agree[0] += int(same.sum())
+        agree[1] += same.numel()
+        return res, paths[-1] if paths[-1] != "frame-team" or "frame-team" in choice.times else "loop"
 
     def _decide(self) -> None:
-        rate = self.agree[0] / max(1, self.agree[1])
+        best = self._verdict_of(self.choice, self.agree)
+        self.team = self._team_of(best) if best is not None else None
+
+    def _verdict_of(self, choice: MeasuredChoice, agree: list) -> str | None:
+        """`choice` decided from its timings (the fastest by median), or fallen back where the first codebook
+        agreed too rarely -> the candidate chosen, None where it fell back."""
+        rate = agree[0] / max(1, agree[1])
+        if rate < MIN_AGREE:
+            choice.fall_back(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
+            return None
+        return choice.decide(min_samples=TRIAL_FRAMES // 2, names={"loop": "Python loop"},
+                             note=f"first codebook agreeing {rate:.0%}")
+
+    def check_at_load(self, inputs, cache, loop) -> bool:
+        """A bounded fresh start: CHECK_FRAMES frames of the Python loop and "frame-team" on `inputs` (h, c0,
+        frame_idx, rp) in `cache` (the predictor's scratch; loop: () -> the loop's codes on the same), as the
+        agreement check only; agreeing, "frame-team" (DEFAULT) serves as the default while the timing waits
+        (-> True), else the loop, one log line (-> False)."""
+        twin, agree = self.choice.twin(), [0, 0]
+        twin.times.pop("frame")   # (the split frame, with the same codes bit for bit, is compared in the trial)
+        try:
+            for _ in range(CHECK_FRAMES):
+                self._round(twin, agree, *inputs, cache, loop)
+        except Exception as e:
+            self.disable(f"{type(e).__name__}: {e}")
+            return False
+        rate = agree[0] / max(1, agree[1])
         if rate < MIN_AGREE:
             self.disable(f"its first codebook agrees with the Python loop's on {rate:.0%} of rows only")
-            return
-        best = self.choice.decide(min_samples=TRIAL_FRAMES // 2, names={"loop": "Python loop"},
-                                  note=f"first codebook agreeing {rate:.0%}")
-        self.team = self._team_of(best)
+            return False
+        self.choice.serve_until_measured(DEFAULT_PATH, f"checked against the Python loop at load (first codebook "
+                                                       f"agreeing {rate:.0%} in {CHECK_FRAMES} frames)")
+        self.team = self._team_of(DEFAULT_PATH)
+        return True
+
+    def deferred_trial(self, inputs, cache, loop) -> MeasuredChoice:
+        """The timed trial while idle (`deferred_trials`, the trials' thread), TRIAL_FRAMES frames on `inputs` in
+        `cache` (a scratch runner's predictor cache: no request's), into a twin of the choice -> the twin, decided
+        or fallen back."""
+        twin, agree = self.choice.twin(), [0, 0]
+        try:
+            for _ in range(TRIAL_FRAMES):
+                deferred_trials.check()
+                self._round(twin, agree, *inputs, cache, loop)
+        except deferred_trials.Interrupted:
+            raise
+        except Exception as e:
+            twin.fall_back(f"{type(e).__name__}: {e}")
+            return twin
+        self._verdict_of(twin, agree)
+        return twin
+
+    def verdict(self, twin: MeasuredChoice):
+        """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
+        self.choice.remember_verdict(twin)
+
+        def apply():
+            if self.choice.take(twin):
+                self.team = self._team_of(self.choice.chosen) if self.state == "on" else None
+        return apply
 
     def disable(self, why: str) -> None:
         self.choice.fall_back(why)

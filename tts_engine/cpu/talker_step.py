@@ -20,7 +20,10 @@ Chosen by measuring (`TTS_TALKER_STEP`):
                   the model runner is built (before any request: random input, the row's state saved and put back),
                   timed, alternating which goes first; their codebook-0 ids and hidden states must be the same (a bug
                   detector), else the path is off; the faster by median serves from then on, remembered per machine and
-                  model shape in the cache folder (`$TTS_CACHE_DIR/talker_step/`).
+                  model shape in the cache folder (`$TTS_CACHE_DIR/talker_step/`). At a fresh bounded start
+                  (`deferred_trials`) only CHECK_PAIRS steps run at load, as the agreement check: the step serves as
+                  the default ("measurement pending"), and the timed trial runs while idle on a scratch runner's row
+                  (`deferred_trial`); its verdict is remembered and applied at a frame boundary with no row held.
   1 / on          whenever the talker's fused step serves (benchmarks' A/B, tests).
   0 / off         never.
 Any failure (no library, a refused input, an exception) logs one line and leaves the Python path serving for good.
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tts_engine.cpu import cpu_ext
+from tts_engine.cpu import deferred_trials
 from tts_engine.cpu import fused_step
 from tts_engine.cpu import kernels
 from tts_engine.cpu import measured
@@ -49,6 +53,7 @@ PART = "talker step"     # its entry in TTSEngine.paths()
 SOURCE = Path(__file__).parent / "csrc" / "talker_step.cpp"
 MAX_ROWS = fused_step.MAX_ENTRIES
 TRIAL_PAIRS = 4         # timed (python, step) pairs before choosing
+CHECK_PAIRS = 1         # a bounded fresh start: (python, step) steps run at load as the agreement check only
 TRIAL_POS = 32          # the trial's steps write positions TRIAL_POS.. of row 0 (unused while the runner is built)
 EXACT_W8A8 = ("int_mm", "vnni", "own_avx2")   # W8A8 head kernels whose numbers ours equal (exact int32 sums)
 
@@ -253,12 +258,13 @@ class TalkerStep:
             self.disable(f"{type(e).__name__}: {e}")
             return python()
 
-    def _step(self, r, rp, codes):
+    def _step(self, r, rp, codes, plan: StepPlan | None = None):
         # the governor's "matmul" option (engine/threads.MatmulThreads) gives our call its threads
+        plan = plan or self.plan
         switch = self.fused.threads_switch() if self.fused.threads_switch is not None else None
         if switch is not None:
-            return switch.call(self.plan.run, r, rp, codes)
-        return self.plan.run(r, rp, codes)
+            return switch.call(plan.run, r, rp, codes)
+        return plan.run(r, rp, codes)
 
     def measure(self, runner, rp, python_step) -> None:
         """The trial (module doc) on runner row 0, which no request holds yet: TRIAL_PAIRS steps, each run by both paths
@@ -266,36 +272,92 @@ class TalkerStep:
         (r, rp, codes) -> done, the Python path. The row's state is put back afterwards. Never raises."""
         if self.state != "trial":
             return
+        try:
+            self.agree = self._pairs(self.choice, runner, rp, python_step, self.plan, TRIAL_PAIRS)
+        except Exception as e:
+            self.disable(f"{type(e).__name__}: {e}")
+            return
+        self._verdict_of(self.choice, self.agree)
+
+    def _pairs(self, choice: MeasuredChoice, runner, rp, python_step, plan: StepPlan, pairs: int) -> list[int]:
+        """`pairs` steps of `runner`'s row 0 (no request's), each run by both paths from the same saved state,
+        alternating which goes first, timed into `choice` -> [steps whose ids and hidden states agreed, steps].
+        The row's state is put back afterwards; raises where a path raises."""
         g = torch.Generator().manual_seed(0)
         r = runner.row_index[:1]
         names = ("pos", "step", "seen", "hidden", "c0", "trailing_len", "max_new")
         saved = {n: getattr(runner, n)[0].clone() for n in names}
-        V = self.plan.V
+        V = plan.V
+        agree = [0, 0]
         try:
             runner.pos[0], runner.step[0], runner.max_new[0], runner.trailing_len[0] = TRIAL_POS, 3, 1 << 20, 0
             runner.seen[0] = torch.rand(V, generator=g) < 0.02
-            for i in range(TRIAL_PAIRS):
-                codes = torch.randint(0, self.plan.min_book_size, (1, self.plan.books), generator=g)
+            for i in range(pairs):
+                deferred_trials.check()   # (a deferred trial: a request stops it here)
+                codes = torch.randint(0, plan.min_book_size, (1, plan.books), generator=g)
                 start = {n: getattr(runner, n)[0].clone() for n in names}
                 got = {}
                 for which in (("step", "python") if i % 2 else ("python", "step")):
                     for n in names:
                         getattr(runner, n)[0] = start[n]
-                    self.choice.time(which, self._step if which == "step" else python_step, r, rp, codes)
+                    if which == "step":
+                        choice.time(which, self._step, r, rp, codes, plan)
+                    else:
+                        choice.time(which, python_step, r, rp, codes)
                     got[which] = (int(runner.c0[0]), runner.hidden[0].clone())
-                self.agree[1] += 1
-                self.agree[0] += int(got["step"][0] == got["python"][0] and torch.equal(got["step"][1], got["python"][1]))
-        except Exception as e:
-            self.disable(f"{type(e).__name__}: {e}")
-            return
+                agree[1] += 1
+                agree[0] += int(got["step"][0] == got["python"][0] and torch.equal(got["step"][1], got["python"][1]))
         finally:
             for n in names:
                 getattr(runner, n)[0] = saved[n]
-        if self.agree[0] < self.agree[1]:
-            self.disable(f"its codebook-0 ids or hidden states differ from the Python path's in "
-                         f"{self.agree[1] - self.agree[0]} of {self.agree[1]} trial steps")
+        return agree
+
+    def _verdict_of(self, choice: MeasuredChoice, agree: list[int]) -> None:
+        if agree[0] < agree[1]:
+            choice.fall_back(f"its codebook-0 ids or hidden states differ from the Python path's in "
+                             f"{agree[1] - agree[0]} of {agree[1]} trial steps")
             return
-        self.choice.decide(names={"python": "Python"}, note="the same ids and hidden states")
+        choice.decide(names={"python": "Python"}, note="the same ids and hidden states")
+
+    def check_at_load(self, runner, rp, python_step) -> bool:
+        """A bounded fresh start: CHECK_PAIRS steps of runner row 0 (no request's yet) by both paths as the
+        agreement check only; agreeing, the step serves as the default while the timing waits (-> True), else the
+        Python path, one log line (-> False). Never raises."""
+        if self.state != "trial":
+            return False
+        twin = self.choice.twin()
+        try:
+            agree = self._pairs(twin, runner, rp, python_step, self.plan, CHECK_PAIRS)
+        except Exception as e:
+            self.disable(f"{type(e).__name__}: {e}")
+            return False
+        if agree[0] < agree[1]:
+            self.disable(f"its codebook-0 ids or hidden states differ from the Python path's in "
+                         f"{agree[1] - agree[0]} of {agree[1]} check steps")
+            return False
+        self.choice.serve_until_measured("step", f"checked against the Python path at load (the same ids and "
+                                                 f"hidden states in {agree[1]} step(s))")
+        return True
+
+    def deferred_trial(self, scratch, rp, python_step) -> MeasuredChoice:
+        """The timed trial while idle (`deferred_trials`, the trials' thread) on row 0 of `scratch`, a runner of the
+        same model whose rows no request holds (its own `StepPlan`; python_step: its Python path) -> a twin of the
+        choice, decided or fallen back."""
+        twin = self.choice.twin()
+        try:
+            agree = self._pairs(twin, scratch, rp, python_step, StepPlan(scratch, self.plan.stack), TRIAL_PAIRS)
+        except deferred_trials.Interrupted:
+            raise
+        except Exception as e:
+            twin.fall_back(f"{type(e).__name__}: {e}")
+            return twin
+        self._verdict_of(twin, agree)
+        return twin
+
+    def verdict(self, twin: MeasuredChoice):
+        """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
+        self.choice.remember_verdict(twin)
+        return lambda: self.choice.take(twin)
 
     def disable(self, why: str) -> None:
         self.choice.fall_back(why)
