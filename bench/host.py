@@ -1,14 +1,17 @@
 """The engine's host work per frame, with the model's device work replaced by a stand-in that returns at once:
-`python -m bench host [--rows 1,16,64] [--frames 120] [--rounds 3] [--split] [--json FILE]`.
+`python -m bench host [--rows 1,16,64] [--frames 120] [--rounds 3] [--path whole|split|graphs] [--json FILE]`.
 
 What is timed is `EngineWorker.step` (one frame boundary, as the worker thread or a caller-driven engine runs it) for
 `rows` streams that run together: the scheduler, the per-row bookkeeping, cutting chunks, handing them to the codec,
 emitting audio. What is not: the code predictor's half of a frame and the talker step (`TTSEngine.wrap` puts
 stand-ins in their place that return ready-made codes and done flags), and the codec's decode (a stand-in
 `decode_step` returns silence of the right length). The streams are admitted and prefilled (on the tiny random
-checkpoint) before the timing starts; they run whole frames (as on a GPU) unless `--split` (the CPU's split frames:
-the chunks handed over between the halves). A frame's host time should stay flat as rows are added: the issue's
-target is <= 1 ms per frame at 64 rows, and 64 rows within 2x of one row.
+checkpoint) before the timing starts. `--path`: `whole` (default) runs whole eager frames, each read right after it;
+`split` the CPU's split frames (the chunks handed over between the halves; `--split` says the same); `graphs` the
+GPU's path: the frame is one replay of a stand-in for the captured CUDA graph (`TTSEngine.start_graphs` with an
+object whose `run(B, read_len)` returns the codes and flags at once, so none of the eager frame's tensor indexing is
+timed either) and the host runs one frame behind it (`EngineWorker.pipelined`). A frame's host time should stay flat
+as rows are added: the issue's target is <= 1 ms per frame at 64 rows, and 64 rows within 2x of one row.
 
 Prints one row per batch size: the worker thread's CPU ms per frame (mean; the figure the target is about, since
 a shared machine's preemptions inflate the wall clock), wall mean, p50 and p99 ms per frame, CPU us per row and
@@ -57,6 +60,20 @@ class StandIn:
         return self.silence[:codes.shape[0], :codes.shape[2] * self.spf]
 
 
+class StandInGraphs:
+    """The captured frame's stand-in (`ModelRunner.graphs`): a replay that returns the frame's codes and end flags
+    at once, as `cuda_graphs.GraphedFrames.run` returns its static outputs."""
+
+    def __init__(self, stand: StandIn):
+        self.stand, self.graphs = stand, {}
+
+    def run(self, B: int, read_len: int):
+        return self.stand.codes[:B], self.stand.done[:B]
+
+    def capture_all(self) -> None:
+        pass
+
+
 def _drain(streams) -> None:
     for s in streams:
         q = s.seq.out if hasattr(s, "seq") else None
@@ -69,16 +86,19 @@ def _drain(streams) -> None:
             pass
 
 
-def measure(rows: int, frames: int, rounds: int, split: bool, warm: int = 30) -> dict:
+def measure(rows: int, frames: int, rounds: int, path: str, warm: int = 30) -> dict:
     """Per-frame host work of `rows` streams -> {rows, cpu_ms (the worker thread's CPU time per frame, mean: what a
     busy machine's preemptions leave out), mean_ms, p50_ms, p99_ms (wall), us_per_row (CPU)}."""
     eng = _engine(rows)
     try:
         eng.drive_in_caller()
-        eng.worker.split_frames = split
+        eng.worker.split_frames = path == "split"
         dec = eng.model.speech_tokenizer.decoder
         stand = StandIn(rows, eng.runner.device, dec.total_upsample)
         put_back = [eng.wrap("code predictor", stand.predictor), eng.wrap("talker step", stand.talker)]
+        if path == "graphs":
+            eng.start_graphs(StandInGraphs(stand), capture_now=False)
+            eng.worker.pipelined = True
         dec.decode_step = stand.decode_step
         voices = eng.speakers
         times: list[float] = []
@@ -117,20 +137,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,16,64", help="batch sizes (streams running together), comma separated")
     ap.add_argument("--frames", type=int, default=120, help="timed frames per round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--split", action="store_true", help="the CPU's split frames (chunks between the halves)")
+    ap.add_argument("--path", choices=("whole", "split", "graphs"), default="whole",
+                    help="whole eager frames; the CPU's split frames; the GPU's (a stand-in graph replay, pipelined)")
+    ap.add_argument("--split", action="store_true", help="the same as --path split")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     a = ap.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x.strip()]
+    path = "split" if a.split else a.path
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # host work: one thread, as the worker's bookkeeping runs
     try:
-        results = [measure(r, a.frames, a.rounds, a.split) for r in rows]
+        results = [measure(r, a.frames, a.rounds, path) for r in rows]
     finally:
         torch.set_num_threads(threads)   # (the caller's, where it runs in-process: tests)
     base = results[0]["cpu_ms"]
     print(f"# {command('host', argv)}")
     print(f"# device: {device_name(torch.device('cpu'))}; {load_average()}; "
-          f"{'split' if a.split else 'whole'} frames, stand-in model and codec")
+          f"{path} frames, stand-in model and codec")
     print(f"{'rows':>5} {'cpu ms':>8} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'us/row':>8} "
           f"{'x rows=' + str(rows[0]):>10}")
     for r in results:
@@ -139,7 +162,8 @@ def main(argv=None) -> int:
               f"{r['us_per_row']:>8.1f} {r['ratio']:>10.2f}")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"command": command("host", argv), "split": a.split, "results": results}, f, indent=2)
+            json.dump({"command": command("host", argv), "path": path, "split": path == "split", "results": results},
+                      f, indent=2)
     return 0
 
 
