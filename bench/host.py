@@ -15,7 +15,9 @@ as rows are added: the issue's target is <= 1 ms per frame at 64 rows, and 64 ro
 
 Prints one row per batch size: the worker thread's CPU ms per frame (mean; the figure the target is about, since
 a shared machine's preemptions inflate the wall clock), wall mean, p50 and p99 ms per frame, CPU us per row and
-frame, and the ratio to the first row count's CPU mean, beside the device and the load average; `--json FILE` writes the same figures.
+frame, the ratio to the first row count's CPU mean, and that CPU mean split: the steps where no chunk went out
+("frame ms") and those where chunks went out ("emit ms", how many: "emits"; with 12-frame chunks one step in 12),
+beside the device and the load average; `--json FILE` writes the same figures.
 """
 from __future__ import annotations
 
@@ -99,10 +101,20 @@ def measure(rows: int, frames: int, rounds: int, path: str, warm: int = 30) -> d
         if path == "graphs":
             eng.start_graphs(StandInGraphs(stand), capture_now=False)
             eng.worker.pipelined = True
+        emitted = [False]
+
+        def flag(inner):   # (which steps sent chunks out: one flag write per such step)
+            def emit(*args, **kw):
+                emitted[0] = True
+                return inner(*args, **kw)
+            return emit
+        put_back.append(eng.wrap("emit", flag))
         dec.decode_step = stand.decode_step
         voices = eng.speakers
         times: list[float] = []
         cpu: list[float] = []
+        cpu_emit: list[float] = []
+        cpu_frame: list[float] = []
         try:
             for _ in range(rounds):
                 streams = [eng.stream("Host work per frame.", voice=voices[i % len(voices)], seed=i,
@@ -113,10 +125,12 @@ def measure(rows: int, frames: int, rounds: int, path: str, warm: int = 30) -> d
                     w.step()
                 _drain(streams)
                 for k in range(frames):
+                    emitted[0] = False
                     t0, c0 = time.perf_counter(), time.thread_time()
                     w.step()
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.thread_time() - c0)
+                    (cpu_emit if emitted[0] else cpu_frame).append(cpu[-1])
                     if k % 24 == 23:
                         _drain(streams)
                 for s in streams:
@@ -129,7 +143,10 @@ def measure(rows: int, frames: int, rounds: int, path: str, warm: int = 30) -> d
         eng.close()
     mean, cpu_mean = statistics.fmean(times), statistics.fmean(cpu)
     return {"rows": rows, "cpu_ms": 1000 * cpu_mean, "mean_ms": 1000 * mean, "p50_ms": 1000 * pct(times, 50),
-            "p99_ms": 1000 * pct(times, 99), "us_per_row": 1e6 * cpu_mean / rows}
+            "p99_ms": 1000 * pct(times, 99), "us_per_row": 1e6 * cpu_mean / rows,
+            "frame_cpu_ms": 1000 * statistics.fmean(cpu_frame) if cpu_frame else float("nan"),
+            "emit_cpu_ms": 1000 * statistics.fmean(cpu_emit) if cpu_emit else float("nan"),
+            "emit_steps": len(cpu_emit)}
 
 
 def main(argv=None) -> int:
@@ -155,11 +172,12 @@ def main(argv=None) -> int:
     print(f"# device: {device_name(torch.device('cpu'))}; {load_average()}; "
           f"{path} frames, stand-in model and codec")
     print(f"{'rows':>5} {'cpu ms':>8} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'us/row':>8} "
-          f"{'x rows=' + str(rows[0]):>10}")
+          f"{'x rows=' + str(rows[0]):>10} {'frame ms':>9} {'emit ms':>8} {'emits':>6}")
     for r in results:
         r["ratio"] = r["cpu_ms"] / base if base else float("nan")
         print(f"{r['rows']:>5} {r['cpu_ms']:>8.3f} {r['mean_ms']:>9.3f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-              f"{r['us_per_row']:>8.1f} {r['ratio']:>10.2f}")
+              f"{r['us_per_row']:>8.1f} {r['ratio']:>10.2f} {r['frame_cpu_ms']:>9.3f} {r['emit_cpu_ms']:>8.3f} "
+              f"{r['emit_steps']:>6}")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"command": command("host", argv), "path": path, "split": path == "split", "results": results},
