@@ -34,15 +34,27 @@ log = logging.getLogger("tts_engine")
 _STOP = object()
 
 
+class ChunkGroup(list):
+    """[(seq, frames [n, 16])] of one decode, with `frames`: the same frames already stacked [G, n, 16] (a host
+    tensor), as the worker cuts them from its row buffer in one gather, so that no one stacks them again."""
+
+    def __init__(self, items=(), frames: torch.Tensor | None = None):
+        super().__init__(items)
+        self.frames = frames
+
+
 def decode_group(codec, items: list) -> None:
-    """Decode [(seq, frames [n, 16])] (all with the same n; host or device tensors) as one batch through
-    `codec.decode_step`, advance each sequence's decoder state, and put each row's audio (float32 [n*1920]) on its
-    sequence's output queue. Used by the worker (first chunks, or every chunk when there is no codec thread) and by
-    the codec thread. The states are rows of one `CodecStatePool` (the engine's: one gather and one write-back per
-    decode, whatever the batch) or standalone `CodecDecoderState`s (joined and split here). Raises what the decode
-    raises; the caller fails the group's sequences."""
+    """Decode [(seq, frames [n, 16])] (all with the same n; host arrays or tensors; a `ChunkGroup` brings them
+    stacked) as one batch through `codec.decode_step`, advance each sequence's decoder state, and put each row's audio
+    (float32 [n*1920]) on its sequence's output queue. Used by the worker (first chunks, or every chunk when there is
+    no codec thread) and by the codec thread. The states are rows of one `CodecStatePool` (the engine's: one gather and
+    one write-back per decode, whatever the batch) or standalone `CodecDecoderState`s (joined and split here). Raises
+    what the decode raises; the caller fails the group's sequences."""
     states = [s.decoder_state for s, _ in items]
-    frames = torch.stack([f for _, f in items]).transpose(1, 2)                        # [G, 16, n]
+    frames = getattr(items, "frames", None)
+    if frames is None or frames.shape[0] != len(items):
+        frames = torch.stack([torch.as_tensor(f) for _, f in items])
+    frames = frames.transpose(1, 2)                                                    # [G, 16, n]
     pool = getattr(states[0], "pool", None)
     if pool is not None and all(getattr(st, "pool", None) is pool for st in states):
         device = pool.state.pos.device
@@ -91,6 +103,7 @@ class CodecThread:
         self._in_flight = 0
         self.wake = None            # threading.Event of the worker, set after a decode failed (set by the worker)
         self.decoded_chunks = 0     # decodes done on this thread (tests, benchmarks)
+        self.failed = 0             # decodes that failed (counted after their sequences' codec_error is set)
 
     # --- the worker's side ---------------------------------------------------------------------------------
     def decode(self, items: list, on_done=None) -> None:
@@ -183,10 +196,12 @@ class CodecThread:
                 self._idle.set()
 
     def _decode(self, items: list, on_done=None) -> None:
-        items = [(s, f) for s, f in items if s.codec_error is None and not s.cancelled.is_set()
-                 and s.decoder_state is not None]
-        if not items:
+        kept = [(s, f) for s, f in items if s.codec_error is None and not s.cancelled.is_set()
+                and s.decoder_state is not None]
+        if not kept:
             return
+        if len(kept) != len(items):
+            items = kept   # (its frames stacked again from the items kept)
         try:
             t0 = time.perf_counter()
             decode_group(self._decoder_of(), items)
@@ -200,6 +215,7 @@ class CodecThread:
             log.error("codec decode failed for request(s) %s: %s", [s.id for s, _ in items], e)
             for s, _ in items:
                 s.codec_error = self._on_error(s, e)
+            self.failed += 1
             if self.wake is not None:
                 self.wake.set()
 

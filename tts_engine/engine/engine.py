@@ -91,8 +91,7 @@ class TTSStream:
 
     @property
     def codes(self) -> torch.Tensor:
-        c = self.request.codes
-        return torch.stack(c) if c else torch.zeros(0, 16, dtype=torch.long)
+        return self.request.codes.stack()
 
 
 PREFIX_CACHE_MB_DEFAULT = 64          # prompt prefixes kept per engine (CPU, 16-bit and quantised modes)

@@ -160,9 +160,14 @@ class ModelRunner:
         return host_facts([p for p in self.params[:b] if p is not None])
 
     def graph_compatible(self, b: int) -> bool:
-        """Rows 0..b-1 can use the captured frame (their top-k fits the captured candidate count)."""
-        return all(p is None or (0 < p.top_k <= GRAPH_TOP_K_CAP and 0 < p.subtalker_top_k <= GRAPH_TOP_K_CAP)
-                   for p in self.params[:b])
+        """Rows 0..b-1 can use the captured frame (their top-k fits the captured candidate count); kept per batch
+        composition, as the `_dense_params` views are."""
+        ok = self._dense_views.get(("graph", b))
+        if ok is None:
+            ok = self._dense_views[("graph", b)] = all(
+                p is None or (0 < p.top_k <= GRAPH_TOP_K_CAP and 0 < p.subtalker_top_k <= GRAPH_TOP_K_CAP)
+                for p in self.params[:b])
+        return ok
 
     def _write_params(self, row: int, p: SamplingParams) -> None:
         one = RowParams.stack([p], self.device)

@@ -9,6 +9,41 @@ from tts_engine.model.prompt import Prompt
 from tts_engine.model.sampling import SamplingParams
 
 
+class FrameLog:
+    """A request's generated frames, kept as the chunks they went out in ([n, 16] int64 host arrays or tensors):
+    adding a chunk is one list append however many frames it holds (no tensor per frame). `len` is the number of
+    frames; iterating or indexing gives the frames [16] one by one; `stack()` gives them all as [frames, 16]."""
+    __slots__ = ("chunks", "frames")
+
+    def __init__(self):
+        self.chunks: list = []
+        self.frames = 0
+
+    def add(self, chunk) -> None:
+        """Append a chunk's frames [n, 16]."""
+        self.chunks.append(chunk)
+        self.frames += chunk.shape[0]
+
+    def __len__(self) -> int:
+        return self.frames
+
+    def __bool__(self) -> bool:
+        return self.frames > 0
+
+    def __iter__(self):
+        for c in self.chunks:
+            yield from torch.as_tensor(c).unbind(0)
+
+    def __getitem__(self, i):
+        return self.stack()[i]
+
+    def stack(self) -> torch.Tensor:
+        """Every frame so far -> [frames, 16] int64 (a new tensor)."""
+        if not self.chunks:
+            return torch.zeros(0, 16, dtype=torch.long)
+        return torch.cat([torch.as_tensor(c) for c in self.chunks])
+
+
 @dataclass
 class Request:
     prompt: Prompt
@@ -16,7 +51,7 @@ class Request:
     first_chunk_frames: int | tuple[int, ...] = 2
     max_chunk_frames: int = 12
     ref_codes: torch.Tensor | None = None      # ICL: primes the codec decoder, not part of the output
-    codes: list[torch.Tensor] = field(default_factory=list)   # generated frames [16] each (CPU, int64)
+    codes: FrameLog = field(default_factory=FrameLog)   # the generated frames (CPU, int64)
 
     def chunk_sizes(self):
         """Frames per emitted chunk (see `chunk_schedule`)."""

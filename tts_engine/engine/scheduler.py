@@ -52,9 +52,27 @@ class Status(Enum):
 END = object()  # end-of-stream marker on a sequence's output queue
 
 
-class AudioQueue(queue.Queue):
+class CancelFlag(threading.Event):
+    """A sequence's cancel flag: a `threading.Event` whose `set` also calls `on_set()` (the scheduler's count of
+    cancellations, set when the sequence is queued), so the worker looks for cancelled rows only at a step after
+    one was cancelled, not at every row every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_set = None
+
+    def set(self) -> None:
+        super().set()
+        hook = self.on_set
+        if hook is not None:
+            hook()
+
+
+class AudioQueue(queue.SimpleQueue):
     """A sequence's output queue: `put` of an audio chunk (a float32 array) also calls `on_audio(samples)`, so the
-    scheduler sees every chunk as it is handed out, whichever thread decoded it."""
+    scheduler sees every chunk as it is handed out, whichever thread decoded it. Unbounded, one reader: a
+    `queue.SimpleQueue` (`put`, `get`, `get_nowait`, `empty`, `qsize`), whose put costs a fraction of a
+    `queue.Queue`'s (no condition variables): a step that emits for many streams puts one chunk on each."""
 
     def __init__(self):
         super().__init__()
@@ -72,13 +90,15 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     row: int | None = None
-    out: queue.Queue = field(default_factory=AudioQueue)    # audio chunks (np.ndarray), an Exception, or END
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    out: AudioQueue = field(default_factory=AudioQueue)     # audio chunks (np.ndarray), an Exception, or END
+    cancelled: threading.Event = field(default_factory=CancelFlag)
     # worker-side state while running
-    pending: list = field(default_factory=list)             # [(codes [16] device tensor, done [] device bool)]
+    pending: list = field(default_factory=list)             # frames of the current chunk where a tool steps the
+                                                            # chunk rule itself (the worker keeps its own buffer)
     chunk_sizes: object = None
     target: int = 0                                         # frames of the current chunk (when it goes out)
     chunk_frames: int = 0                                   # the schedule's size of it (0: the first chunk)
+    chunk_end: int = 0                                      # the worker's frame at which it ends (once chunk_frames)
     decoder_state: object = None
     finishing: bool = False                                 # end-of-speech seen in the current chunk
     codec_error: Exception | None = None                    # set by the codec thread when a decode failed
@@ -193,6 +213,14 @@ class Scheduler:
         self._last: tuple[float, int, int] | None = None   # (time, batch, admitted) at the last `admit`
         self._admits: deque[float] = deque(maxlen=32)     # when recent requests left the queue for a row
         self._service_s: float | None = None   # average seconds from admission to release
+        # changes whenever the running set or a running row changes (admit, release, compact): the worker keeps its
+        # list of running rows between steps while it is the same
+        self.version = 0
+        # sequences cancelled since the start (queued ones' `CancelFlag`): the worker looks for cancelled running
+        # rows only when it moved; `cancels_counted` turns False when a sequence came with a flag of another kind
+        # (then the worker looks at every step)
+        self.cancels = 0
+        self.cancels_counted = True
 
     # --- the queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -203,9 +231,18 @@ class Scheduler:
                 err.retry_after_s = self._retry_after(len(self.waiting))
                 raise err
             seq.submitted = self.clock()
+            if isinstance(seq.cancelled, CancelFlag):
+                seq.cancelled.on_set = self._note_cancel
+            else:
+                self.cancels_counted = False
             if isinstance(seq.out, AudioQueue):
                 seq.out.on_audio = lambda n, s=seq: s.note_audio(n / SAMPLE_RATE, self.clock())
             bisect.insort(self.waiting, seq, key=_order)
+
+    def _note_cancel(self) -> None:
+        # (no lock: the flag is set before the count is read, so even an increment lost to another thread's leaves
+        # the count moved past what the worker saw before either flag was set)
+        self.cancels += 1
 
     def position(self, seq: Sequence) -> int | None:
         """Requests ahead of `seq` in the queue (None once it runs)."""
@@ -240,6 +277,8 @@ class Scheduler:
                 self.running.append(seq)
                 self._admits.append(now)
                 out.append(seq)
+            if out:
+                self.version += 1
             self._last = (now, len(self.running), len(out))
         return out
 
@@ -278,6 +317,7 @@ class Scheduler:
             if seq.row is not None:
                 self.free_rows.append(seq.row)
                 seq.row = None
+            self.version += 1
 
     def compact(self) -> tuple[Sequence, int, int] | None:
         """If a running sequence sits above a free row, move it down (returns (seq, src, dst)); the runner
@@ -292,6 +332,7 @@ class Scheduler:
             self.free_rows.remove(low)
             self.free_rows.append(top.row)
             src, top.row = top.row, low
+            self.version += 1
             return top, src, low
 
     def idle(self) -> bool:

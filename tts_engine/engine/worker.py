@@ -4,9 +4,12 @@ Each iteration is one frame boundary:
   1. drop cancelled sequences (their rows are free again within one frame),
   2. admit waiting sequences into free rows and prefill them (newcomers join the running batch),
   3. decode one frame for every running sequence in one batched call,
-  4. the frame's codes and end flags reach the host in one copy (`ModelRunner.read_back`); for sequences whose
-     chunk is complete or ended: a codec decode batched across them (their decoder states rows of one
-     `codec.state_pool.CodecStatePool`), and their audio goes to their output queues.
+  4. the frame's codes and end flags reach the host in one copy (`ModelRunner.read_back`) and join every row's
+     pending frames in one numpy write (a buffer by cache row); for sequences whose chunk is complete or ended: a
+     codec decode batched across them (their decoder states rows of one `codec.state_pool.CodecStatePool`), and their
+     audio goes to their output queues.
+A step's host work does no Python per running row: the running rows are kept between steps while none joins or
+leaves, cancelled rows are looked for only after a cancel, and only the rows whose chunk goes out meet Python.
 Newcomers admitted together are prefilled in one batch (`ModelRunner.prefill_batch`), at most
 `prefill_tokens_per_step` prompt positions per step while other streams run. On a GPU the host runs one frame
 behind the device (`pipelined`): step 3 launches the next frame before step 4 handles the previous one.
@@ -46,7 +49,7 @@ from tts_engine.errors import TTSError
 from tts_engine.cpu import deferred_trials
 from tts_engine.cpu.codec_choice import HERE, THREAD, CodecChoice
 from tts_engine.codec.state_pool import CodecStatePool
-from tts_engine.engine.codec_thread import CodecThread, decode_group, drop_state
+from tts_engine.engine.codec_thread import ChunkGroup, CodecThread, decode_group, drop_state
 from tts_engine.engine.model_runner import ModelRunner
 from tts_engine.engine.scheduler import Scheduler, Sequence, Status
 from tts_engine.cpu.threads import MATMUL, PREDICTOR, TALKER, ThreadGovernor, situation
@@ -88,7 +91,18 @@ class EngineWorker:
         self._unprefilled: list[Sequence] = []   # admitted, prompt not run yet (the next steps' prefill batches)
         # prompt positions prefilled per step while other streams run (the rest wait a frame); all when none runs
         self.prefill_tokens_per_step = PREFILL_TOKENS_PER_STEP
-        self._inflight = None   # pipelined: (sequences, ModelRunner.read_back handle) of the frame still running
+        self._inflight = None   # pipelined: (sequences, ModelRunner.read_back handle, ...) of the frame still running
+        # every running row's frames of its current chunk, by cache row (moved with the row, `_end`): frame k of row r
+        # is _pend[r, k] (16 codes, then the end flag), _npend[r] of them so far, the chunk goes out at _target[r]
+        # frames; a frame's rows join them in one numpy write (`_take`), and only the rows whose chunk is then full
+        # (or ended) meet Python
+        self._pend = np.zeros((runner.rows, 16, 17), dtype=np.int64)
+        self._npend = np.zeros(runner.rows, dtype=np.int64)
+        self._target = np.zeros(runner.rows, dtype=np.int64)
+        self._rows_key = None   # (scheduler.version, unprefilled) of `_rows_cache`
+        self._rows_cache = None   # (running sequences by row, their rows, the same as an array): `_running_rows`
+        self._looked = None   # (scheduler.cancels, codec thread's failed decodes) at the last look for ended rows
+        self._row_errors = True   # a deferred decode (split frames) failed here since the last look
 
     def overlap_codec(self, on: bool | str, threads: int | None = 1, nice: int = 0) -> None:
         """Decode chunks after each sequence's first on a codec thread with `threads` intra-op threads (None: the
@@ -215,17 +229,19 @@ class EngineWorker:
                 self.matmul_threads.set(False)
 
     def _step_with(self, g: ThreadGovernor | None, choice) -> None:
-        for seq in list(self.scheduler.running):
-            if seq.cancelled.is_set() or seq.codec_error is not None:
-                self._end(seq, seq.codec_error if self.codec is None else None)
+        seen = (self.scheduler.cancels, self.codec.failed if self.codec is not None else 0)
+        # the running rows are looked at only after a cancel or a failed decode
+        if seen != self._looked or self._row_errors or not self.scheduler.cancels_counted:
+            self._looked, self._row_errors = seen, False
+            for seq in list(self.scheduler.running):
+                if seq.cancelled.is_set() or seq.codec_error is not None:
+                    self._end(seq, seq.codec_error if self.codec is None else None)
         self._unprefilled += self.scheduler.admit()
         if self._unprefilled:
             self._prefill_some()
-        active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
-        if self._unprefilled:
-            active = [s for s in active if s not in self._unprefilled]
+        active, rows, rows_np = self._running_rows()
         if self.pipelined:
-            return self._step_pipelined(active)
+            return self._step_pipelined(active, rows, rows_np)
         if not active:
             return
         deferred_trials.mark_busy()   # (trials deferred from the start wait for a quiet moment)
@@ -233,16 +249,12 @@ class EngineWorker:
         busy = self.codec is not None and self.codec.busy
         t0 = time.perf_counter()
         box: dict = {}
-        between = self._decode(active, box)   # whole frames, or (CPU) halves with the completed chunks between them
+        between = self._decode(active, box, rows, rows_np)   # whole frames, or (CPU) halves with the chunks between
         t1 = time.perf_counter()
         spent = t1 - t0 - between
         if self.codec_choice is not None:
             self.codec_choice.record_frame(n_active, busy, spent)
-        ready = [s for s in active if s.status is Status.RUNNING and len(s.pending) >= s.target]
-        for i in box.get("ends", ()):   # (whole frames: rows whose frame was their last go out now)
-            s = active[i]
-            if s.status is Status.RUNNING and len(s.pending) < s.target:
-                ready.append(s)
+        ready = box.get("ready")   # (whole frames: rows whose chunk is full or whose frame was their last)
         if ready:
             self._emit(ready)
         if g is not None:
@@ -287,11 +299,10 @@ class EngineWorker:
         box["codes"] = codes
         step = self.runner.read_back(codes).wait()   # [B, 17]: the codes, and 0 (the end flags come later)
         box["step"] = step
-        for i, s in enumerate(active):
-            s.pending.append(step[i])
-        full = [s for s in active if len(s.pending) >= s.target]
-        if full:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
-            self._emit(full, defer_failures=True)
+        rows_np = box["rows_np"]
+        full = np.flatnonzero(self._take(rows_np, step) >= self._target[rows_np])
+        if full.size:   # earlier frames' flags are all False here (a row ends at the frame its flag is set)
+            self._emit([active[i] for i in full.tolist()], defer_failures=True)
         if self._governing is not None:   # the talker half's threads, for the situation it starts in
             g, n_rows = self._governing
             key = situation(n_rows, self.codec is not None and self.codec.busy, TALKER)
@@ -306,14 +317,20 @@ class EngineWorker:
         cut there); a row whose chunk decode failed ends with that error."""
         last, ends = [], []
         flags = done.cpu().numpy()   # (the one read of the frame; its codes came between the halves)
-        for i, s in enumerate(active):
+        look = np.flatnonzero(flags).tolist()   # only the rows that ended, and those whose decode failed
+        if self._row_errors or (self.codec is not None and (self._looked is None or
+                                                             self.codec.failed != self._looked[1])):
+            look = range(len(active))
+        for i in look:
+            s = active[i]
             if s.status is not Status.RUNNING:
                 continue
             if s.codec_error is not None:
                 ends.append(s)
             elif flags[i]:
-                if s.pending:
-                    s.pending[-1][16] = 1   # (this frame's row of its step: the row's own)
+                n = self._npend[s.row]
+                if n:
+                    self._pend[s.row, n - 1, 16] = 1   # (this frame's: the row's last pending frame)
                     last.append(s)
                 else:            # its last chunk went out between the halves
                     ends.append(s)
@@ -389,7 +406,8 @@ class EngineWorker:
         req = seq.request
         seq.chunk_sizes = req.chunk_sizes()
         seq.target = next(seq.chunk_sizes)
-        seq.pending = []
+        self._npend[seq.row] = 0
+        self._set_targets([seq])
         if req.params.max_new_tokens <= 1:  # the first drawn id is never completed into a frame
             self._end(seq)
 
@@ -421,12 +439,18 @@ class EngineWorker:
             self.primed.put(key, state.clone())
         return state
 
-    def _decode(self, active: list[Sequence], box: dict | None = None) -> float:
-        """One frame for every sequence in `active`; -> seconds spent between the halves (decoding chunks) of a
-        split frame, else 0. box: filled by a split frame's hand-over (`_between_halves`)."""
-        active.sort(key=_ROW)
-        rows = [s.row for s in active]
+    def _decode(self, active: list[Sequence], box: dict | None = None, rows: list[int] | None = None,
+                rows_np: np.ndarray | None = None) -> float:
+        """One frame for every sequence in `active` (in row order; `rows`, `rows_np`: their rows, as `_running_rows`
+        gives them); -> seconds spent between the halves (decoding chunks) of a split frame, else 0. box: filled by
+        a split frame's hand-over (`_between_halves`); box["ready"]: the sequences whose chunk goes out now (whole
+        frames)."""
+        if rows is None:
+            active.sort(key=_ROW)
+            rows = [s.row for s in active]
+            rows_np = np.array(rows, dtype=np.int64)
         box = {} if box is None else box
+        box["rows_np"] = rows_np
         self.frame += 1
         if self.split_frames:
             self.runner.on_frame_codes = lambda codes: self._between_halves(active, codes, box)
@@ -441,13 +465,18 @@ class EngineWorker:
                 return 0.0
             # isolate the failing request: run each row alone (rows' state only advances on success)
             self.runner.on_frame_codes = None
+            ready = []
             for s in active:
                 try:
                     c, d = self.runner.decode([s.row])
-                    s.pending.append(self.runner.read_back(c, d).wait()[0])
+                    step = self.runner.read_back(c, d).wait()
                 except Exception as e:
                     self._fail(s, e)
-            box["ends"] = [i for i, s in enumerate(active) if s.status is Status.RUNNING and s.pending[-1][16]]
+                    continue
+                row = np.array([s.row])
+                if self._take(row, step)[0] >= s.target or step[0, 16]:
+                    ready.append(s)
+            box["ready"] = ready
             return 0.0
         finally:
             self.runner.on_frame_codes = None
@@ -456,10 +485,46 @@ class EngineWorker:
             self._after_halves(active, done)
             return box.get("s", 0.0)
         step = self.runner.read_back(codes, done).wait()   # the frame's one device-to-host copy
-        for s, f in zip(active, step):
-            s.pending.append(f)
-        box["ends"] = np.flatnonzero(step[:, 16]).tolist()
+        box["ready"] = self._ready(active, rows_np, step)
         return 0.0
+
+    # --- the frames of every row's current chunk: numpy over the rows, Python only for the rows that go out ---------
+    def _running_rows(self) -> tuple[list[Sequence], list[int], np.ndarray]:
+        """The running sequences that take part in a frame (prefilled), in row order, their rows, and the same as an
+        array: kept between steps while the scheduler's running set and the unprefilled ones stay the same."""
+        key = (self.scheduler.version, len(self._unprefilled))
+        if key != self._rows_key:
+            active = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+            if self._unprefilled:
+                active = [s for s in active if s not in self._unprefilled]
+            active.sort(key=_ROW)
+            rows = [s.row for s in active]
+            self._rows_key, self._rows_cache = key, (active, rows, np.array(rows, dtype=np.int64))
+        return self._rows_cache
+
+    def _take(self, rows: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """A frame's block `step` [B, 17] joins rows `rows`' pending frames -> their pending counts now [B]."""
+        k = self._npend[rows]
+        self._pend[rows, k] = step
+        k += 1
+        self._npend[rows] = k
+        return k
+
+    def _ready(self, seqs: list[Sequence], rows: np.ndarray, step: np.ndarray) -> list[Sequence]:
+        """The frame `step` [B, 17] of `seqs` (at `rows`) taken -> those whose chunk is now full or ended."""
+        go = self._take(rows, step) >= self._target[rows]
+        go |= step[:, 16] != 0
+        idx = np.flatnonzero(go)
+        return [seqs[i] for i in idx.tolist()] if idx.size else []
+
+    def _set_targets(self, seqs: list[Sequence]) -> None:
+        """Each of `seqs`' chunk length (`Sequence.target`) into the row buffer (grown where a chunk is longer)."""
+        for s in seqs:
+            if s.target > self._pend.shape[1]:
+                grown = np.zeros((self._pend.shape[0], max(s.target, 2 * self._pend.shape[1]), 17), dtype=np.int64)
+                grown[:, :self._pend.shape[1]] = self._pend
+                self._pend = grown
+            self._target[s.row] = s.target
 
     # --- pipelined: the host one frame behind the device ---------------------------------------------------------
     @property
@@ -478,22 +543,27 @@ class EngineWorker:
     def pipelined(self, on: bool | None) -> None:
         self._pipelined = on
 
-    def _step_pipelined(self, active: list[Sequence]) -> None:
-        launched = self._launch(active) if active else None
+    def _step_pipelined(self, active: list[Sequence], rows: list[int] | None = None,
+                        rows_np: np.ndarray | None = None) -> None:
+        launched = self._launch(active, rows, rows_np) if active else None
         prev, self._inflight = self._inflight, launched
         if prev is not None:
             self._land(*prev)
         if active:
             self.steps += 1
 
-    def _launch(self, active: list[Sequence]):
-        """Start one frame for every sequence in `active` -> (the sequences, its read-back), not waited for."""
-        active.sort(key=_ROW)
+    def _launch(self, active: list[Sequence], rows: list[int] | None = None, rows_np: np.ndarray | None = None):
+        """Start one frame for every sequence in `active` (in row order, at `rows` / `rows_np` where given) -> (the
+        sequences, its read-back, their rows then, the scheduler's version then), not waited for."""
+        if rows is None:
+            active.sort(key=_ROW)
+            rows = [s.row for s in active]
+            rows_np = np.array(rows, dtype=np.int64)
         if active:
             deferred_trials.mark_busy()
         self.frame += 1
         try:
-            codes, done = self.runner.decode([s.row for s in active])
+            codes, done = self.runner.decode(rows)
         except Exception:
             if len(active) == 1:
                 self._fail(active[0], _exc()[1])
@@ -511,19 +581,19 @@ class EngineWorker:
             if not ok:
                 return None
             active, codes, done = ok, torch.cat(cs), torch.cat(ds)
-        return list(active), self.runner.read_back(codes, done)
+            rows_np = None   # (the rows changed: `_land` reads them)
+        return active, self.runner.read_back(codes, done), rows_np, self.scheduler.version
 
-    def _land(self, seqs: list[Sequence], handle) -> None:
+    def _land(self, seqs: list[Sequence], handle, rows_np: np.ndarray | None, version: int) -> None:
         """The host's part of a frame launched earlier: its codes and flags join the rows' pending frames, and the
-        chunks now complete (or ended) go out."""
+        chunks now complete (or ended) go out. Where no row joined, left or moved since the launch, the launch's rows
+        serve; otherwise each sequence's row now (a sequence that ended since drops its frame)."""
         step = handle.wait()
-        ends = set(np.flatnonzero(step[:, 16]).tolist())
-        ready = []
-        for i, s in enumerate(seqs):
-            if s.status is Status.RUNNING:
-                s.pending.append(step[i])
-                if len(s.pending) >= s.target or i in ends:
-                    ready.append(s)
+        if rows_np is None or version != self.scheduler.version:
+            keep = [i for i, s in enumerate(seqs) if s.status is Status.RUNNING and s.row is not None]
+            seqs, step = [seqs[i] for i in keep], step[keep]
+            rows_np = np.array([s.row for s in seqs], dtype=np.int64)
+        ready = self._ready(seqs, rows_np, step) if seqs else []
         if ready:
             self._emit(ready)
 
@@ -548,54 +618,56 @@ class EngineWorker:
         defer_failures: a decode that raises marks its sequences' `codec_error` (the caller ends them later)
         instead of ending them now."""
         ready = self.scheduler.by_deadline(ready)   # the listeners holding the least audio decode first
-        # every ready row's pending frames in one block [sum k, 17] (codes, end flag): one copy and one split for
-        # all of them, not one per sequence
-        block = np.stack([f for s in ready for f in s.pending])
-        codes = torch.from_numpy(block[:, :16])
-        frame_rows = codes.unbind(0)                                      # each frame's [16] (for `Request.codes`)
-        firsts = block[:, 16].nonzero()[0].tolist()                       # the frames that end their stream
-        cut, o, e = [], 0, 0   # cut: (seq, its chunk's frames [n, 16] on the host, their rows, ends with it)
-        for s in ready:
-            k = len(s.pending)
-            while e < len(firsts) and firsts[e] < o:
-                e += 1
-            ends = e < len(firsts) and firsts[e] < o + k
-            n = firsts[e] - o + 1 if ends else k
-            cut.append((s, codes[o:o + n], frame_rows[o:o + n], ends))
-            o += k
+        # the ready rows' pending frames [G, k, 17] (codes, end flag) are read from the row buffer in numpy: each row's
+        # chunk is its frames up to its first end flag
+        rows = np.array([s.row for s in ready], dtype=np.int64)
+        ks = self._npend[rows]
+        self._npend[rows] = 0
+        flags = self._pend[rows, :max(1, int(ks.max())), 16] != 0
+        flags &= np.arange(flags.shape[1]) < ks[:, None]
+        ends_at = np.where(flags.any(1), flags.argmax(1) + 1, 0)
+        ns = np.where(ends_at > 0, ends_at, ks).tolist()
+        cut = list(zip(ready, ns, (ends_at > 0).tolist()))   # (seq, its chunk's frames, ends with it)
         # too few streams to overlap with, and nothing of theirs still on the codec thread: every chunk decodes here
         local = self.codec is not None and len(self.scheduler.running) < self.codec_min_rows and not self.codec.busy
-        rows, choice, where = len(self.scheduler.running), self.codec_choice, None
+        rows_n, choice, where = len(self.scheduler.running), self.codec_choice, None
         if choice is not None and self.codec is not None:
-            where = choice.choose(rows, self.codec.busy)
+            where = choice.choose(rows_n, self.codec.busy)
             if self._nothing_after(cut) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
-        groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
-        for s, frames, frame_rows, ends in cut:
-            n = frames.shape[0]
+        groups: dict[tuple[int, bool], list[int]] = defaultdict(list)   # (frames, here) -> indices into `cut`
+        for i, (s, n, ends) in enumerate(cut):
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
-            s.request.codes.extend(frame_rows)
             s.finishing = ends
-            s.pending = []
-            groups[n, here].append((s, frames))
+            groups[n, here].append(i)
         codec = self.speech_tokenizer.decoder
-        for (n, here), items in groups.items():
+        for (n, here), idx in groups.items():
+            # the group's chunks as one host block [G, n, 16] (one numpy gather), each request's its own row of it
+            block = self._pend[rows[idx], :n, :16]
+            frames = torch.from_numpy(block)
+            items = ChunkGroup(frames=frames)
+            for j, i in enumerate(idx):
+                s, f = cut[i][0], block[j]
+                s.request.codes.add(f)
+                items.append((s, f))
             if not here:
                 done = None if where is None else \
-                    (lambda sec, k=n * len(items): choice.record_decode(rows, THREAD, sec, k))
+                    (lambda sec, k=n * len(items): choice.record_decode(rows_n, THREAD, sec, k))
                 self.codec.decode(items, on_done=done)
                 continue
             try:
-                if where in (HERE, "last") and all(s.request.codes[:-n] for s, _ in items):   # not first chunks
+                if where in (HERE, "last") and all(len(s.request.codes) > n for s, _ in items):   # not first chunks
                     t0 = time.perf_counter()
                     with self._all_threads():
                         decode_group(codec, items)
                     if where == HERE:
-                        choice.record_decode(rows, HERE, time.perf_counter() - t0, n * len(items))
+                        choice.record_decode(rows_n, HERE, time.perf_counter() - t0, n * len(items))
                 else:
                     decode_group(codec, items)
             except Exception as e:
+                if defer_failures:
+                    self._row_errors = True
                 for s, _ in items:
                     if defer_failures:
                         log.error("codec decode failed for request %s: %s", s.id, e)
@@ -611,6 +683,7 @@ class EngineWorker:
                 else:
                     going_on.append(s)
         self._next_chunks(going_on)
+        self._set_targets(going_on)
 
     def _next_chunks(self, seqs: list[Sequence]) -> None:
         """The next chunk of each of `seqs` (whose chunk just went out): the schedule's next size, cut at the last
@@ -618,16 +691,19 @@ class EngineWorker:
         (`align_chunks`, the module's doc)."""
         for s in seqs:
             s.chunk_frames = s.target = next(s.chunk_sizes)
+            s.chunk_end = self.frame + s.target   # (the frame its chunk ends at: one pending frame per frame)
         if not self.align_chunks or not seqs:
             return
         ends: dict[int, set] = defaultdict(set)   # scheduled size -> frames where such chunks of the others end
+        going = set(map(id, seqs))
         for o in self.scheduler.running:
-            if o.chunk_frames and o.status is Status.RUNNING and o not in seqs:
-                ends[o.chunk_frames].add(self.frame - len(o.pending) + o.target)
+            if o.chunk_frames and o.status is Status.RUNNING and id(o) not in going:
+                ends[o.chunk_frames].add(o.chunk_end)
         for s in seqs:
             shared = [e for e in ends.get(s.chunk_frames, ()) if self.frame < e < self.frame + s.target]
             if shared:
                 s.target = max(shared) - self.frame
+            s.chunk_end = self.frame + s.target
 
     def _nothing_after(self, cut: list) -> bool:
         """Every running sequence ends with the chunks `cut` ((seq, frames, ..., ends with it)) and none waits: nothing is
@@ -656,11 +732,15 @@ class EngineWorker:
     def _end(self, seq: Sequence, item=None) -> None:
         if seq.row is not None:
             self.runner.release(seq.row)
+            self._npend[seq.row] = 0
         self.scheduler.release(seq)
         while (move := self.scheduler.compact()) is not None:   # keep running rows dense (0..B-1)
             _, src, dst = move
             self.runner.move_row(src, dst)
-        seq.pending = []
+            n = self._npend[dst] = self._npend[src]   # (the row's pending frames move with it)
+            self._pend[dst, :n] = self._pend[src, :n]
+            self._target[dst] = self._target[src]
+            self._npend[src] = 0
         if self.codec is not None:   # after the chunks still being decoded
             seq.status = Status.FINISHED
             self.codec.finish(seq, item)
