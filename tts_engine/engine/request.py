@@ -16,6 +16,7 @@ class Request:
     first_chunk_frames: int | tuple[int, ...] = 2
     max_chunk_frames: int = 12
     ref_codes: torch.Tensor | None = None      # ICL: primes the codec decoder, not part of the output
+    reproducible: bool = False   # chunks on its own schedule, each decoded alone (`TTSEngine.stream`)
     codes: list[torch.Tensor] = field(default_factory=list)   # generated frames [16] each (CPU, int64)
 
     def chunk_sizes(self):

@@ -27,7 +27,9 @@ sequence with the same scheduled size ends, when that frame comes within it. Str
 then cut their chunks on the same frames from their second or third chunk on, and those decode as one batch (one
 codec call for all, instead of e.g. 1 + 3 rows a frame apart). A first chunk is never cut (first audio as soon as
 possible), no chunk is made longer, a lone stream keeps its schedule, and a batch decodes each row as it would alone
-(`codec_thread.decode_group`).
+(`codec_thread.decode_group`). A `reproducible` request (`TTSEngine.stream`) is never cut early and decodes in a
+group of its own: its samples do not depend on which streams ran beside it (chunk boundaries change the codec's
+rounding; its codes never depend on them).
 """
 from __future__ import annotations
 
@@ -571,16 +573,16 @@ class EngineWorker:
             if self._nothing_after(cut) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
-        groups: dict[tuple[int, bool], list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
+        groups: dict[tuple, list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         for s, frames, frame_rows, ends in cut:
             n = frames.shape[0]
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
             s.request.codes.extend(frame_rows)
             s.finishing = ends
             s.pending = []
-            groups[n, here].append((s, frames))
+            groups[n, here, s.id if s.request.reproducible else None].append((s, frames))   # (alone)
         codec = self.speech_tokenizer.decoder
-        for (n, here), items in groups.items():
+        for (n, here, _alone), items in groups.items():
             if not here:
                 done = None if where is None else \
                     (lambda sec, k=n * len(items): choice.record_decode(rows, THREAD, sec, k))
@@ -626,7 +628,7 @@ class EngineWorker:
                 ends[o.chunk_frames].add(self.frame - len(o.pending) + o.target)
         for s in seqs:
             shared = [e for e in ends.get(s.chunk_frames, ()) if self.frame < e < self.frame + s.target]
-            if shared:
+            if shared and not s.request.reproducible:   # a reproducible request keeps its own schedule
                 s.target = max(shared) - self.frame
 
     def _nothing_after(self, cut: list) -> bool:
