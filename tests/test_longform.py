@@ -335,3 +335,26 @@ def test_pause_tags_in_a_book_give_their_silence_and_bad_ones_a_message():
         ("Hello there.", 1.5), ("The next part.", L.PARAGRAPH_PAUSE_S), ("Last paragraph", 0.25)]
     with pytest.raises(TextPrepError, match="pause"):
         L.segments_of(L.Chapter("Two", ["Wait [pause 99s] here."]), lambda t: [t], speak_title=False)
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("\ufeff1\r\n00:00:01,000 --> 00:00:02,500\r\n<i>Hello</i> there\r\nsecond line\r\n\r\n", [(1.0, 2.5, "Hello there second line")]),
+    ("00:00:01.000 --> 00:00:02.000\nNo number.\n\n2\n00:00:03,000 --> 00:00:04,000 X1:10 X2:20\n{\\an8}Top.\n",
+     [(1.0, 2.0, "No number."), (3.0, 4.0, "Top.")]),
+    ("1\n00:00:01,000 --> 00:00:02,000\nA\n2\n00:00:03,000 --> 00:00:04,000\nB\n", [(1.0, 2.0, "A"), (3.0, 4.0, "B")]),
+])
+def test_srt_input_variants_are_read(text, expect):
+    """What real SRT files hold (a BOM, CRLF, no cue number, dotted timings, position fields, tags, no blank line
+    between cues) is read by the srt library into the cues dubbing speaks."""
+    assert [(q.start, q.end, q.text) for q in parse_srt(text)] == expect
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("1\n00:00:01,000 --> 00:00:02,000\nA\n\n2\n00:00:03,000 -> 00:00:04,000\nB\n", "malformed at line 5"),
+    ("1\n00:00:01,000 --> 00:00:02,000\nA\n\n\nstray words\n", "malformed at line 6"),
+    ("1\n00:00:01,000 --> 00:00:02,000\nA\n\n2\n00:00:09,000 --> 00:00:04,000\nB\n", "cue at line 5 ends before"),
+    ("1\n00:00:01,000 --> 00:00:02,000\n<i></i>\n", "cue at line 1 has no text"),
+])
+def test_malformed_srt_names_the_line(text, msg):
+    with pytest.raises(TTSError, match=msg):
+        parse_srt(text)
