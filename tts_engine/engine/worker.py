@@ -580,7 +580,7 @@ class EngineWorker:
             s.request.codes.extend(frame_rows)
             s.finishing = ends
             s.pending = []
-            groups[n, here, s.id if s.request.reproducible else None].append((s, frames))   # (alone)
+            groups[n, here, s.id if getattr(s.request, "reproducible", False) else None].append((s, frames))
         codec = self.speech_tokenizer.decoder
         for (n, here, _alone), items in groups.items():
             if not here:
@@ -628,7 +628,7 @@ class EngineWorker:
                 ends[o.chunk_frames].add(self.frame - len(o.pending) + o.target)
         for s in seqs:
             shared = [e for e in ends.get(s.chunk_frames, ()) if self.frame < e < self.frame + s.target]
-            if shared and not s.request.reproducible:   # a reproducible request keeps its own schedule
+            if shared and not getattr(s.request, "reproducible", False):   # a reproducible request: its own schedule
                 s.target = max(shared) - self.frame
 
     def _nothing_after(self, cut: list) -> bool:
