@@ -338,7 +338,8 @@ def test_pause_tags_in_a_book_give_their_silence_and_bad_ones_a_message():
 
 
 @pytest.mark.parametrize("text, expect", [
-    ("\ufeff1\r\n00:00:01,000 --> 00:00:02,500\r\n<i>Hello</i> there\r\nsecond line\r\n\r\n", [(1.0, 2.5, "Hello there second line")]),
+    ("\ufeff1\r\n00:00:01,000 --> 00:00:02,500\r\n<i>Hello</i> there\r\nsecond line\r\n\r\n",
+     [(1.0, 2.5, "Hello there second line")]),
     ("00:00:01.000 --> 00:00:02.000\nNo number.\n\n2\n00:00:03,000 --> 00:00:04,000 X1:10 X2:20\n{\\an8}Top.\n",
      [(1.0, 2.0, "No number."), (3.0, 4.0, "Top.")]),
     ("1\n00:00:01,000 --> 00:00:02,000\nA\n2\n00:00:03,000 --> 00:00:04,000\nB\n", [(1.0, 2.0, "A"), (3.0, 4.0, "B")]),
