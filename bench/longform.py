@@ -1,7 +1,7 @@
 """A long-form job end to end on this machine: a book of `--minutes` of speech rendered by the app's /audiobook
 handler (the page's generation loop, each segment written to disk as it ends), then the chapter files, the whole
-book, subtitles and the zip. Reported: wall time (generation and building apart), x real time, peak memory of the
-process, disk use of the job folder.
+book, subtitles and the zip. Reported: wall time (generation and building apart), x real time, CPU time and the
+load average (a shared machine), peak memory of the process, disk use of the job folder.
 
     python -m bench longform --minutes 30              # tiny random checkpoints (the default)
     python -m bench longform --minutes 30 --size 0b6   # 0.6B random weights (minutes of CPU time per minute)
@@ -11,6 +11,7 @@ as many segments as the length needs, in `--chapters` chapters."""
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import tempfile
@@ -57,14 +58,19 @@ def main(argv=None) -> int:
         args.chapters = args.chapters or max(1, min(10, segments // 4))
         segments = max(segments, 2 * args.chapters)
         book = _book(segments - args.chapters, args.chapters)       # + each chapter's title is a segment
-        t0 = time.perf_counter()
+        load0 = os.getloadavg()
+        t0, wall0 = time.perf_counter(), time.time()
         last = {}
         for update in app.audiobook(text=book, voice="ryan", seed=1, randomize=False, max_new_tokens=args.frames):
             last = update
             if app.c.lf_zip in update and update.get(app.c.lf_zip) is not None:
                 break
         wall = time.perf_counter() - t0
+        load1 = os.getloadavg()
         job = longform.list_jobs(app.jobs_root())[0]
+        # generation ends when the last segment's file was written; the chapter files, the book and the zip follow
+        gen = max(p.stat().st_mtime for p in (job.folder / "segments").glob("*.wav")) - wall0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         k = job.counts()
         disk = sum(p.stat().st_size for p in job.folder.rglob("*") if p.is_file())
         seg_disk = sum(p.stat().st_size for p in (job.folder / "segments").glob("*.wav"))
@@ -73,7 +79,10 @@ def main(argv=None) -> int:
         print(f"long-form, {args.size} random weights, {k['chapters']} chapters, {k['segments']} segments of "
               f"{args.frames} frames")
         print(f"  audio (segments)   {audio / 60:.1f} min")
-        print(f"  wall time          {wall:.1f} s  ({audio / wall:.1f}x real time, generation and building)")
+        print(f"  wall time          {wall:.1f} s  ({audio / wall:.1f}x real time): generation {gen:.1f} s "
+              f"({audio / max(gen, 1e-9):.1f}x), building the files and the zip {wall - gen:.1f} s")
+        print(f"  CPU time           {usage.ru_utime + usage.ru_stime:.0f} s (user + system; load average "
+              f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end, {os.cpu_count()} CPUs)")
         print(f"  peak memory (RSS)  {peak:.0f} MiB")
         print(f"  disk: job folder   {disk / 2**20:.1f} MiB (segments {seg_disk / 2**20:.1f} MiB, outputs "
               f"{(disk - seg_disk) / 2**20:.1f} MiB)")

@@ -394,7 +394,8 @@ class Job:
     def __init__(self, folder: Path, data: dict):
         self.folder, self.id = Path(folder), Path(folder).name
         self.title: str = data.get("title", "")
-        self.created: float = data.get("created", time.time())
+        self.created: float = data.get("created", now())
+        self.updated: float = data.get("updated", self.created)   # last change (a segment, a build, a redo)
         self.settings = Settings(**data.get("settings", {}))
         self.chapters = [ChapterJob(c["title"], c["voice"], int(c["seed"]), [Segment(**s) for s in c["segments"]],
                                     c.get("built", "")) for c in data.get("chapters", [])]
@@ -426,7 +427,8 @@ class Job:
 
     def save(self) -> None:
         with self._lock:
-            data = {"title": self.title, "created": self.created, "state": self.state,
+            self.updated = now()
+            data = {"title": self.title, "created": self.created, "updated": self.updated, "state": self.state,
                     "settings": asdict(self.settings),
                     "chapters": [{"title": c.title, "voice": c.voice, "seed": c.seed, "built": c.built,
                                   "segments": [asdict(s) for s in c.segments]} for c in self.chapters]}
@@ -491,10 +493,17 @@ class Job:
         pcm, _ = sf.read(str(self.segment_path(ci, si)), dtype="int16")
         return pcm
 
-    def describe(self) -> str:
+    def shown_state(self, running: bool = False) -> str:
+        """The state to show: "rendering" only while a render runs (a process that died mid-render left it)."""
+        return "rendering" if running else ("stopped" if self.state == "rendering" else self.state)
+
+    def describe(self, retention: "Retention | None" = None, running: bool = False) -> str:
         k = self.counts()
+        exp = retention.expires(self) if retention is not None and not running else None
+        until = "" if exp is None else f" · kept until {time.strftime('%Y-%m-%d', time.localtime(exp))}"
         return (f"{self.title or 'untitled'} · {k['chapters_done']}/{k['chapters']} chapters · "
-                f"{_clock(k['audio_s'])} · {self.state} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.created))}")
+                f"{_clock(k['audio_s'])} · {self.shown_state(running)} · "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(self.created))}{until}")
 
     # -- output
     def _fingerprint(self, ci: int) -> str:
@@ -616,6 +625,182 @@ def list_jobs(root: Path) -> list[Job]:
                 except TTSError:
                     continue
     return sorted(out, key=lambda j: -j.created)
+
+
+# --- retention: jobs expire ----------------------------------------------------------------------------------
+
+def now() -> float:
+    """The clock of job times and expiry (a test replaces it)."""
+    return time.time()
+
+
+RECENT_S = 3600.0          # a job changed this recently is never removed (it may be rendering in another process)
+SWEEP_EVERY_S = 3600.0     # how often a running server looks for expired jobs (besides at start and new jobs)
+ENV_KEEP_DAYS = "TTS_LONGFORM_KEEP_DAYS"
+ENV_KEEP_UNFINISHED_DAYS = "TTS_LONGFORM_KEEP_UNFINISHED_DAYS"
+ENV_MAX_GB = "TTS_LONGFORM_MAX_GB"
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long jobs are kept. A finished job is removed `keep_days` after its last change (its last segment, build
+    or redo), an unfinished one (new or stopped) after `keep_unfinished_days`; while all jobs together pass
+    `max_bytes` on disk, finished jobs go oldest first, then unfinished ones idle for a day or more. A job being
+    rendered, or changed within the last hour, is never removed. 0 (or less): no such limit."""
+    keep_days: float = 7.0
+    keep_unfinished_days: float = 30.0
+    max_bytes: int = 20 * 2**30
+
+    @classmethod
+    def from_env(cls, env=None) -> "Retention":
+        """TTS_LONGFORM_KEEP_DAYS, TTS_LONGFORM_KEEP_UNFINISHED_DAYS, TTS_LONGFORM_MAX_GB (docs/configuration.md);
+        a value that is not a number is reported in the log and the default kept."""
+        env = os.environ if env is None else env
+        d = cls()
+
+        def num(name: str, default: float) -> float:
+            raw = str(env.get(name, "") or "").strip()
+            if not raw:
+                return default
+            try:
+                v = float(raw)
+                if v != v:
+                    raise ValueError
+                return v
+            except ValueError:
+                log.warning("%s=%r is not a number; using %g", name, raw, default)
+                return default
+
+        return cls(num(ENV_KEEP_DAYS, d.keep_days), num(ENV_KEEP_UNFINISHED_DAYS, d.keep_unfinished_days),
+                   int(num(ENV_MAX_GB, d.max_bytes / 2**30) * 2**30))
+
+    def keep_s(self, job: "Job") -> float | None:
+        days = self.keep_days if job.state == "done" else self.keep_unfinished_days
+        return days * 86400 if days > 0 else None
+
+    def expires(self, job: "Job") -> float | None:
+        """When `job` expires by age (None: never; the disk limit may remove it sooner)."""
+        keep = self.keep_s(job)
+        return None if keep is None else job.updated + keep
+
+    def describe(self) -> str:
+        def days(d):
+            return "forever" if d <= 0 else f"{d:g} days"
+        return (f"finished jobs kept {days(self.keep_days)}, unfinished {days(self.keep_unfinished_days)}, "
+                + (f"at most {self.max_bytes / 2**30:g} GiB in all" if self.max_bytes > 0 else "no disk limit"))
+
+
+def folder_bytes(folder: Path) -> int:
+    total = 0
+    for p in Path(folder).rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _remove(folder: Path) -> bool:
+    """A job's folder away: renamed first (a reader sees the job gone at once, never half of it), then deleted."""
+    trash = folder.with_name(f".removed-{folder.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(folder, trash)
+    except OSError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+def cleanup(root: Path, retention: Retention, running=(), at: float | None = None) -> list[tuple[str, str]]:
+    """Remove the jobs under `root` that `retention` lets go (its doc) -> [(job id, why)]. `running`: ids of the
+    jobs being rendered now (never removed); `at`: the time to judge by (default `now()`). Also clears leftovers:
+    folders of a removal that was cut short, and job folders without a readable job.json older than a day."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    t = now() if at is None else at
+    removed: list[tuple[str, str]] = []
+    for d in root.iterdir():
+        if d.name.startswith(".removed-") and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        elif ID_RE.match(d.name) and d.is_dir() and not (d / "job.json").exists():
+            try:
+                if t - d.stat().st_mtime > 86400 and _remove(d):
+                    removed.append((d.name, "no job.json"))
+            except OSError:
+                continue
+    protected = set(running)
+    kept: list[Job] = []
+    for job in list_jobs(root):
+        if job.id in protected or t - job.updated < RECENT_S:
+            continue
+        exp = retention.expires(job)
+        if exp is not None and t >= exp:
+            if _remove(job.folder):
+                removed.append((job.id, f"{'finished' if job.state == 'done' else 'unfinished'}, "
+                                        f"last changed {(t - job.updated) / 86400:.1f} days ago"))
+            continue
+        kept.append(job)
+    if retention.max_bytes > 0:
+        sizes = {d.name: folder_bytes(d) for d in root.iterdir() if ID_RE.match(d.name) and d.is_dir()}
+        total = sum(sizes.values())
+        if total > retention.max_bytes:
+            order = sorted((j for j in kept if j.state == "done"), key=lambda j: j.updated) + \
+                sorted((j for j in kept if j.state != "done" and t - j.updated >= 86400), key=lambda j: j.updated)
+            for job in order:
+                if total <= retention.max_bytes:
+                    break
+                if _remove(job.folder):
+                    total -= sizes.get(job.id, 0)
+                    removed.append((job.id, f"over the disk limit ({retention.max_bytes / 2**30:g} GiB), oldest "
+                                            "first"))
+            if total > retention.max_bytes:
+                log.warning("long-form jobs use %.1f GiB, over the %.1f GiB limit (the rest are being rendered or "
+                            "unfinished and recent)", total / 2**30, retention.max_bytes / 2**30)
+    for jid, why in removed:
+        log.info("long-form job %s removed: %s", jid, why)
+    return removed
+
+
+class Sweeper:
+    """`cleanup` at start and every `every_s` seconds on a daemon thread, for one jobs folder (one per folder in
+    a process: `Sweeper.start` returns the running one)."""
+
+    _by_root: dict[Path, "Sweeper"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, root: Path, retention: Retention, running: Callable[[], set], every_s: float):
+        self.root, self.retention, self.running, self.every_s = Path(root), retention, running, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="longform-sweeper", daemon=True)
+
+    @classmethod
+    def start(cls, root: Path, retention: Retention, running: Callable[[], set],
+              every_s: float = SWEEP_EVERY_S) -> "Sweeper":
+        """Clean `root` now (in the caller) and then periodically; the same folder's sweeper is shared."""
+        key = Path(root).resolve()
+        with cls._lock:
+            sw = cls._by_root.get(key)
+            if sw is not None and sw.thread.is_alive():
+                sw.retention, sw.running = retention, running
+                sw.sweep()
+                return sw
+            sw = cls._by_root[key] = cls(key, retention, running, every_s)
+        sw.sweep()
+        sw.thread.start()
+        return sw
+
+    def sweep(self) -> list[tuple[str, str]]:
+        try:
+            return cleanup(self.root, self.retention, self.running())
+        except Exception as e:       # a sweep never takes the server down; the next one tries again
+            log.warning("long-form cleanup failed: %s", e)
+            return []
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.sweep()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -3,11 +3,15 @@
 Cues are timed from the samples the engine made: the generation loop (ui/speak.py) records, for each sentence group,
 where its audio starts and ends in what it emitted; a long-form chapter (serving/longform.py) knows where it placed
 each segment. Nothing here guesses timing from text. `estimated=True` marks cues that a transcriber aligned (word
-level): the files then say so in a note (WebVTT) or a first cue (SRT has no comments)."""
+level): the files then say so in a note (WebVTT) or a first cue (SRT has no comments). SRT is composed and read by
+the `srt` library; WebVTT (the same cues, a header and dotted timings) is written here."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import timedelta
+
+import srt
 
 from tts_engine import TTSError
 
@@ -28,12 +32,8 @@ def cues_from_spans(spans: list[tuple[str, int, int]], sr: int, offset_s: float 
     return [Cue(offset_s + a / sr, offset_s + b / sr, text) for text, a, b in spans if b > a and text.strip()]
 
 
-def _stamp(t: float, sep: str) -> str:
-    ms = max(0, int(round(t * 1000)))
-    h, ms = divmod(ms, 3_600_000)
-    m, ms = divmod(ms, 60_000)
-    s, ms = divmod(ms, 1000)
-    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+def _delta(t: float) -> timedelta:
+    return timedelta(milliseconds=max(0, int(round(t * 1000))))      # to the nearest millisecond, as written
 
 
 def _one_line(text: str) -> str:
@@ -41,33 +41,32 @@ def _one_line(text: str) -> str:
     return re.sub(r"\n\s*\n+", "\n", text.strip()).replace("-->", "→")
 
 
+ESTIMATED_NOTE = "[word timings estimated by speech recognition]"
+
+
 def to_srt(cues: list[Cue], estimated: bool = False) -> str:
-    out, n = [], 1
-    if estimated and cues:
-        out.append(f"1\n{_stamp(0, ',')} --> {_stamp(0.001, ',')}\n"
-                   "[word timings estimated by speech recognition]\n")
-        n = 2
-    for i, c in enumerate(cues):
-        out.append(f"{n + i}\n{_stamp(c.start, ',')} --> {_stamp(c.end, ',')}\n{_one_line(c.text)}\n")
-    return "\n".join(out)
+    """SRT (the `srt` library's composer): numbered from 1; `estimated`: a first cue says the timings are
+    estimated (SRT has no comments)."""
+    subs = [srt.Subtitle(0, _delta(0), _delta(0.001), ESTIMATED_NOTE)] if estimated and cues else []
+    subs += [srt.Subtitle(0, _delta(c.start), _delta(c.end), _one_line(c.text)) for c in cues]
+    return srt.compose(subs, reindex=True, start_index=1)
+
+
+def _vtt_stamp(t: float) -> str:
+    return srt.timedelta_to_srt_timestamp(_delta(t)).replace(",", ".")
 
 
 def to_vtt(cues: list[Cue], estimated: bool = False) -> str:
-    head = "WEBVTT\n\n" + ("NOTE word timings estimated by speech recognition\n\n" if estimated else "")
-    return head + "\n".join(f"{i + 1}\n{_stamp(c.start, '.')} --> {_stamp(c.end, '.')}\n{_one_line(c.text)}\n"
+    """WebVTT: the header, a NOTE when `estimated`, one numbered cue each (the SRT timings with a dot)."""
+    head = "WEBVTT\n\n" + (f"NOTE {ESTIMATED_NOTE[1:-1]}\n\n" if estimated else "")
+    return head + "\n".join(f"{i + 1}\n{_vtt_stamp(c.start)} --> {_vtt_stamp(c.end)}\n{_one_line(c.text)}\n"
                             for i, c in enumerate(cues))
 
 
-_TIME = r"(\d{1,2}):(\d{2}):(\d{2})[,.](\d{1,3})"
-_TIMING = re.compile(rf"^\s*{_TIME}\s*-->\s*{_TIME}")
-
-
-def _seconds(h, m, s, ms) -> float:
-    return int(h) * 3600 + int(m) * 60 + int(s) + int(ms.ljust(3, "0")) / 1000
-
-
 def parse_srt(text: str) -> list[Cue]:
-    """An SRT file's cues, in order. A malformed file raises TTSError naming the line and what is wrong."""
+    """An SRT file's cues, in order. Cues are the file's blocks (lines between blank lines), each read by the `srt`
+    library (optional number, timing line, text); a malformed file raises TTSError naming the line and what is
+    wrong (a block that is no cue, such as text after a blank line, is refused, never spoken as part of a cue)."""
     if not isinstance(text, str) or not text.strip():
         raise TTSError("the SRT file is empty")
     if len(text) > MAX_SRT_CHARS:
@@ -75,29 +74,35 @@ def parse_srt(text: str) -> list[Cue]:
     if "\x00" in text:
         raise TTSError("the SRT file is not text")
     lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    cues, i, n = [], 0, len(lines)
+    cues: list[Cue] = []
+    i, n = 0, len(lines)
     while i < n:
         if not lines[i].strip():
             i += 1
             continue
-        block_start = i + 1
-        if lines[i].strip().isdigit():          # the cue number (optional in practice)
-            i += 1
-        if i >= n or not (m := _TIMING.match(lines[i])):
-            raise TTSError(f"the SRT file is malformed at line {block_start}: expected a cue number and a timing "
-                           "line such as 00:00:01,000 --> 00:00:03,500")
-        start, end = _seconds(*m.groups()[:4]), _seconds(*m.groups()[4:])
-        if end < start:
-            raise TTSError(f"the SRT cue at line {i + 1} ends before it starts ({lines[i].strip()})")
-        i += 1
-        words = []
+        first = i
         while i < n and lines[i].strip():
-            words.append(re.sub(r"<[^>]+>|\{[^}]*\}", "", lines[i]).strip())
             i += 1
-        body = " ".join(w for w in words if w)
-        if not body:
-            raise TTSError(f"the SRT cue at line {block_start} has no text")
-        cues.append(Cue(start, end, body))
+        block = "\n".join(lines[first:i]) + "\n"
+        try:
+            subs = list(srt.parse(block))
+        except srt.SRTParseError as e:
+            at = first + 1 + block.count("\n", 0, e.expected_start)
+            raise TTSError(f"the SRT file is malformed at line {at}: expected a cue number and a timing line such "
+                           "as 00:00:01,000 --> 00:00:03,500") from None
+        if not subs:
+            raise TTSError(f"the SRT file is malformed at line {first + 1}: expected a cue number and a timing "
+                           "line such as 00:00:01,000 --> 00:00:03,500")
+        for sub in subs:
+            start, end = sub.start.total_seconds(), sub.end.total_seconds()
+            stamp = f"{srt.timedelta_to_srt_timestamp(sub.start)} --> {srt.timedelta_to_srt_timestamp(sub.end)}"
+            if end < start:
+                raise TTSError(f"the SRT cue at line {first + 1} ends before it starts ({stamp})")
+            body = " ".join(w for w in (re.sub(r"<[^>]+>|\{[^}]*\}", "", ln).strip()
+                                        for ln in sub.content.split("\n")) if w)
+            if not body:
+                raise TTSError(f"the SRT cue at line {first + 1} has no text")
+            cues.append(Cue(start, end, body))
         if len(cues) > MAX_CUES:
             raise TTSError(f"the SRT file has more than {MAX_CUES} cues; split it")
     if not cues:

@@ -79,6 +79,11 @@ _running: set[str] = set()              # the jobs being rendered in this proces
 _running_lock = threading.Lock()
 
 
+def _running_now() -> set[str]:
+    with _running_lock:
+        return set(_running)
+
+
 class LongformHandler:
     """Mixed into the app's handlers (it uses their models, voices, speaker, live streams, files and checks)."""
 
@@ -86,8 +91,21 @@ class LongformHandler:
         """Where this server keeps its long-form jobs (<cache folder>/longform)."""
         return longform.jobs_root(cache_root(self.cfg))
 
+    @property
+    def retention(self) -> longform.Retention:
+        """How long this server keeps jobs (TTS_LONGFORM_* variables, read once)."""
+        r = getattr(self, "_retention", None)
+        if r is None:
+            r = self._retention = longform.Retention.from_env()
+        return r
+
+    def start_longform_cleanup(self) -> longform.Sweeper:
+        """Expired jobs removed now and every hour while the server runs (never one being rendered)."""
+        return longform.Sweeper.start(self.jobs_root(), self.retention, _running_now)
+
     def _job_choices(self) -> list[tuple[str, str]]:
-        return [(j.describe(), j.id) for j in longform.list_jobs(self.jobs_root())]
+        running = _running_now()
+        return [(j.describe(self.retention, j.id in running), j.id) for j in longform.list_jobs(self.jobs_root())]
 
     def audiobook_chapters(self, text: str = "", book_file=None):
         """Find the chapters of a book (pasted text, or a .txt, .md or .epub file) for the editable chapter list.
@@ -154,6 +172,7 @@ class LongformHandler:
             parse_chapter_numbers(only_chapters, len(found))     # a bad range: refused before the job is made
             settings = longform.Settings(language=language or "auto", sampling=sampling, max_new_tokens=max_new,
                                          target_lufs=target)
+            longform.cleanup(root, self.retention, _running_now())     # expired jobs make room first
             job = longform.Job.create(root, title, found, voices, seed, settings,
                                       split=chunk_text)
         todo = job.pending(parse_chapter_numbers(only_chapters, len(job.chapters)))
@@ -181,6 +200,8 @@ class LongformHandler:
 
     def _render_parts(self, job: longform.Job, todo: list[tuple[int, int]], session, request, live_token: str,
                       note: str):
+        from tts_engine import TTSEngine     # (the engine class: torch, loaded by now)
+
         c, st = self.c, job.settings
         # the session's dictionary and number reading; the take guard's length bound (a runaway segment is cut and
         # flagged), without automatic redos: a book's segment is redone by hand (`/audiobook_redo`)
@@ -196,14 +217,18 @@ class LongformHandler:
                 except TTSError as e:
                     raise TTSError(f"chapter {ci + 1} ({ch.title}): {e}") from None
             role, v = resolved[ch.voice]
+            engine = self.models.engine(role)
+            # a segment's samples must not depend on what ran beside it (the next segment, other users): a job
+            # continued after a stop or a restart gives the files of a straight run, byte for byte
             sj = SpeechJob(text=ch.segments[si].text, voice=v, language=st.language, instruct=None,
                            seed=job.seed_of(ci, si), sampling=st.sampling, max_new_tokens=st.max_new_tokens,
-                           lexicon=lexicon, read_out=read_out, guard=guard)
+                           lexicon=lexicon, read_out=read_out, guard=guard,
+                           reproducible=isinstance(engine, TTSEngine))
             prev = todo[k - 1] if k else None
             pause = (job.chapters[prev[0]].segments[prev[1]].pause_after if prev and prev[0] == ci
                      else longform.TAIL_S + longform.LEAD_IN_S)
             said = text_prep.spoken_form(sj.text, st.language, lexicon, read_out).strip() or sj.text
-            parts.append(Part(said, self.models.engine(role), sj, pause, line=k))
+            parts.append(Part(said, engine, sj, pause, line=k))
         role0 = resolved[job.chapters[todo[0][0]].voice][0]
         job.state = "rendering"
         job.save()
@@ -294,7 +319,7 @@ class LongformHandler:
         return {self.c.lf_segments: rows, self.c.lf_progress: progress_html(job)}
 
     def audiobook_jobs(self):
-        """The long-form jobs kept on this server, newest first, with their state.
+        """The long-form jobs kept on this server, newest first, with their state and until when they are kept.
 
         Returns:
             the job list
@@ -410,6 +435,7 @@ class LongformHandler:
 
 
 def build(app, c, langs) -> None:
+    app.start_longform_cleanup()
     choices = app.voices.choices(None)
     default_voice = "ryan" if "ryan" in app.models.speakers() else (choices[0][1] if choices else None)
     with gr.Tab("Long-form", id="tab-longform"):
@@ -417,7 +443,8 @@ def build(app, c, langs) -> None:
                     "headings, “Chapter N” lines or the EPUB's chapters; edit the list (title, voice, text), then "
                     "render. Each segment is kept on disk as it is made: Stop, reload or restart, and rendering "
                     "the job again continues where it stopped. The result: per chapter FLAC + MP3 + subtitles, the "
-                    "whole book, a chapter list and (with ffmpeg) an .m4b, in one zip.")
+                    "whole book, a chapter list and (with ffmpeg) an .m4b, in one zip. Jobs on this server: "
+                    f"{app.retention.describe()} (each job's date is in the list).")
         with gr.Row():
             c.lf_text = gr.Textbox(EXAMPLE, label="Text (Markdown headings or “Chapter N” lines mark chapters)",
                                    lines=8, scale=3, elem_id="longform-text")

@@ -115,12 +115,14 @@ class SpeechJob:
     lexicon: text_prep.Lexicon | None = None
     read_out: bool = True
     guard: TakeGuard | None = None   # every part's takes checked and redone (serving/take_guard.py); None: off
+    reproducible: bool = False       # the same bits whatever runs beside it (a local TTSEngine's option; long-form)
 
     def stream(self, engine, text: str, seed: int | None = None, max_new_tokens: int | None = None):
         return engine.stream(text, voice=self.voice, language=self.language or "auto", instruct=self.instruct,
                              seed=self.seed if seed is None else seed, sampling=self.sampling,
                              max_new_tokens=max_new_tokens or self.max_new_tokens,
-                             first_chunk_frames=FIRST_CHUNK_FRAMES)
+                             first_chunk_frames=FIRST_CHUNK_FRAMES,
+                             **({"reproducible": True} if self.reproducible else {}))
 
 
 @dataclass

@@ -416,12 +416,16 @@ class TTSEngine:
     def stream(self, text: str, *, voice: Voice | str | None = None, language: str = "auto",
                instruct: str | None = None, seed: int | None = None, sampling: SamplingParams | dict | None = None,
                greedy: bool = False, max_new_tokens: int | None = None, non_streaming_mode: bool | None = None,
-               first_chunk_frames: int | tuple[int, ...] = 2, max_chunk_frames: int = 12) -> TTSStream:
+               first_chunk_frames: int | tuple[int, ...] = 2, max_chunk_frames: int = 12,
+               reproducible: bool = False) -> TTSStream:
         """Float32 PCM chunks at 24 kHz while generating: the first after `first_chunk_frames` frames
         (80 ms each), later ones doubling up to `max_chunk_frames`. A tuple gives the first chunks' sizes, e.g.
-        (1, 1): two one-frame chunks, then 2, 4, 8, ... (the second audio comes one frame after the first)."""
+        (1, 1): two one-frame chunks, then 2, 4, 8, ... (the second audio comes one frame after the first).
+        reproducible: the audio is the same bits whatever else the engine runs beside it: its chunks are cut on
+        its own schedule (not aligned with other streams') and each is decoded alone (docs/long-form.md)."""
         req, seed = self._make_request(text, voice, language, instruct, seed, sampling, greedy, max_new_tokens,
                                        non_streaming_mode, first_chunk_frames, max_chunk_frames)
+        req.reproducible = bool(reproducible)
         seq = Sequence(req)
         self.worker.submit(seq)   # EngineBusyError when the waiting queue is full
         return TTSStream(seq, self, seed, driven=self.worker.driven)

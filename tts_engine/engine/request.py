@@ -51,6 +51,7 @@ class Request:
     first_chunk_frames: int | tuple[int, ...] = 2
     max_chunk_frames: int = 12
     ref_codes: torch.Tensor | None = None      # ICL: primes the codec decoder, not part of the output
+    reproducible: bool = False   # chunks on its own schedule, each decoded alone (`TTSEngine.stream`)
     codes: FrameLog = field(default_factory=FrameLog)   # the generated frames (CPU, int64)
 
     def chunk_sizes(self):

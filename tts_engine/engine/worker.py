@@ -30,7 +30,9 @@ sequence with the same scheduled size ends, when that frame comes within it. Str
 then cut their chunks on the same frames from their second or third chunk on, and those decode as one batch (one
 codec call for all, instead of e.g. 1 + 3 rows a frame apart). A first chunk is never cut (first audio as soon as
 possible), no chunk is made longer, a lone stream keeps its schedule, and a batch decodes each row as it would alone
-(`codec_thread.decode_group`).
+(`codec_thread.decode_group`). A `reproducible` request (`TTSEngine.stream`) is never cut early and decodes in a
+group of its own: its samples do not depend on which streams ran beside it (chunk boundaries change the codec's
+rounding; its codes never depend on them).
 """
 from __future__ import annotations
 
@@ -636,13 +638,14 @@ class EngineWorker:
             if self._nothing_after(cut) and not self.codec.busy:
                 where = "last"   # nothing left to overlap with: here, with all threads (not a measured choice)
             local = where != THREAD
-        groups: dict[tuple[int, bool], list[int]] = defaultdict(list)   # (frames, here) -> indices into `cut`
+        groups: dict[tuple, list[int]] = defaultdict(list)   # (frames, here, alone) -> indices into `cut`
         for i, (s, n, ends) in enumerate(cut):
             here = self.codec is None or not s.request.codes or local      # a first chunk: decoded here
             s.finishing = ends
-            groups[n, here].append(i)
+            # a reproducible request's chunks are decoded alone: its audio does not depend on its batch-mates
+            groups[n, here, s.id if getattr(s.request, "reproducible", False) else None].append(i)
         codec = self.speech_tokenizer.decoder
-        for (n, here), idx in groups.items():
+        for (n, here, _alone), idx in groups.items():
             # the group's chunks as one host block [G, n, 16] (one numpy gather), each request's its own row of it
             block = self._pend[rows[idx], :n, :16]
             frames = torch.from_numpy(block)
@@ -701,7 +704,7 @@ class EngineWorker:
                 ends[o.chunk_frames].add(o.chunk_end)
         for s in seqs:
             shared = [e for e in ends.get(s.chunk_frames, ()) if self.frame < e < self.frame + s.target]
-            if shared:
+            if shared and not getattr(s.request, "reproducible", False):   # a reproducible request: its own schedule
                 s.target = max(shared) - self.frame
             s.chunk_end = self.frame + s.target
 
