@@ -15,6 +15,26 @@ from pathlib import Path
 import uvicorn
 
 
+_TINY_MADE: dict = {}
+
+
+def tiny_checkpoint(folder: Path, kind: str, size: str = "0b6", seed: int = 0) -> Path:
+    """`make_tiny(folder, kind, size, seed)`: written once per (kind, size, seed) in this process, then copied (make_tiny
+    is deterministic, so the copy has the same bytes; a copy costs milliseconds, writing one a second of CPU)."""
+    import atexit
+    import shutil
+
+    from tts_engine.tiny import make_tiny
+
+    key = (kind, size, seed)
+    if key not in _TINY_MADE:
+        first = Path(tempfile.mkdtemp(prefix="tiny-ckpt-"))
+        atexit.register(shutil.rmtree, first, True)
+        _TINY_MADE[key] = make_tiny(first / kind, kind=kind, size=size, seed=seed)
+    shutil.copytree(_TINY_MADE[key], folder, dirs_exist_ok=True)
+    return Path(folder)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,9 +72,8 @@ def tiny_api(folder, roles, limits, engine_kw: dict | None = None, voices: dict 
     from server.openai_api import install
     from serving.registry import EngineRegistry
     from serving.voice_store import VoiceStore
-    from tts_engine.tiny import make_tiny
 
-    ck = {role: str(make_tiny(folder / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
+    ck = {role: str(tiny_checkpoint(folder / role, kind=role, size="1b7" if role == "voice_design" else "0b6"))
           for role in roles}
     registry = EngineRegistry(ck, device="cpu", offline_fallback=False, engine_kw=engine_kw)
     registry.uploaded = VoiceStore(**({"folder": folder / "voices", "admin_key": ""} | (voices or {})))
@@ -76,11 +95,10 @@ def tiny_gradio_app(folder: Path, max_text_chars: int, before_build=None, max_ne
     from gradio_client import Client
 
     from serving.limits import Limits
-    from tts_engine.tiny import make_tiny
     from ui.app import TTSApp
     from ui.config import AppConfig
 
-    ck = {r: str(make_tiny(folder / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
+    ck = {r: str(tiny_checkpoint(folder / r, kind=r, size="0b6", seed=0)) for r in ("custom_voice", "base")}
     ck["voice_design"] = ""
     app = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=folder / "cache",
                            limits=Limits(max_text_chars=max_text_chars, max_new_tokens=max_new_tokens), **config))

@@ -16,7 +16,7 @@ from websockets.sync.client import connect
 
 from serving.busy_line import LINE
 from serving.limits import Limits
-from tests.live_server import tiny_api
+from tests.live_server import tiny_api, tiny_checkpoint
 from tts_engine import EngineBusyError
 
 LONG = 3000         # frames: a tiny random checkpoint never ends its speech, so a request runs this long
@@ -153,12 +153,11 @@ def test_the_websocket_says_busy_with_its_position_and_waits(server):
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from tts_engine.tiny import make_tiny
     from ui.app import TTSApp
     from ui.config import AppConfig
 
     d = tmp_path_factory.mktemp("adm_app")
-    ck = {"custom_voice": str(make_tiny(d / "cv", kind="custom_voice", size="0b6", seed=0)), "base": "",
+    ck = {"custom_voice": str(tiny_checkpoint(d / "cv", kind="custom_voice", size="0b6", seed=0)), "base": "",
           "voice_design": ""}
     cfg = AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache", live_audio=True,
                     limits=Limits(max_text_chars=800, max_new_tokens=LONG, max_queue=1),

@@ -24,7 +24,7 @@ from ui.text import chunk_text, split_sentences, to_int16
 from serving.limits import Limits
 from serving.text_prep import spoken_form
 from tts_engine import TTSError
-from tts_engine.tiny import make_tiny
+from tests.live_server import tiny_checkpoint
 from tts_engine.voices import blend as B
 from tts_engine.voices.presets import PresetLibrary, load_presets
 from tts_engine.voices.voice import Voice
@@ -42,7 +42,7 @@ def _needs_clone_modules():
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("app_ckpts")
-    return {role: str(make_tiny(d / role, kind=role, size="1b7" if role == "voice_design" else "0b6", seed=0))
+    return {role: str(tiny_checkpoint(d / role, kind=role, size="1b7" if role == "voice_design" else "0b6", seed=0))
             for role in ("custom_voice", "base", "voice_design")}
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.limits import Limits
-from tts_engine.tiny import make_tiny
+from tests.live_server import tiny_checkpoint
 from ui.app import TTSApp
 from ui.config import AppConfig
 
@@ -17,7 +17,7 @@ from ui.config import AppConfig
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     d = tmp_path_factory.mktemp("speed_app")
-    ck = {"custom_voice": str(make_tiny(d / "custom_voice", kind="custom_voice", size="0b6", seed=0)),
+    ck = {"custom_voice": str(tiny_checkpoint(d / "custom_voice", kind="custom_voice", size="0b6", seed=0)),
           "base": None, "voice_design": None}
     cfg = AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache", offline_fallback=False,
                     limits=Limits(max_text_chars=400, max_new_tokens=10), live_audio=True)

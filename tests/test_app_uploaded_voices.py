@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from serving.limits import Limits
-from tts_engine.tiny import make_tiny
+from tests.live_server import tiny_checkpoint
 from ui.app import TTSApp
 from ui.config import AppConfig
 
@@ -15,7 +15,7 @@ from ui.config import AppConfig
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    ck = {role: str(make_tiny(d / role, kind=role)) for role in ("custom_voice", "base")}
+    ck = {role: str(tiny_checkpoint(d / role, kind=role)) for role in ("custom_voice", "base")}
     cfg = AppConfig(checkpoints=ck | {"voice_design": ""}, device="cpu", cache_dir=tmp_path_factory.mktemp("cache"),
                     limits=Limits(max_new_tokens=6))
     a = TTSApp(cfg)

@@ -36,9 +36,9 @@ def test_trans_conv_matmul_equals_conv_transpose(c_in, c_out, k, s, max_len, dir
 def test_bench_profile_table(tmp_path):
     from bench.speed import torch_profile
     from tts_engine.engine.engine import TTSEngine
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
-    make_tiny(tmp_path / "cv", kind="custom_voice")
+    tiny_checkpoint(tmp_path / "cv", kind="custom_voice")
     eng = TTSEngine.from_pretrained(str(tmp_path / "cv"), device="cpu", dtype="fp32", max_batch=1, max_seq_len=128)
     eng.speakers_for_bench = eng.speakers
     try:
@@ -54,9 +54,9 @@ def test_small_bf16_batches_run_atens_gemv_and_restore_onednn(tmp_path):
     """bf16 on a CPU: frames of 1-2 rows run with oneDNN off (PyTorch's own gemv reads weights faster there);
     the switch is put back after every frame, and an fp32 engine never touches it."""
     from tts_engine import TTSEngine
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
-    ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
+    ck = str(tiny_checkpoint(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
     for dtype, want_off in (("bf16", True), ("fp32", False)):
         eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype)
         seen, orig = [], eng.runner._predict_residuals   # (the first half of every frame, inside its step scope)
@@ -203,9 +203,9 @@ def test_chunks_between_the_halves_get_onednn_while_another_engine_holds_it_off(
 
     from tts_engine import TTSEngine
     from tts_engine.cpu import kernels
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
-    ck = str(make_tiny(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
+    ck = str(tiny_checkpoint(tmp_path / "cv", kind="custom_voice", size="0b6", seed=0))
     eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype, overlap_codec=False)
     seen, orig = [], eng.worker._between_halves
 

@@ -11,7 +11,7 @@ import torch
 
 from serving.limits import Limits
 from tts_engine import TTSError
-from tts_engine.tiny import make_tiny
+from tests.live_server import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,8 @@ def app(tmp_path_factory):
     from ui.config import AppConfig
 
     d = tmp_path_factory.mktemp("design_keep")
-    ck = {"voice_design": str(make_tiny(d / "vd", kind="voice_design", size="1b7", seed=0)),
-          "base": str(make_tiny(d / "base", kind="base", size="0b6", seed=0))}
+    ck = {"voice_design": str(tiny_checkpoint(d / "vd", kind="voice_design", size="1b7", seed=0)),
+          "base": str(tiny_checkpoint(d / "base", kind="base", size="0b6", seed=0))}
     a = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache", live_audio=True,
                          limits=Limits(max_text_chars=800, max_new_tokens=30, max_queue=16)))
     a.demo = a.build()

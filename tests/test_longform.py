@@ -63,6 +63,25 @@ def served(tmp_path_factory):
         yield app, client, folder
 
 
+@pytest.fixture(scope="module")
+def straight(served):
+    """MD rendered once with KW in the module's app: (the /audiobook result, its zip's files). The tests that compare
+    with a straight run share it (the same checkpoints, text and seeds give the same files in any app; the tests
+    that change a job render their own)."""
+    _app, client, _folder = served
+    res = client.predict(text=MD, job_id="", **KW, api_name="/audiobook")
+    return res, _files(res[4])
+
+
+@pytest.fixture(scope="module")
+def straight_resume(served):
+    """MD rendered once with RESUME_KW (segments long enough that chunk alignment with a neighbour would change their
+    samples): (the /audiobook result, its zip's files), for the tests that stop and continue a job."""
+    _app, client, _folder = served
+    res = client.predict(text=MD, job_id="", **RESUME_KW, api_name="/audiobook")
+    return res, _files(res[4])
+
+
 def _unzip(zpath, dest: Path) -> Path:
     with zipfile.ZipFile(zpath) as z:
         z.extractall(dest)
@@ -95,9 +114,9 @@ def _check_book(out: Path, n_chapters: int, job: L.Job):
     assert len(whole) == sum(len(c.segments) for c in job.chapters) and whole[-1].end <= len(book) / sr
 
 
-def test_markdown_book_through_gradio_client(served, tmp_path):
+def test_markdown_book_through_gradio_client(served, straight, tmp_path):
     app, client, folder = served
-    res = client.predict(text=MD, job_id="", **KW, api_name="/audiobook")
+    res = straight[0]
     _live, whole, status, seed, zpath, job_id, progress = res
     assert "Book done" in status and "3 chapters" in status and seed == 11, status
     job = L.Job.load(app.jobs_root(), job_id)
@@ -138,9 +157,8 @@ def _same_book(a: dict[str, bytes], b: dict[str, bytes]) -> None:
         assert a[n] == b[n], n
 
 
-def test_stopped_job_continues_to_the_same_files(served, tmp_path):
+def test_stopped_job_continues_to_the_same_files(served, straight_resume, tmp_path):
     app, client, folder = served
-    straight = client.predict(text=MD, job_id="", **RESUME_KW, api_name="/audiobook")
     first = client.predict(text=MD, job_id="", only_chapters="1", **RESUME_KW, api_name="/audiobook")
     assert "Stopped" in first[2] and first[4] is None
     job = L.Job.load(app.jobs_root(), first[5])
@@ -148,17 +166,17 @@ def test_stopped_job_continues_to_the_same_files(served, tmp_path):
     assert job.state == "stopped"
     rest = client.predict(text="", job_id=first[5], **RESUME_KW, api_name="/audiobook")
     assert "Book done" in rest[2]
-    _same_book(_files(straight[4]), _files(rest[4]))
+    _same_book(straight_resume[1], _files(rest[4]))
 
 
-def test_job_continues_after_a_restart(tmp_path, monkeypatch):
+def test_job_continues_after_a_restart(straight_resume, tmp_path, monkeypatch):
     """A new app on the same cache folder lists the job and finishes it: the same files as a straight run, byte for
-    byte. Its start removes an expired job (finished 8 days ago) and keeps the unfinished one."""
+    byte (the module's, made by an app of the same configuration). Its start removes an expired job (finished 8 days
+    ago) and keeps the unfinished one."""
     import time
 
     folder = tmp_path / "restart"
     with tiny_gradio_app(folder, max_text_chars=1500) as (app, client):
-        straight = _files(client.predict(text=MD, job_id="", **RESUME_KW, api_name="/audiobook")[4])
         first = client.predict(text=MD, job_id="", only_chapters="1", **RESUME_KW, api_name="/audiobook")
     with monkeypatch.context() as m:
         m.setattr(L, "now", lambda: time.time() - 8 * 86400)
@@ -173,7 +191,7 @@ def test_job_continues_after_a_restart(tmp_path, monkeypatch):
         assert "stopped" in shown[first[5]] and "kept until" in shown[first[5]]
         rest = client.predict(text="", job_id=first[5], **RESUME_KW, api_name="/audiobook")
     assert "Book done" in rest[2]
-    _same_book(straight, _files(rest[4]))
+    _same_book(straight_resume[1], _files(rest[4]))
 
 
 def test_redo_one_segment_rebuilds_its_chapter(served, tmp_path):
@@ -269,13 +287,12 @@ def test_reading_rules():
     assert [c.title for c in L.from_rows({"headers": L.TABLE_HEADERS, "data": rows})] == [c.title for c in chapters]
 
 
-def test_stop_during_a_job_keeps_what_was_made(served, tmp_path):
+def test_stop_during_a_job_keeps_what_was_made(served, straight, tmp_path):
     """Stop pressed once the first chapter is on disk: the job keeps its finished segments, and rendering it again
     gives the files of a straight run."""
     import time
 
     app, client, folder = served
-    straight = _files(client.predict(text=MD, job_id="", **KW, api_name="/audiobook")[4])
     before = {j.id for j in L.list_jobs(app.jobs_root())}
     kw = dict(KW, max_new_tokens=60)          # slow enough to stop in the middle
     job = client.submit(text=MD, job_id="", **kw, api_name="/audiobook")
@@ -300,7 +317,7 @@ def test_stop_during_a_job_keeps_what_was_made(served, tmp_path):
     assert "Book done" in again[2]
     ref = _files(client.predict(text=MD, job_id="", **kw, api_name="/audiobook")[4])
     _same_book(ref, _files(again[4]))
-    assert straight.keys() == ref.keys()
+    assert straight[1].keys() == ref.keys()
 
 
 def test_edited_chapter_list_with_a_voice_per_chapter(served, tmp_path):

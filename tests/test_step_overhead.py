@@ -123,9 +123,9 @@ def test_engine_serves_batched_rows_of_different_lengths(tmp_path_factory, dtype
     """Three requests of different prompt lengths share the step (masks, fused projections, the small-query
     attention): each gets its frames, and the rows are not copies of one another."""
     from tts_engine import TTSEngine
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
-    ck = str(make_tiny(tmp_path_factory.mktemp("step") / "cv", kind="custom_voice", size="0b6", seed=0))
+    ck = str(tiny_checkpoint(tmp_path_factory.mktemp("step") / "cv", kind="custom_voice", size="0b6", seed=0))
     eng = TTSEngine.from_pretrained(ck, device="cpu", dtype=dtype, quantize=quantize, max_batch=3)
     try:
         fused = eng.model.talker.model.layers[0].self_attn.qkv_proj is not None
@@ -148,9 +148,9 @@ def test_engine_serves_batched_rows_of_different_lengths(tmp_path_factory, dtype
 
 @pytest.fixture(scope="module")
 def tiny_cv(tmp_path_factory):
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
-    return str(make_tiny(tmp_path_factory.mktemp("step_cv") / "cv", kind="custom_voice", size="0b6", seed=0))
+    return str(tiny_checkpoint(tmp_path_factory.mktemp("step_cv") / "cv", kind="custom_voice", size="0b6", seed=0))
 
 
 def _greedy_codes(eng):

@@ -104,12 +104,12 @@ def test_numbers_dates_times_currencies_read_out_per_language():
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
     from ui.app import TTSApp
     from ui.config import AppConfig
 
     d = tmp_path_factory.mktemp("text_prep_app")
-    cfg = AppConfig(checkpoints={"custom_voice": str(make_tiny(d / "cv", kind="custom_voice", size="0b6", seed=0))},
+    cfg = AppConfig(checkpoints={"custom_voice": str(tiny_checkpoint(d / "cv", kind="custom_voice", size="0b6", seed=0))},
                     device="cpu", cache_dir=d / "cache", live_audio=True,
                     limits=Limits(max_text_chars=800, max_new_tokens=12, max_queue=16))
     a = TTSApp(cfg)

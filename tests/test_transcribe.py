@@ -74,12 +74,12 @@ def test_no_model_is_a_clear_message(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     from serving.limits import Limits
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
     from ui.app import TTSApp
     from ui.config import AppConfig
 
     d = tmp_path_factory.mktemp("asr_app")
-    ck = {"base": str(make_tiny(d / "base", kind="base", size="0b6", seed=0)), "custom_voice": "",
+    ck = {"base": str(tiny_checkpoint(d / "base", kind="base", size="0b6", seed=0)), "custom_voice": "",
           "voice_design": ""}
     a = TTSApp(AppConfig(checkpoints=ck, device="cpu", cache_dir=d / "cache", limits=Limits(max_new_tokens=8)))
     a.build()

@@ -51,10 +51,10 @@ def _kill(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def space(tmp_path_factory):
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
 
     d = tmp_path_factory.mktemp("zerogpu")
-    ck = make_tiny(d / "cv", kind="custom_voice", size="0b6", seed=0)
+    ck = tiny_checkpoint(d / "cv", kind="custom_voice", size="0b6", seed=0)
     svc = ZeroGPUService()
     with svc.running() as service_url:
         port = free_port()
@@ -250,10 +250,10 @@ def test_off_zerogpu_the_package_changes_nothing():
 @pytest.fixture(scope="module")
 def driven_engine(tmp_path_factory):
     from tts_engine import TTSEngine
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
     from ui import zerogpu
 
-    ck = make_tiny(tmp_path_factory.mktemp("glue") / "cv", kind="custom_voice", size="0b6", seed=0)
+    ck = tiny_checkpoint(tmp_path_factory.mktemp("glue") / "cv", kind="custom_voice", size="0b6", seed=0)
     eng = TTSEngine.from_pretrained(str(ck), device="cpu", dtype="fp32", max_batch=2)
     eng.drive_in_caller()
     zerogpu._ENGINES["custom_voice"] = eng
@@ -296,10 +296,10 @@ def test_stopping_a_gpu_call_frees_the_engine_and_errors_are_readable(driven_eng
 
 def test_a_clone_is_its_own_gpu_call_and_returns_a_cpu_voice(tmp_path):
     from tts_engine import TTSEngine, TTSError
-    from tts_engine.tiny import make_tiny
+    from tests.live_server import tiny_checkpoint
     from ui import zerogpu
 
-    ck = make_tiny(tmp_path / "base", kind="base", size="0b6", seed=0)
+    ck = tiny_checkpoint(tmp_path / "base", kind="base", size="0b6", seed=0)
     eng = TTSEngine.from_pretrained(str(ck), device="cpu", dtype="fp32")
     eng.drive_in_caller()
     zerogpu._ENGINES["base"] = eng
