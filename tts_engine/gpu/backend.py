@@ -38,6 +38,7 @@ import torch
 from tts_engine.cpu.measured import MeasuredChoice, describe
 from tts_engine.gpu import ops, prefill_graph, variants
 from tts_engine.gpu.frame import FusedFrame
+from tts_engine.gpu.shapes import model_shapes
 
 log = logging.getLogger("tts_engine")
 ENV = "TTS_GPU_FRAME"   # "auto" (default): on CUDA, the remembered verdict or the checks; "check": the checks again;
@@ -104,19 +105,6 @@ def sources_hash() -> str:
                 h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
         _sources_hash = h.hexdigest()[:16]
     return _sources_hash
-
-
-def model_shapes(runner) -> str:
-    """sha1 (16 hex digits) of the talker's parameter names, shapes and dtypes and the stacks' eps / RoPE theta: the
-    shapes every kernel and the fused frame run at."""
-    t = runner.talker
-    h = hashlib.sha1()
-    for name, p in t.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-    for st in (t.model, t.code_predictor.model):
-        h.update(f"{st.cfg.rms_norm_eps}:{st.cfg.rope_theta}:{len(st.layers)};".encode())
-    h.update(f"books:{t.cfg.num_code_groups}".encode())
-    return h.hexdigest()[:16]
 
 
 def verdict_key(runner, interp: bool) -> dict:

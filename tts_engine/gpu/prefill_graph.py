@@ -277,7 +277,7 @@ class PrefillGraphs:
     def _key(self, x: torch.Tensor, key) -> dict:
         """What a remembered verdict holds for: this GPU, the versions, the dtype, the model's shapes, this code (and
         the stack's), the bucket."""
-        from tts_engine.gpu.backend import model_shapes
+        from tts_engine.gpu.shapes import model_shapes
 
         here = Path(__file__).resolve()
         src = here.read_bytes() + (here.parent.parent / "model" / "layers.py").read_bytes()
