@@ -167,6 +167,8 @@ def test_a_bounded_start_splits_now_and_measures_while_idle(fresh, monkeypatch):
     monkeypatch.setattr(cpu_ext, "measure_share", fake)
     monkeypatch.setattr(deferred_trials, "QUIET_S", 0.1)
     monkeypatch.setitem(deferred_trials._state, "served", True)        # (as after the first frame)
+    monkeypatch.setattr(deferred_trials, "_probes", [])     # (engines of earlier tests: not this test's requests)
+    monkeypatch.setattr(deferred_trials, "_engaged", {})
     if torch.get_num_threads() < 2:
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv(deferred_trials.ENV, "bounded")

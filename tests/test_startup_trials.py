@@ -387,6 +387,8 @@ def quiet_trials(monkeypatch):
     monkeypatch.setattr(deferred_trials, "_state", {"last_busy": time.monotonic() - 60, "served": True, "thread": None,
                                                     "done": []})
     monkeypatch.setattr(deferred_trials, "_jobs", collections.deque())
+    monkeypatch.setattr(deferred_trials, "_probes", [])     # (engines of earlier tests: not this test's requests)
+    monkeypatch.setattr(deferred_trials, "_engaged", {})
     monkeypatch.setenv(deferred_trials.ENV, "bounded")
     yield deferred_trials
     assert deferred_trials.wait(120)
@@ -524,3 +526,23 @@ def test_any_first_use_starts_the_background_build_instead_of_compiling(monkeypa
     assert cpu_build.pending() and cpu_build.prepare() == "building in the background"
     release.set()
     assert cpu_build.wait(10) and cpu_ext.library() is sentinel
+
+
+def test_a_runner_left_holding_a_row_stops_counting_as_busy(quiet_trials, monkeypatch):
+    """A request held with no frame served (a prefill) counts as busy, but only for STALE_S: a runner left holding a
+    row (an engine closed mid-stream) must not keep every deferred trial of the process waiting for ever."""
+    trials = quiet_trials
+    monkeypatch.setattr(trials, "STALE_S", 0.5)
+    held = [True]
+    trials.watch(lambda: held[0])
+    ran = []
+    trials.defer("test trial", lambda: ran.append(1) or 1, lambda got: None)
+    time.sleep(0.4)
+    assert ran == []                                  # held moments ago: busy (a prefill before its first frame)
+    assert trials.wait(10) and ran == [1]             # still held after STALE_S: no longer counted
+    held[0] = False
+    trials._note_engaged()
+    held[0] = True                                    # a new spell counts as busy again
+    before = trials._state["last_busy"]
+    trials._note_engaged()
+    assert trials._state["last_busy"] > before

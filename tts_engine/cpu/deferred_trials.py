@@ -15,7 +15,7 @@ CPU goes back to the request at once); the job runs again at the next quiet mome
 
 "While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs (and the kernel table at
 every timing), and an engine that holds a request (a prompt being prefilled, a cache row held: `watch`) counts as
-busy too; a job starts once the process has served its first frame (an engine that is still loading times its
+busy too (for STALE_S at most without a frame: a runner left holding a row must not stop the trials for ever); a job starts once the process has served its first frame (an engine that is still loading times its
 own choices: nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
 it runs again at the next quiet moment (RETRIES times at most; then it is left for the next start, one log line).
 An engine's own paths (the fused stacks, the predictor frame, the talker step: `AtBoundary`) take the same road, ahead
@@ -51,6 +51,9 @@ class Interrupted(Exception):
 
 _local = threading.local()   # .started: when this thread's deferred job started (None outside one)
 _probes: list = []           # () -> True / False / None: an engine holds a request now / not / the engine is gone
+_engaged: dict = {}          # probe -> when it was first seen true in its current spell
+STALE_S = 30.0               # a request held this long with no frame served is not being served (a runner left holding
+                             # a row: an engine closed mid-stream, a test's runner): it stops counting as busy
 
 
 def watch(probe) -> None:
@@ -64,6 +67,7 @@ def _note_engaged() -> None:
     """An engine holding a request now counts as a frame-free busy moment (`mark_busy(frame=False)`)."""
     with _lock:
         probes = list(_probes)
+    now = time.monotonic()
     for p in probes:
         try:
             got = p()
@@ -73,8 +77,12 @@ def _note_engaged() -> None:
             with _lock:
                 if p in _probes:
                     _probes.remove(p)
-        elif got:
-            _state["last_busy"] = time.monotonic()
+            _engaged.pop(p, None)
+        elif not got:
+            _engaged.pop(p, None)
+        elif now - _engaged.setdefault(p, now) <= STALE_S:
+            # held since moments ago (a prefill before its first frame; later frames mark busy themselves)
+            _state["last_busy"] = now
             return
 
 
