@@ -119,9 +119,9 @@ def _graph_timer(runner, B: int = TRIAL_BATCH):
     def set_rows():
         run.pos[:B], run.step[:B], run.max_new[:B], run.trailing_len[:B] = P, 3, 1 << 20, 0
 
-    def step():
-        codes = frame.predict(run.hidden[r], run.c0[r], run.step[r] - 1, rp)
-        frame.advance(r, slice(0, B), rp, P + REPLAYS + 4, codes)
+    def step(fr):
+        codes = fr.predict(run.hidden[r], run.c0[r], run.step[r] - 1, rp)
+        fr.advance(r, slice(0, B), rp, P + REPLAYS + 4, codes)
 
     def timer(variant: str, fr) -> float:
         saved = {k: getattr(run, k)[:B].clone() for k in _ROW_STATE}
@@ -135,13 +135,13 @@ def _graph_timer(runner, B: int = TRIAL_BATCH):
                 s = torch.cuda.Stream(dev)
                 s.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(s):   # compiles the kernels and warms the allocator outside the capture
-                    step()
-                    step()
+                    step(fr)
+                    step(fr)
                 torch.cuda.current_stream(dev).wait_stream(s)
                 set_rows()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    step()
+                    step(fr)
                 graphs[variant] = g
                 set_rows()
             g.replay()                        # (one untimed replay)
