@@ -215,7 +215,8 @@ def test_decode_attention(dtype, B, T, H, Hkv, hd, lens, splits):
     assert got.shape == (B, T, H * hd) and got.dtype == dtype
     if dtype == torch.float32:
         # against the float64 attention: on a GPU PyTorch's own fp32 attention (the eager path) may round through
-        # TF32 (1e-3 apart from float64, seen on an H200), while the kernel computes in fp32 throughout
+        # TF32 (1e-3 apart from float64, seen on an H200), while the kernel computes in fp32 throughout (in fp32 it
+        # avoids the product form Triton compiles into a TF32 dot)
         close(got, exact.float(), dtype)
         return
     # bf16: PyTorch's attention rounds the probabilities to bf16 before the value product (as flash attention does);

@@ -375,6 +375,7 @@ def time_candidates(fmt: str, N: int, K: int, rows: int, buf: torch.Tensor | Non
     clock = time.perf_counter
     with torch.inference_mode(), (onednn_off() if rows <= 2 and f.act_dtype == torch.bfloat16
                                   else contextlib.nullcontext()):
+        last = dict.fromkeys(names, float("inf"))   # (no round before the first: never stable)
         for r in range(ROUNDS * (2 if busy else 1)):
             deferred_trials.check()   # (measured while idle: a request stops it)
             for i in range(copies):

@@ -10,7 +10,8 @@ Numerics follow the eager code in `model/layers.py` and `model/sampling.py`:
   eager code rounds cos/sin and the two products to the activation dtype first; in fp32 both are the same ops);
 - no FMA contraction (the launches pass enable_fp_fusion=False): a*b + c rounds a*b first, as PyTorch's separate
   ops do; divisions correctly rounded (tl.div_rn: Triton's `/` on fp32 is a 2-ulp approximation on a GPU);
-- attention: fp32 scores, an online softmax in fp32, fp32 accumulation;
+- attention: fp32 scores, an online softmax in fp32, fp32 accumulation (with 16-bit activations the GPU compiler
+  turns the probabilities x values product into a TF32 dot: see `decode_attn_kernel`);
 - the sampler: the same repetition penalty, masks, temperature, top-k (by rank), top-p and the float64 Gumbel-max draw
   over `sampling.uniforms` as `sampling.choose`, found without a sort (see `sample_kernel`).
 
@@ -192,8 +193,17 @@ def decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, rows_ptr, qpos_ptr, out_ptr, acc_p
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + _sum(p, 1)
-        v = tl.load(vbase + n64[:, None] * vc_p + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + _sum(p[:, :, None] * v[None, :, :], 1)
+        # Triton folds sum(x[:, :, None] * y[None, :, :], 1) into a tensor-core dot, in TF32 for fp32 operands
+        # (its CombineBroadcastMulReducePattern). With 16-bit activations that keeps the probabilities finer than
+        # the eager path's own bf16 rounding of them, so that form stays; in fp32 it would be ~1e-3 off (seen on an
+        # H200), so fp32 reduces over the last axis, a form the pattern does not match.
+        if ACT == 0:
+            vt = tl.load(vbase + n64[None, :] * vc_p + d[:, None], mask=nm[None, :], other=0.0).to(tl.float32)
+            pv = _sum(p[:, None, :] * vt[None, :, :], 2)                    # [BLOCK_M, HD]
+        else:
+            v = tl.load(vbase + n64[:, None] * vc_p + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+            pv = _sum(p[:, :, None] * v[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLITS == 1:
         out = _round(tl.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None]), ACT)
