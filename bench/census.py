@@ -105,8 +105,24 @@ def _fused(runner, on: bool, variant: str | None = None):
     if not on:
         yield None
         return
-    from tts_engine.gpu import backend, variants
+    from tts_engine.gpu import backend, ops, variants
 
+    if runner.device.type != "cuda":
+        # counted through Triton's interpreter: the frame is installed as it is, without attach's agreement checks and
+        # trial (minutes in the interpreter, and no part of a frame's launches; tests/test_gpu_frame*.py check its
+        # codes against the eager frame)
+        from tts_engine.gpu.frame import FusedFrame
+
+        if not ops.use_interpreter():
+            raise RuntimeError("Triton's interpreter could not be switched on")
+        frame = FusedFrame(runner)
+        frame.variant = variant or "gemm"
+        backend.install(runner, frame, interp=True)
+        try:
+            yield {"gpu frame": "fused (Triton's interpreter, installed for the count)"}
+        finally:
+            backend.detach(runner)
+        return
     forced, before = {"gemm": "0", "gemv": "1"}.get(variant), os.environ.get(variants.ENV)
     if forced is not None:   # the variant counted is forced: no timing trial on a GPU
         os.environ[variants.ENV] = forced

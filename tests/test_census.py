@@ -63,7 +63,7 @@ def test_the_fused_frame_census_matches_its_formula_and_meets_the_target():
 
 
 def _gemv_formula(talker_layers: int, predictor_layers: int, steps: int = 15) -> int:
-    """Launches of the fused frame's gemv variant at <= 8 rows per stack (tests/test_gpu_frame_variants.py): per decoder
+    """Launches of the fused frame's gemv variant at <= 8 rows per stack (tts_engine/gpu/frame.py): per decoder
     layer 5 kernels (norm + qkv + q/k norm + RoPE + KV write, attention, o, norm + gate_up + SiLU*up, down); per
     predictor step the head (with the final norm) and the sampler; the talker step adds the frame embedding, its
     head and its sampler. No cuBLAS GEMM left (the 1.7B layout's projection between the widths aside)."""

@@ -416,8 +416,7 @@ class FusedStep:
 
     def _verdict(self, twin: MeasuredChoice):
         """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
-        self.choice.remember_verdict(twin)
-        return lambda: self.choice.take(twin)
+        return self.choice.applier(twin)
 
     def _check(self, eager: torch.Tensor, fused: torch.Tensor) -> str | None:
         """Why the fused hidden states do not agree with the eager ones (cosine < MIN_COS: a bug detector), or None."""

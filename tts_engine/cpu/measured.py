@@ -232,6 +232,31 @@ class MeasuredChoice:
         if f is not None and twin.chosen is not None and twin.record.how == MEASURED:
             remember(f, self.key, twin.chosen, twin.record.why)
 
+    def deferred(self, trial) -> "MeasuredChoice":
+        """A timed trial while idle (`deferred_trials`, the trials' thread) into a twin of this choice: trial(twin)
+        times the candidates into it and decides; a request's `deferred_trials.Interrupted` passes through, any
+        other exception makes the twin fall back -> the twin."""
+        twin = self.twin()
+        try:
+            trial(twin)
+        except deferred_trials.Interrupted:
+            raise
+        except Exception as e:   # noqa: BLE001 - a failing trial falls back, never an outage
+            twin.fall_back(f"{type(e).__name__}: {e}")
+        return twin
+
+    def applier(self, twin: "MeasuredChoice", then=None):
+        """Remember what `twin` (a deferred trial) measured -> a function that serves it (`take`, run at a frame
+        boundary with no row held) and then calls then() where that changed what serves; it returns whether it did."""
+        self.remember_verdict(twin)
+
+        def apply() -> bool:
+            changed = self.take(twin)
+            if changed and then is not None:
+                then()
+            return changed
+        return apply
+
     def recall(self) -> bool:
         """Take the answer measured before for this key, if any -> whether there was one."""
         f = self.file

@@ -398,27 +398,19 @@ class PredictorFrame:
         """The timed trial while idle (`deferred_trials`, the trials' thread), TRIAL_FRAMES frames on `inputs` in
         `cache` (a scratch runner's predictor cache: no request's), into a twin of the choice -> the twin, decided
         or fallen back."""
-        twin, agree = self.choice.twin(), [0, 0]
-        try:
+        def trial(twin):
+            agree = [0, 0]
             for _ in range(TRIAL_FRAMES):
                 deferred_trials.check()
                 self._round(twin, agree, *inputs, cache, loop)
-        except deferred_trials.Interrupted:
-            raise
-        except Exception as e:
-            twin.fall_back(f"{type(e).__name__}: {e}")
-            return twin
-        self._verdict_of(twin, agree)
-        return twin
+            self._verdict_of(twin, agree)
+        return self.choice.deferred(trial)
 
     def verdict(self, twin: MeasuredChoice):
         """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
-        self.choice.remember_verdict(twin)
-
-        def apply():
-            if self.choice.take(twin):
-                self.team = self._team_of(self.choice.chosen) if self.state == "on" else None
-        return apply
+        def team():
+            self.team = self._team_of(self.choice.chosen) if self.state == "on" else None
+        return self.choice.applier(twin, then=team)
 
     def disable(self, why: str) -> None:
         self.choice.fall_back(why)

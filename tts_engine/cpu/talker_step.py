@@ -343,21 +343,14 @@ class TalkerStep:
         """The timed trial while idle (`deferred_trials`, the trials' thread) on row 0 of `scratch`, a runner of the
         same model whose rows no request holds (its own `StepPlan`; python_step: its Python path) -> a twin of the
         choice, decided or fallen back."""
-        twin = self.choice.twin()
-        try:
-            agree = self._pairs(twin, scratch, rp, python_step, StepPlan(scratch, self.plan.stack), TRIAL_PAIRS)
-        except deferred_trials.Interrupted:
-            raise
-        except Exception as e:
-            twin.fall_back(f"{type(e).__name__}: {e}")
-            return twin
-        self._verdict_of(twin, agree)
-        return twin
+        def trial(twin):
+            self._verdict_of(twin, self._pairs(twin, scratch, rp, python_step, StepPlan(scratch, self.plan.stack),
+                                               TRIAL_PAIRS))
+        return self.choice.deferred(trial)
 
     def verdict(self, twin: MeasuredChoice):
         """Remember what the deferred trial measured -> what applies it (at a frame boundary with no row held)."""
-        self.choice.remember_verdict(twin)
-        return lambda: self.choice.take(twin)
+        return self.choice.applier(twin)
 
     def disable(self, why: str) -> None:
         self.choice.fall_back(why)

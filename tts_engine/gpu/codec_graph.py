@@ -248,13 +248,13 @@ class CodecGraphs:
 
     def _key(self, codes, B: int, n: int) -> dict:
         """What a remembered verdict holds for: this GPU, the versions, the dtype, the codec, this code, the shape."""
+        from tts_engine.gpu.shapes import device_key
+
         here = Path(__file__).resolve()
-        src = here.read_bytes() + (here.parent.parent / "codec" / "decoder.py").read_bytes()
-        gpu = torch.cuda.get_device_name(codes.device) if codes.is_cuda else "cpu"
-        return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+        return {**device_key(codes.device, here, here.parent.parent / "codec" / "decoder.py"),
                 "dtype": str(self.decoder.pre_conv.conv.weight.dtype), "rows": B, "frames": n,
                 "codec": hashlib.sha1(json.dumps(vars(self.decoder.cfg), sort_keys=True, default=str).encode())
-                .hexdigest()[:12], "code": hashlib.sha1(src).hexdigest()[:12]}
+                .hexdigest()[:12]}
 
     def _why(self, key, how: str, why: str) -> None:
         self.whys[key] = f"{key[0]}x{key[1]}: {why}" if why else f"{key[0]}x{key[1]}"

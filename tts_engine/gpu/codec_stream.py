@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
