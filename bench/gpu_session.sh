@@ -81,7 +81,7 @@ step check 90 $PY -m bench check --arch "$ARCH" --frames "$CHECK_FRAMES" "${DEV[
 step speed_one_big 90 $PY -m bench speed --arch "$BIG" --concurrency 1 --frames "$FRAMES" --no-official \
   --quality-frames 0 "${DEV[@]}" --out "$RES/speed.md"
 # 8. every Triton kernel against its eager reference on the GPU (CI runs them through the interpreter)
-[ "${DRY:-0}" = 1 ] || TTS_GPU_TEST_DEVICE=cuda step kernels 60 $PY -m pytest -q -x -p no:cacheprovider \
+[ "${DRY:-0}" = 1 ] || TTS_GPU_TEST_DEVICE=cuda step kernels 90 $PY -m pytest -q -p no:cacheprovider \
   tests/test_gpu_kernels.py
 # 9. peers on the same GPU, where their wheels travelled with the tree
 wanted() { [ "$STEPS" = all ] || [[ ",$STEPS," == *",$1,"* ]]; }
