@@ -84,12 +84,15 @@ def space(tmp_path_factory):
             client = Client(url + "/", verbose=False, headers={"X-IP-Token": VISITOR})
             yield type("Space", (), dict(url=url, svc=svc, proc=proc, log=log_path, client=client))
         finally:
-            proc.send_signal(signal.SIGINT)         # Gradio closes; the package's workers end with the server
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            # Gradio closes on SIGINT; under the package's stand-in device the process can linger past that (a
+            # plain `python app.py` exits in ~1 s), so SIGTERM, then SIGKILL; the forked workers are ended below
+            for sig, wait in ((signal.SIGINT, 5), (signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+                proc.send_signal(sig)
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             for q in svc.of("/allow"):               # the forked workers, by the pids the package reported
                 _kill(int(q["pid"]))
 
