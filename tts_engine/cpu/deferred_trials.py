@@ -15,9 +15,11 @@ CPU goes back to the request at once); the job runs again at the next quiet mome
 
 "While no engine serves": each engine's worker calls `mark_busy()` at every frame it runs (and the kernel table at
 every timing), and an engine that holds a request (a prompt being prefilled, a cache row held: `watch`) counts as
-busy too (for STALE_S at most without a frame: a runner left holding a row must not stop the trials for ever); a job starts once the process has served its first frame (an engine that is still loading times its
-own choices: nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran meanwhile its timings are thrown away and
-it runs again at the next quiet moment (RETRIES times at most; then it is left for the next start, one log line).
+busy too (for STALE_S at most without a frame: a runner left holding a row must not stop the trials for ever); a
+job starts once the process has served its first frame (an engine that is still loading times its own choices:
+nothing may run beside them) and QUIET_S seconds passed without one, runs on a niced thread, and where a frame ran
+meanwhile its timings are thrown away and it runs again at the next quiet moment (RETRIES times at most; then it
+is left for the next start, one log line).
 An engine's own paths (the fused stacks, the predictor frame, the talker step: `AtBoundary`) take the same road, ahead
 of the jobs whose answer only the next start uses: a fresh start serves the path expected to win, checked against the
 reference at load, and times the candidates here; the verdict is remembered when its run ends undisturbed and applied

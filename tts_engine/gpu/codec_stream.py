@@ -22,7 +22,6 @@ turns the own stream off for this process, with one log line; the decode then ru
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -80,9 +79,9 @@ class CodecStream:
 
     def key(self, device) -> dict:
         """What a remembered verdict holds for: this GPU, the versions, this code."""
-        name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
-        return {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "code": hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]}
+        from tts_engine.gpu.shapes import device_key
+
+        return device_key(torch.device(device), Path(__file__))
 
     def _resolve(self, device) -> None:
         """The choice for this process, once: forced by the variable, remembered, or the same stream until measured."""

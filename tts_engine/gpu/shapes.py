@@ -1,6 +1,6 @@
 """What a remembered GPU verdict (`cpu/measured.py` MeasuredChoice's key) holds for: the model's shapes as one short
 hash (`model_shapes`: the fused frame's key in `backend.verdict_key`, the prefill graphs'), and the device, versions
-and measured code (`device_key`: the prefill and codec graphs'), so a verdict taken on another model, GPU, library
+and measured code (`device_key`: the prefill and codec graphs' and the codec stream's), so a verdict taken on another model, GPU, library
 or source is not reused."""
 from __future__ import annotations
 
